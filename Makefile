@@ -1,0 +1,45 @@
+# ddp-smoke — the verbs users expect. `make help` lists them.
+#
+# Set-up is automatic: every verb that needs Python creates .venv/ first when it is missing.
+# TORCH_SPEC pins torch for the local venv; the default is the CPU wheel this kit is tested with.
+# On a GPU login node use e.g. `make smoke-local TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url …'`.
+
+PYTHON     ?= python3
+TORCH_SPEC ?= torch==2.13.0
+PIP_EXTRA  ?=
+NPROC      ?= 2
+REPORT_DIR ?= reports/local-$(shell date +%Y%m%d-%H%M%S)
+ARGS       ?=
+PYTEST_ARGS ?=
+
+VENV := .venv
+PY   := $(VENV)/bin/python
+PIP  := $(PY) -m pip --disable-pip-version-check -q
+
+.DEFAULT_GOAL := help
+.PHONY: help venv smoke-local test lint clean
+
+help:  ## list the verbs
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
+
+$(VENV)/.runtime: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(PIP_EXTRA) '$(TORCH_SPEC)' numpy pyyaml submitit
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime
+	$(PIP) install $(PIP_EXTRA) -e '.[test]' --no-build-isolation
+	touch $@
+
+venv: $(VENV)/.runtime  ## create .venv/ (torch, numpy, pyyaml, submitit, this package)
+
+smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, ARGS=…)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m ddp_smoke \
+	  --backend gloo --report-dir $(REPORT_DIR) $(ARGS)
+
+test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docker, manifests)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:  ## remove .venv/ and reports/
+	rm -rf $(VENV) reports

@@ -1,0 +1,111 @@
+"""Every rank sees the same software, sits in its own slot, and the world is as promised.
+
+Per rank: torch / CUDA / NCCL / cuDNN / driver / Python versions, the device, and the launcher's
+environment (secret-looking values redacted). Asserted: versions agree across ranks, each
+(host, local_rank) slot and each GPU is used once, local ranks on a host are 0..n-1, the
+world size and node count match what the launcher promised (--expect-world-size,
+--expect-nodes). Culprit: the odd rank out (the minority value, or both holders of a slot).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import platform
+import re
+
+import torch
+
+from ..report import FAIL, PASS, CheckResult
+
+_ENV_PREFIXES = ("MASTER_", "TORCHELASTIC_", "PET_", "SLURM_", "NCCL_", "GLOO_", "TORCH_",
+                 "CUDA_", "OMP_", "LOCAL_", "GROUP_", "ROLE_", "SUBMITIT_", "NVIDIA_")
+_ENV_NAMES = ("RANK", "WORLD_SIZE", "JOB_COMPLETION_INDEX", "HOSTNAME", "KUBERNETES_SERVICE_HOST")
+_SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|PRIVATE", re.I)
+
+
+def launcher_env(environ=os.environ) -> dict[str, str]:
+    """The launcher-related variables, with secret-looking values redacted."""
+    return {k: ("<redacted>" if _SECRET.search(k) else v) for k, v in sorted(environ.items())
+            if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES}
+
+
+def versions() -> dict[str, str | None]:
+    """The software stack this rank runs, as strings (None where absent)."""
+    cuda = torch.cuda.is_available()
+    nccl = torch.cuda.nccl.version() if cuda else None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl and str(nccl),
+            "cudnn": str(torch.backends.cudnn.version()) if cuda else None,
+            "driver": _driver_version(), "python": platform.python_version()}
+
+
+def _driver_version() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            m = re.search(r"Kernel Module\s+(\S+)", f.read())
+        return m.group(1) if m else None
+    except OSError:
+        return None
+
+
+def run(ctx) -> dict:
+    return {"versions": versions(), "env": launcher_env(),
+            "world_size_env": int(os.environ["WORLD_SIZE"]),
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", 1))}
+
+
+def judge(ev) -> CheckResult:
+    obs, ranks = ev.observations, ev.ranks
+    culprits = _odd_versions(ev) + _shared_slots(ev) + _local_rank_gaps(ev)
+    hosts = sorted({r["host"] for r in ranks})
+    cfg = ev.config
+    if cfg["expect_world_size"] is not None and ev.world_size != cfg["expect_world_size"]:
+        culprits.append(ev.culprit(None, f"WORLD_SIZE is {ev.world_size}, the launcher promised "
+                                         f"{cfg['expect_world_size']}"))
+    if cfg["expect_nodes"] is not None and len(hosts) != cfg["expect_nodes"]:
+        culprits.append(ev.culprit(None, f"ranks span {len(hosts)} host(s) {hosts}, the launcher "
+                                         f"promised {cfg['expect_nodes']} nodes"))
+    loopback = [r["rank"] for r in ranks if len(hosts) > 1 and
+                any(a.startswith("127.") for a in r.get("hostname_addresses", []))]
+    notes = [f"# note: on ranks {loopback} the hostname resolves to loopback; set "
+             "GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME or fix /etc/hosts"] if loopback else []
+    v0 = obs[0]["versions"]
+    summary = (f"{ev.world_size} ranks on {len(hosts)} node(s), torch {v0['torch']}"
+               + (f", CUDA {v0['cuda']}, NCCL {v0['nccl']}" if v0["nccl"] else ""))
+    return CheckResult("environment", FAIL if culprits else PASS,
+                       summary=summary if not culprits else f"{len(culprits)} mismatch(es)",
+                       culprits=culprits, notes=notes,
+                       figures={"hosts": hosts, "versions": [o["versions"] for o in obs],
+                                "env": [o["env"] for o in obs]})
+
+
+def _odd_versions(ev) -> list:
+    out = []
+    for key in ev.observations[0]["versions"]:
+        values = [o["versions"][key] for o in ev.observations]
+        common, count = collections.Counter(values).most_common(1)[0]
+        if count < len(values):
+            out += [ev.culprit(r, f"{key} {v} here, {common} on {count} of {len(values)} ranks")
+                    for r, v in enumerate(values) if v != common]
+    return out
+
+
+def _shared_slots(ev) -> list:
+    out = []
+    for label, key in (("slot (host, local_rank)", ("host", "local_rank")),
+                       ("GPU", ("host", "gpu_uuid"))):
+        seen = collections.defaultdict(list)
+        for r in ev.ranks:
+            if all(r.get(k) is not None for k in key):
+                seen[tuple(r[k] for k in key)].append(r["rank"])
+        out += [ev.culprit(r, f"shares {label} {slot} with ranks {holders}")
+                for slot, holders in seen.items() if len(holders) > 1 for r in holders]
+    return out
+
+
+def _local_rank_gaps(ev) -> list:
+    by_host = collections.defaultdict(list)
+    for r in ev.ranks:
+        by_host[r["host"]].append(r["local_rank"])
+    return [ev.culprit(None, f"host {h} has local ranks {sorted(lr)}, expected 0..{len(lr) - 1}")
+            for h, lr in by_host.items() if sorted(lr) != list(range(len(lr)))]

@@ -1,0 +1,99 @@
+"""ddp-smoke — does distributed PyTorch training really work on this cluster?
+
+Run one process per GPU (or CPU slot) on every node under a launcher; every rank runs the
+selected checks, rank 0 gathers one report that names the culprit rank, host, GPU or link.
+
+Usage, per launcher:
+  local     make smoke-local        (torchrun --standalone --nproc-per-node=2, gloo, CPU)
+            torchrun --standalone --nproc-per-node=N -m ddp_smoke [options]
+  multi-node torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d \\
+              --rdzv-endpoint=HOST0:29500 --rdzv-id=ID --local-addr=THIS_NODE -m ddp_smoke …
+  Slurm     sbatch slurm/ddp_smoke.sbatch
+  Kubernetes kubectl apply -f k8s
+  Python    ddp_smoke.submit.submit(...) / ddp-smoke-submit (submitit)
+
+Checks (in default order):
+{checks}
+
+Report: rank 0 writes REPORT_DIR/report.json (atomically) and REPORT_DIR/junit.xml. Keys:
+  verdict "pass"|"fail", world_size, nodes, backend, ranks [{{rank, local_rank, host, …}}],
+  checks [{{name, status "pass"|"fail"|"skip", culprits [{{rank, host, reason}}], figures, …}}],
+  timings {{connect_store_s, rendezvous_s, checks_s, total_s}}, error.
+
+Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by torchrun or
+  submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,
+  SLURM_*; NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
+
+Exit status: 0 verdict pass · 1 verdict fail (the report says why) · 2 bad input (one line).
+
+Failure modes: a rank that raises, dies, hangs or never arrives is named in the report; every
+wait is bounded by --timeout, after which each surviving rank exits 1 within a few seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from . import __version__, checks
+from .config import ConfigError, load_file, resolve
+
+
+def _manual() -> str:
+    lines = []
+    for name in checks.REGISTRY:
+        doc = (checks.load(name).__doc__ or "").strip().splitlines()
+        lines.append(f"  {name:<15} {doc[0] if doc else ''}")
+    return __doc__.format(checks="\n".join(lines))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ddp_smoke", description=_manual(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--report-dir", metavar="DIR",
+                   help="where rank 0 writes report.json and junit.xml (default reports/<run id>)")
+    p.add_argument("--config", metavar="FILE.yaml",
+                   help="YAML merged over the defaults; flags win over it")
+    p.add_argument("--checks", metavar="A,B,…", help="checks to run, in order (default: all)")
+    p.add_argument("--timeout", metavar="SECONDS", type=float,
+                   help="bound on every wait: init, arrival, work, gather (default 90)")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"),
+                   help="auto = nccl when CUDA is usable, else gloo (default auto)")
+    p.add_argument("--expect-nodes", metavar="N", type=int,
+                   help="fail unless the ranks span exactly N hosts")
+    p.add_argument("--expect-world-size", metavar="N", type=int,
+                   help="fail unless WORLD_SIZE is N")
+    p.add_argument("--storage-dir", metavar="DIR",
+                   help="directory every node should share (default REPORT_DIR/storage)")
+    p.add_argument("--fault", metavar="RANK:KIND@CHECK",
+                   help="inject a fault (crash|raise|hang|slow|corrupt) to test alerting; "
+                        "see ddp_smoke/faults.py")
+    p.add_argument("--version", action="version", version=f"ddp-smoke {__version__}")
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> dict:
+    """Flags and ``--config`` into the effective config; ConfigError on any mistake."""
+    parser = _parser()
+    parser.error = lambda message: (_ for _ in ()).throw(ConfigError(message))  # one line, exit 2
+    args = parser.parse_args(argv)
+    flags = {k: v for k, v in vars(args).items() if k != "config"}
+    if flags["checks"] is not None:
+        flags["checks"] = [c.strip() for c in flags["checks"].split(",") if c.strip()]
+    file_values = load_file(args.config) if args.config else {}
+    return resolve(file_values, flags, source=args.config or "config")
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m ddp_smoke``; exits 0 (pass), 1 (fail) or 2 (bad input)."""
+    from . import harness
+
+    try:
+        cfg = parse_config(argv)
+        code = harness.run(cfg)
+    except ConfigError as e:
+        print(f"ddp-smoke: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code)

@@ -1,0 +1,127 @@
+"""The run's configuration: one schema, loud on mistakes.
+
+Precedence, written once: a flag given on the command line > the ``--config`` YAML file >
+the package's ``defaults.yaml``. ``defaults.yaml`` is the schema by example: every key a user
+may set is there with its default, and a user value must have the default's type (an int is
+accepted where a float is expected). Keys whose default is null take the type named in
+``_NULLABLE``. Sections (mappings, e.g. one per check) are checked the same way, key by key.
+
+Any mistake raises ConfigError with one line naming the key, the value, what was expected and,
+for an unknown key, the valid keys; the CLI turns it into exit status 2.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from importlib import resources
+from typing import Any
+
+import yaml
+
+BACKENDS = ("auto", "gloo", "nccl")
+_NULLABLE = {"report_dir": str, "storage_dir": str, "expect_nodes": int,
+             "expect_world_size": int, "fault": str}
+
+
+class ConfigError(ValueError):
+    """Bad input: reported as one line, exit status 2."""
+
+
+def defaults() -> dict[str, Any]:
+    """The package's defaults, freshly parsed."""
+    return yaml.safe_load(resources.files(__package__).joinpath("defaults.yaml").read_text())
+
+
+def load_file(path: str) -> dict[str, Any]:
+    """Read a user YAML file; it must hold a mapping."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"--config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"--config {path}:{where} not valid YAML "
+                          f"({getattr(e, 'problem', None) or e})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of keys, got {_kind(data)}")
+    return data
+
+
+def resolve(file_values: dict[str, Any], flag_values: dict[str, Any],
+            source: str = "config") -> dict[str, Any]:
+    """Merge defaults < file < flags and validate every key; return the effective config."""
+    merged = defaults()
+    _merge(merged, file_values, source)
+    _merge(merged, {k: v for k, v in flag_values.items() if v is not None}, "flag")
+    _validate(merged)
+    return merged
+
+
+def _merge(base: dict, overlay: dict, source: str, prefix: str = "") -> None:
+    for key, value in overlay.items():
+        name = f"{prefix}{key}"
+        if key not in base:
+            valid = ", ".join(sorted(base))
+            raise ConfigError(f"unknown key {name!r} ({source}); valid keys: {valid}")
+        default = base[key]
+        if isinstance(default, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"key {name!r} = {value!r} ({source}): expected a mapping, "
+                                  f"got {_kind(value)}")
+            _merge(default, value, source, prefix=f"{name}.")
+        else:
+            base[key] = copy.deepcopy(_typed(name, value, default, source))
+
+
+def _typed(name: str, value: Any, default: Any, source: str) -> Any:
+    expected = _NULLABLE.get(name) if default is None else type(default)
+    if value is None and default is None:
+        return None
+    ok = isinstance(value, expected) and not (isinstance(value, bool) and expected is not bool)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if expected is list and ok and default:
+        item = type(default[0])
+        ok = all(isinstance(v, item) and not isinstance(v, bool) or
+                 (item is float and isinstance(v, int)) for v in value)
+        expected_text = f"a list of {item.__name__}"
+    else:
+        expected_text = f"{'an' if expected.__name__[0] in 'aeiou' else 'a'} {expected.__name__}"
+    if not ok:
+        raise ConfigError(f"key {name!r} = {value!r} ({source}): expected {expected_text}, "
+                          f"got {_kind(value)}")
+    return value
+
+
+def _validate(cfg: dict[str, Any]) -> None:
+    from .checks import REGISTRY  # late: checks import config for their own sections
+    from .faults import parse_faults
+
+    checks = cfg["checks"]
+    unknown = [c for c in checks if c not in REGISTRY]
+    if unknown or not checks or len(set(checks)) != len(checks):
+        problem = f"unknown check {unknown[0]!r}" if unknown else "empty or repeated"
+        raise ConfigError(f"key 'checks' = {','.join(checks)!r}: {problem}; "
+                          f"registered checks: {', '.join(REGISTRY)}")
+    if not cfg["timeout"] > 0:
+        raise ConfigError(f"key 'timeout' = {cfg['timeout']!r}: expected seconds > 0")
+    if cfg["backend"] not in BACKENDS:
+        raise ConfigError(f"key 'backend' = {cfg['backend']!r}: expected one of "
+                          f"{', '.join(BACKENDS)}")
+    for key in ("expect_nodes", "expect_world_size"):
+        if cfg[key] is not None and cfg[key] < 1:
+            raise ConfigError(f"key {key!r} = {cfg[key]!r}: expected an integer >= 1")
+    parse_faults(cfg["fault"], checks)
+
+
+def report_dir(cfg: dict[str, Any], run_id: str) -> str:
+    """The report directory: as configured, else reports/<run id> under the working directory."""
+    return cfg["report_dir"] or os.path.join("reports", run_id)
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__

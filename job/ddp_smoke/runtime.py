@@ -1,0 +1,165 @@
+"""Process-group set-up in one place: launch env, backend, device binding, store, identity.
+
+Works under torchrun (the agent hosts the TCPStore and says so with
+``TORCHELASTIC_USE_AGENT_STORE=True``) and under any launcher that exports the plain env
+contract, such as submitit's ``TorchDistributedEnvironment`` (rank 0 hosts the store).
+"""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import os
+import socket
+import struct
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_HINT = "launch under torchrun, e.g. `torchrun --standalone --nproc-per-node=2 -m ddp_smoke`"
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this process, read once from the environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int
+    master_addr: str
+    master_port: int
+    agent_store: bool
+    launcher: str
+    run_id: str
+
+    @classmethod
+    def from_environ(cls, environ=os.environ) -> "LaunchEnv":
+        """Read the env contract; a missing or malformed variable is a ConfigError (exit 2)."""
+        missing = [k for k in _REQUIRED if k not in environ]
+        if missing:
+            raise ConfigError(f"{', '.join(missing)} not set: not started by a launcher; {_HINT}")
+        try:
+            ints = {k: int(environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        except ValueError as e:
+            raise ConfigError(f"launcher env is malformed ({e}); {_HINT}") from None
+        rank, world = ints["RANK"], ints["WORLD_SIZE"]
+        if not 0 <= rank < world:
+            raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
+        torchrun = "TORCHELASTIC_RUN_ID" in environ
+        return cls(
+            rank=rank, world_size=world, local_rank=ints["LOCAL_RANK"],
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", 1)),
+            group_rank=int(environ.get("GROUP_RANK", environ.get("SLURM_NODEID", 0))),
+            master_addr=environ["MASTER_ADDR"], master_port=ints["MASTER_PORT"],
+            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            launcher="torchrun" if torchrun else ("submitit" if "SUBMITIT_FOLDER" in environ
+                                                  else "env"),
+            run_id=run_id(environ))
+
+
+def run_id(environ=os.environ) -> str:
+    """The id all ranks share: torchrun's run id, else the Slurm job id, else 'local'."""
+    rid = environ.get("TORCHELASTIC_RUN_ID", "")
+    if rid and rid != "none":
+        return rid
+    return environ.get("SLURM_JOB_ID") or "local"
+
+
+def pick_backend(requested: str) -> str:
+    """nccl when CUDA is usable, gloo otherwise; an explicit choice is honoured as given."""
+    if requested != "auto":
+        if requested == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("backend 'nccl' requested but CUDA is not available on this node; "
+                              "use --backend gloo or auto")
+        return requested
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def bind_device(backend: str, local_rank: int) -> torch.device:
+    """One GPU per process: LOCAL_RANK's GPU, or GPU 0 when the launcher masked all but one."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    index = 0 if count == 1 else local_rank
+    if index >= count:
+        raise RuntimeError(f"LOCAL_RANK={local_rank} but only {count} GPUs are visible "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                           "nproc-per-node must not exceed the GPUs per node")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def connect_store(env: LaunchEnv, timeout_s: float, may_host: bool = True) -> dist.Store:
+    """A TCPStore client on MASTER_ADDR:MASTER_PORT, or its server.
+
+    Rank 0 hosts the store when no torchrun agent does (submitit, plain env launchers), on
+    its first connection only (``may_host``); later connections are clients of it.
+    """
+    is_master = may_host and env.rank == 0 and not env.agent_store
+    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master,
+                         datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def init_process_group(env: LaunchEnv, backend: str, device: torch.device,
+                       store: dist.Store, timeout_s: float) -> None:
+    """Create the default group on a prefix of ``store`` with an explicit, short timeout."""
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=env.rank,
+                            world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def interface_addresses() -> dict[str, str]:
+    """IPv4 address of every interface that has one (SIOCGIFADDR), loopback included."""
+    out = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # interface without an IPv4 address
+            out[name] = socket.inet_ntoa(packed[20:24])
+    return out
+
+
+def route_address(master_addr: str, master_port: int) -> str | None:
+    """The local address this host uses to reach the master (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, master_port))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def hostname_addresses(host: str) -> list[str]:
+    """What this host's own name resolves to; 127.x here is a classic multi-node trap."""
+    try:
+        return sorted({a[4][0] for a in socket.getaddrinfo(host, None, socket.AF_INET)})
+    except OSError:
+        return []
+
+
+def gpu_facts(device: torch.device) -> dict:
+    """Name, PCI bus id and UUID of this rank's GPU; empty on CPU."""
+    if device.type != "cuda":
+        return {}
+    props = torch.cuda.get_device_properties(device)
+    return {"gpu_name": props.name, "gpu_bus_id": getattr(props, "pci_bus_id", None),
+            "gpu_uuid": str(getattr(props, "uuid", "")) or None,
+            "gpu_memory_bytes": props.total_memory}
+
+
+def rank_record(env: LaunchEnv, device: torch.device) -> dict:
+    """This rank's identity for the report's ``ranks`` list."""
+    host = socket.gethostname()
+    return {"rank": env.rank, "local_rank": env.local_rank, "group_rank": env.group_rank,
+            "host": host, "pid": os.getpid(), "device": str(device),
+            "route_address": route_address(env.master_addr, env.master_port),
+            "hostname_addresses": hostname_addresses(host),
+            "addresses": interface_addresses(), **gpu_facts(device)}
