@@ -32,18 +32,21 @@ wait is bounded by --timeout, after which each surviving rank exits 1 within a f
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import sys
-
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import __version__, checks
 from .config import ConfigError, load_file, resolve
 
 
 def _manual() -> str:
+    """The module docstring with each check's first docstring line, read without importing
+    torch (bad input and --help answer in a fraction of a second)."""
     lines = []
-    for name in checks.REGISTRY:
-        doc = (checks.load(name).__doc__ or "").strip().splitlines()
+    for name, module in checks.REGISTRY.items():
+        with open(importlib.util.find_spec(module).origin) as f:
+            doc = (ast.get_docstring(ast.parse(f.read())) or "").splitlines()
         lines.append(f"  {name:<15} {doc[0] if doc else ''}")
     return __doc__.format(checks="\n".join(lines))
 
@@ -85,14 +88,15 @@ def parse_config(argv: list[str] | None = None) -> dict:
     return resolve(file_values, flags, source=args.config or "config")
 
 
-@record
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddp_smoke``; exits 0 (pass), 1 (fail) or 2 (bad input)."""
-    from . import harness
-
     try:
-        cfg = parse_config(argv)
-        code = harness.run(cfg)
+        cfg = parse_config(argv)  # before importing torch: bad input fails fast
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        from . import harness
+        # record: an unexpected exception also lands in torchrun's error file and summary.
+        code = record(harness.run)(cfg)
     except ConfigError as e:
         print(f"ddp-smoke: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -95,11 +95,12 @@ class _Stop(Exception):
 class _Coordinator:
     """Store keys and the once-only finalisation shared by the main and watchdog threads."""
 
-    def __init__(self, env, cfg, store_factory, checks_selected, started_at, t0):
-        self.env, self.cfg, self.checks = env, cfg, checks_selected
+    def __init__(self, env, cfg, connect, started_at, t0):
+        self.env, self.cfg, self.checks = env, cfg, cfg["checks"]
         self.started_at, self.t0 = started_at, t0
-        self.store = store_factory()        # main thread's connection
-        self.wd_store = store_factory()     # watchdog's own: a blocked call must not block it
+        self.store = connect(may_host=True)        # main thread's (rank 0 may host the store)
+        self.wd_store = connect(may_host=False)    # watchdog's: a blocked call must not block it
+        self.beat_store = connect(may_host=False)  # heartbeat's: it beats until the process ends
         self.stage = "init"
         self.deadline: float | None = None
         self.results: list[CheckResult] = []
@@ -194,7 +195,7 @@ class _Coordinator:
         arrive = "rank" if stage == "init" else f"arrive/{stage}"
         arrived = {r for r in world if store.check([f"{arrive}/{r}"])}
         finished = {r for r in world if store.check([f"obs/{stage}/{r}"])}
-        dead = _dead_ranks(store, sorted(connected), exclude={
+        dead = _dead_ranks(store, sorted(connected - {0}), exclude={
             r for r, a in reasons.items() if a["kind"] == "terminated"})
         ids = self._identities(store)
 
@@ -242,8 +243,18 @@ def _dead_ranks(store, world, exclude) -> list[int]:
     return [r for r in world if r not in exclude and store.add(f"beat/{r}", 0) == before[r]]
 
 
+def _beat(store, rank: int) -> None:
+    """Heartbeat thread: proves this process is alive until it exits, whatever else it does."""
+    try:
+        while True:
+            store.add(f"beat/{rank}", 1)
+            time.sleep(BEAT_S)
+    except Exception:  # noqa: BLE001 — the store is gone; the watchdog reports that
+        return
+
+
 class _Watchdog(threading.Thread):
-    """Beats, enforces the deadline, reacts to aborts and SIGTERM even while main is stuck."""
+    """Enforces the deadline, reacts to aborts and SIGTERM even while main is stuck."""
 
     def __init__(self, coord: _Coordinator, wakeup_fd: int):
         super().__init__(name="ddp-smoke-watchdog", daemon=True)
@@ -253,7 +264,6 @@ class _Watchdog(threading.Thread):
         c, store, rank = self.coord, self.coord.wd_store, self.coord.env.rank
         try:
             while True:
-                store.add(f"beat/{rank}", 1)
                 if select.select([self.wakeup_fd], [], [], BEAT_S)[0]:
                     os.read(self.wakeup_fd, 64)
                     c.abort(store, "terminated", {"signal": "SIGTERM"})
@@ -276,20 +286,31 @@ class _Watchdog(threading.Thread):
 def _leave_aborted(c: _Coordinator, store) -> None:
     """A non-zero rank's way out of an aborted run: wait briefly for rank 0's report, exit 1."""
     if _wait_final(store, FINAL_WAIT_S) is None:
-        _leave(f"run aborted at {c.stage}, and rank 0 wrote no report within {FINAL_WAIT_S} s "
-               f"(rank 0 at {c.env.master_addr} or its node is gone?)", code=1)
+        _leave(f"run aborted at {c.stage}, and rank 0 wrote no report: rank 0 "
+               f"({c.ranks[0]['host'] if c.ranks else c.env.master_addr}) is gone or stuck",
+               code=1)
     _leave(f"run aborted at {c.stage}; rank 0 wrote the report", code=1)
 
 
 def _wait_final(store, timeout_s: float) -> str | None:
-    """Wait for rank 0's verdict; say goodbye so a store-hosting rank 0 may exit."""
+    """Wait for rank 0's verdict while rank 0's heartbeat moves; say goodbye once read.
+
+    Returns None when rank 0 wrote nothing within ``timeout_s`` or its heartbeat stopped
+    for DEAD_AFTER_S (it died: no reason to wait out the whole bound).
+    """
     end = time.monotonic() + timeout_s
+    beat, beat_at = -1, time.monotonic()
     while time.monotonic() < end:
         try:
             if store.check(["final"]):
                 store.add("bye", 1)
                 return store.get("final").decode()
-        except Exception:  # noqa: BLE001
+            now_beat = store.add("beat/0", 0)
+        except Exception:  # noqa: BLE001 — rank 0 hosted the store and is gone
+            return None
+        if now_beat != beat:
+            beat, beat_at = now_beat, time.monotonic()
+        elif time.monotonic() - beat_at > DEAD_AFTER_S:
             return None
         time.sleep(0.05)
     return None
@@ -319,12 +340,16 @@ def run(cfg: dict[str, Any]) -> int:
     if env.rank == 0:
         _check_writable(rdir)
 
-    masters = iter([True, False])  # the first connection may host the store, never the second
-    coord = _Coordinator(env, cfg, lambda: _store(env, timeout, next(masters)), cfg["checks"],
-                         started_at, t0)
+    try:
+        coord = _Coordinator(env, cfg, lambda may_host: _store(env, timeout, may_host),
+                             started_at, t0)
+    except (RuntimeError, OSError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
+        _leave(f"cannot reach the coordination store at {env.master_addr}:{env.master_port} "
+               f"within {timeout} s: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+               code=1)
     coord.backend, coord.report_dir = backend, rdir
     coord.timings["connect_store_s"] = round(time.monotonic() - t0, 4)
-    _install_sigterm(coord)
+    _start_threads(coord)
 
     device = runtime.bind_device(backend, env.local_rank)
     store = coord.store
@@ -424,12 +449,15 @@ def _store(env: runtime.LaunchEnv, timeout: float, may_host: bool):
     return dist.PrefixStore(f"ddp_smoke/{restart}", raw)
 
 
-def _install_sigterm(coord: _Coordinator) -> None:
-    """SIGTERM wakes the watchdog through a pipe, wherever the main thread is."""
+def _start_threads(coord: _Coordinator) -> None:
+    """Heartbeat and watchdog threads; SIGTERM wakes the watchdog through a pipe, wherever
+    the main thread is."""
     r, w = os.pipe()
     os.set_blocking(w, False)
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    threading.Thread(target=_beat, args=(coord.beat_store, coord.env.rank), daemon=True,
+                     name="ddp-smoke-heartbeat").start()
     _Watchdog(coord, r).start()
 
 
