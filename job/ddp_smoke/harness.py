@@ -351,6 +351,8 @@ def run(cfg: dict[str, Any]) -> int:
     coord.timings["connect_store_s"] = round(time.monotonic() - t0, 4)
     _start_threads(coord)
 
+    for name in cfg["checks"]:  # imports cost seconds (DDP pulls in torch._dynamo): not timed
+        checks.load(name)
     device = runtime.bind_device(backend, env.local_rank)
     store = coord.store
     store.set(f"rank/{env.rank}", json.dumps(runtime.rank_record(env, device)))
@@ -393,7 +395,7 @@ def run(cfg: dict[str, Any]) -> int:
 
 def _run_check(coord: _Coordinator, ctx: Context, name: str) -> None:
     env, store, timeout = ctx.env, coord.store, ctx.timeout_s
-    module = checks.load(name)
+    module = checks.load(name)  # imported already by run(): a cache hit
     coord.stage, ctx.faults.check = name, name
     coord.deadline = time.monotonic() + timeout
     ctx.faults.before_arrival()

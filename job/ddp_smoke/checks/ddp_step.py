@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch._dynamo  # noqa: F401 — DDP imports it on first construction; seconds, not the step
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel

@@ -1,0 +1,276 @@
+"""Submit the worker with submitit and get rank 0's report back, from Python or the shell.
+
+    from ddp_smoke.submit import submit, SmokeFailed
+    report = submit("slurm", nodes=2, procs_per_node=8, gpus_per_node=8, partition="gpu")
+    print(report["verdict"], report["world_size"], report["nodes"])
+
+One submitit task per process: submitit's ``TorchDistributedEnvironment`` exports RANK,
+WORLD_SIZE, MASTER_ADDR/PORT and (on GPU) CUDA_VISIBLE_DEVICES=<local rank> in each task, and
+the worker runs in that task with no torchrun agent (rank 0 hosts the store). Chosen over one
+task per node running torchrun because each rank is then a Slurm task of its own: a rank that
+dies is a task that failed, with its own stderr, which this module quotes when it raises.
+
+The submitit folder holds pickles and logs that every node must read: it defaults to
+``reports/submitit/<time>`` under the working directory (which on a cluster is normally on the
+shared home or project filesystem) and a node-local path (tmpfs, /tmp …) is refused for Slurm.
+Rank 0 writes the report to ``<folder>/report/report.json``; this module reads it from there,
+so a report written by a run that failed is returned inside the exception, never lost.
+
+Waiting uses its own timeout: without Slurm accounting a cancelled job never finishes in
+submitit's eyes. On timeout the job is cancelled and SmokeTimeout raised.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError
+
+CLUSTERS = ("slurm", "local")
+_NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+
+
+class SmokeError(RuntimeError):
+    """Base of the failures ``submit`` raises; ``report`` is rank 0's report when written."""
+
+    def __init__(self, message: str, report: dict | None = None, job_id: str | None = None):
+        super().__init__(message)
+        self.report, self.job_id = report, job_id
+
+
+class SmokeFailed(SmokeError):
+    """The run finished with verdict fail; ``culprits`` lists who the checks blamed."""
+
+    @property
+    def culprits(self) -> list[dict]:
+        return [dict(k, check=c["name"]) for c in (self.report or {}).get("checks", [])
+                for k in c["culprits"]]
+
+
+class TaskDied(SmokeError):
+    """No report: a task died before rank 0 could write one."""
+
+
+class SmokeTimeout(SmokeError):
+    """The job did not finish within the wait timeout; it was cancelled."""
+
+
+@dataclass
+class Plan:
+    """What would be submitted: the executor's parameters and the worker's argv (dry run)."""
+
+    cluster: str
+    folder: Path
+    parameters: dict[str, Any]
+    worker_args: list[str] = field(default_factory=list)
+
+    @property
+    def report_dir(self) -> Path:
+        return self.folder / "report"
+
+    def __str__(self) -> str:
+        params = " ".join(f"{k}={v!r}" for k, v in sorted(self.parameters.items()))
+        return (f"cluster={self.cluster} folder={self.folder}\n{params}\nworker: python -m "
+                f"ddp_smoke {shlex.join(self.worker_args)}")
+
+
+def plan(cluster: str = "local", nodes: int = 1, procs_per_node: int = 2,
+         gpus_per_node: int = 0, partition: str | None = None, account: str | None = None,
+         qos: str | None = None, time_min: int = 10, cpus_per_proc: int = 1,
+         container_image: str | None = None, folder: str | os.PathLike | None = None,
+         worker_args: list[str] | None = None, allow_local_folder: bool = False) -> Plan:
+    """Render the submission without sending it (pure, apart from resolving the folder).
+
+    Args:
+        cluster: ``slurm`` or ``local`` (this machine, subprocesses).
+        nodes: nodes to allocate; ``local`` allows 1.
+        procs_per_node: processes (= Slurm tasks, = GPUs on GPU nodes) per node.
+        gpus_per_node: GPUs to request per node; 0 on CPU clusters.
+        partition, account, qos: Slurm placement, passed as given.
+        time_min: the job's time limit in Slurm, in minutes.
+        cpus_per_proc: CPUs per task.
+        container_image: run the tasks in this image through pyxis (``srun --container-image``);
+            the image must hold this package and submitit (the image from docker/ does).
+        folder: submitit's folder, shared with the nodes; default reports/submitit/<time>.
+        worker_args: options for the worker (``--checks``, ``--timeout`` …).
+        allow_local_folder: accept a node-local folder for Slurm (single-node clusters).
+
+    Raises:
+        ConfigError: for bad values, with the parameter and what was expected.
+    """
+    if cluster not in CLUSTERS:
+        raise ConfigError(f"cluster {cluster!r}: expected one of {', '.join(CLUSTERS)}")
+    for name, value in (("nodes", nodes), ("procs_per_node", procs_per_node),
+                        ("time_min", time_min), ("cpus_per_proc", cpus_per_proc)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r}: expected an integer >= 1")
+    if cluster == "local" and nodes != 1:
+        raise ConfigError(f"nodes={nodes}: the local cluster has one node")
+    base = Path(folder) if folder else Path("reports", "submitit", time.strftime("%Y%m%d-%H%M%S"))
+    base = base.absolute()
+    if cluster == "slurm" and not allow_local_folder and str(base).startswith(_NODE_LOCAL):
+        raise ConfigError(f"folder {base} is node-local: the nodes cannot read submitit's "
+                          "pickles there; give a folder on a shared filesystem "
+                          "(or allow_local_folder=True on a single-node cluster)")
+    params: dict[str, Any] = {"nodes": nodes, "tasks_per_node": procs_per_node,
+                              "cpus_per_task": cpus_per_proc, "timeout_min": time_min,
+                              "name": "ddp-smoke"}
+    if gpus_per_node:
+        params["gpus_per_node"] = gpus_per_node
+    if cluster == "slurm":
+        extra = {"slurm_partition": partition, "slurm_account": account,
+                 "slurm_qos": qos}
+        params.update({k: v for k, v in extra.items() if v})
+        if container_image:  # pyxis: the folder must be visible inside the container too
+            params["slurm_srun_args"] = [f"--container-image={container_image}",
+                                         f"--container-mounts={base}:{base}"]
+    args = list(worker_args or [])
+    return Plan(cluster, base, params, args + ["--report-dir", str(base / "report")])
+
+
+def _task(worker_args: list[str], gpus: bool) -> Any:
+    """What each submitit task runs: export the env contract, then the worker, in-process."""
+    import submitit
+
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=gpus)
+    from . import harness
+    from .cli import parse_config
+
+    code = harness.run(parse_config(worker_args))
+    return code
+
+
+def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: bool | None = None,
+           **kwargs) -> dict:
+    """Submit the worker, wait for it, and return rank 0's report (a dict).
+
+    Args:
+        cluster: ``slurm`` or ``local``.
+        wait_timeout_s: cancel the job and raise SmokeTimeout after this long.
+        progress: print job id, state changes and elapsed time on stderr; default: only when
+            stderr is a terminal.
+        **kwargs: the parameters of :func:`plan`.
+
+    Returns:
+        The report as written to ``report.json``, verdict pass.
+
+    Raises:
+        SmokeFailed: verdict fail; ``.report`` and ``.culprits`` say what and who.
+        TaskDied: no report; the message names the task, host and the tail of its stderr.
+        SmokeTimeout: the wait timed out; the job was cancelled.
+        ConfigError: bad parameters.
+    """
+    import submitit
+
+    p = plan(cluster, **kwargs)
+    p.folder.mkdir(parents=True, exist_ok=True)
+    executor = submitit.AutoExecutor(folder=p.folder / "%j", cluster=cluster)
+    executor.update_parameters(**p.parameters)
+    job = executor.submit(_task, p.worker_args, bool(p.parameters.get("gpus_per_node")))
+    say = _progress(sys.stderr.isatty() if progress is None else progress)
+    say(f"submitted job {job.job_id} ({cluster}, {p.parameters['nodes']} node(s) x "
+        f"{p.parameters['tasks_per_node']}); folder {p.folder}")
+    _wait(job, wait_timeout_s, say)
+    report_path = p.report_dir / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    if report is None:
+        raise TaskDied(_death_notice(job), job_id=job.job_id)
+    if report["verdict"] != "pass":
+        failed = SmokeFailed("", report, job.job_id)
+        lines = [f"rank {k['rank']} ({k['host']}) at {k['check']}: {k['reason']}"
+                 for k in failed.culprits] or ["no culprit named"]
+        failed.args = (f"ddp-smoke job {job.job_id}: verdict fail; " + "; ".join(lines),)
+        raise failed
+    return report
+
+
+def _wait(job, timeout_s: float, say) -> None:
+    start, state = time.monotonic(), None
+    while not job.done():
+        elapsed = time.monotonic() - start
+        if elapsed > timeout_s:
+            job.cancel(check=False)
+            raise SmokeTimeout(f"ddp-smoke job {job.job_id} did not finish within {timeout_s:.0f}"
+                               " s; it was cancelled", job_id=job.job_id)
+        if job.state != state:
+            state = job.state
+            say(f"job {job.job_id}: {state} after {elapsed:.0f} s")
+        time.sleep(1.0)
+    say(f"job {job.job_id}: done after {time.monotonic() - start:.0f} s")
+
+
+def _death_notice(job) -> str:
+    """Which task died, where, and the tail of its stderr."""
+    parts = [f"ddp-smoke job {job.job_id} ended without a report (state {job.state})"]
+    for task_id in range(job.num_tasks):
+        task = job.task(task_id)
+        try:
+            error = task.exception()
+        except Exception as e:  # noqa: BLE001 — submitit raises on unreadable results too
+            error = e
+        if error is None:
+            continue
+        tail = (task.stderr() or "").strip().splitlines()[-8:]
+        parts.append(f"task {task_id} failed: {str(error).strip().splitlines()[0]}\n    "
+                     + "\n    ".join(tail))
+    return "\n".join(parts)
+
+
+def _progress(enabled: bool):
+    return (lambda message: print(f"ddp-smoke-submit: {message}", file=sys.stderr,
+                                  flush=True)) if enabled else (lambda message: None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``ddp-smoke-submit [options] [-- worker options]``: exit 0 pass, 1 fail, 2 bad input."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    worker = argv[argv.index("--") + 1:] if "--" in argv else []
+    ours = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(prog="ddp-smoke-submit", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cluster", choices=CLUSTERS, default="local")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--procs-per-node", type=int, default=2)
+    ap.add_argument("--gpus-per-node", type=int, default=0)
+    ap.add_argument("--partition")
+    ap.add_argument("--account")
+    ap.add_argument("--qos")
+    ap.add_argument("--time-min", type=int, default=10)
+    ap.add_argument("--container-image")
+    ap.add_argument("--folder")
+    ap.add_argument("--allow-local-folder", action="store_true")
+    ap.add_argument("--wait-timeout", type=float, default=900, metavar="SECONDS")
+    ap.add_argument("--dry-run", action="store_true", help="print what would be submitted")
+    ap.error = lambda message: (_ for _ in ()).throw(ConfigError(message))
+    try:
+        a = ap.parse_args(ours)
+        kwargs = dict(nodes=a.nodes, procs_per_node=a.procs_per_node,
+                      gpus_per_node=a.gpus_per_node, partition=a.partition, account=a.account,
+                      qos=a.qos, time_min=a.time_min, container_image=a.container_image,
+                      folder=a.folder, worker_args=worker, allow_local_folder=a.allow_local_folder)
+        if a.dry_run:
+            print(plan(a.cluster, **kwargs))
+            sys.exit(0)
+        from .cli import parse_config
+        parse_config(worker)  # bad worker options fail here, not in every task
+        report = submit(a.cluster, wait_timeout_s=a.wait_timeout, **kwargs)
+    except ConfigError as e:
+        print(f"ddp-smoke-submit: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except SmokeError as e:
+        print(f"ddp-smoke-submit: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(f"verdict: {report['verdict'].upper()} — world_size {report['world_size']}, "
+          f"nodes {report['nodes']}, report {report.get('config', {}).get('report_dir')}")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Python submission path: submitit runs the worker and hands back rank 0's report."""
+import subprocess
+import sys
+
+import pytest
+
+from ddp_smoke.config import ConfigError
+from ddp_smoke.submit import SmokeFailed, plan, submit
+from tests.launch import REPO
+
+QUICK = ["--checks", "environment,ddp_step", "--timeout", "20"]
+
+
+@pytest.mark.timeout(180)
+def test_local_two_processes_return_a_passing_report(tmp_path):
+    report = submit("local", procs_per_node=2, folder=tmp_path, worker_args=QUICK,
+                    wait_timeout_s=150)
+    assert (report["verdict"], report["world_size"]) == ("pass", 2)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+
+
+@pytest.mark.timeout(180)
+def test_local_fault_raises_with_the_culprit_and_the_report(tmp_path):
+    with pytest.raises(SmokeFailed) as e:
+        submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
+               worker_args=QUICK + ["--fault", "1:corrupt@ddp_step"])
+    assert e.value.report["verdict"] == "fail"
+    assert [(k["rank"], k["check"]) for k in e.value.culprits] == [(1, "ddp_step")]
+    assert "rank 1" in str(e.value)
+
+
+def test_plan_renders_slurm_parameters_and_refuses_node_local_folders(tmp_path):
+    p = plan("slurm", nodes=2, procs_per_node=4, gpus_per_node=4, partition="gpu",
+             account="ops", folder=REPO / ".sandbox" / "x", container_image="img:1")
+    assert p.parameters["nodes"] == 2 and p.parameters["tasks_per_node"] == 4
+    assert p.parameters["slurm_partition"] == "gpu" and p.parameters["gpus_per_node"] == 4
+    assert "--container-image=img:1" in p.parameters["slurm_srun_args"]
+    assert p.worker_args[-2:] == ["--report-dir", str(p.report_dir)]
+    with pytest.raises(ConfigError, match="node-local"):
+        plan("slurm", folder=tmp_path)
+    with pytest.raises(ConfigError, match="nodes=2"):
+        plan("local", nodes=2)
+
+
+@pytest.mark.timeout(60)
+def test_cli_dry_run_and_bad_input():
+    cli = [sys.executable, "-m", "ddp_smoke.submit"]
+    dry = subprocess.run(cli + ["--cluster", "slurm", "--nodes", "2", "--folder",
+                                str(REPO / ".sandbox" / "dry"), "--dry-run", "--", *QUICK],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert dry.returncode == 0 and "nodes=2" in dry.stdout and "--checks" in dry.stdout
+    bad = subprocess.run(cli + ["--", "--checks", "nope"], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "nope" in bad.stderr
