@@ -29,7 +29,7 @@ $(VENV)/.runtime: pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime
-	$(PIP) install $(PIP_EXTRA) -e '.[test]' --no-build-isolation
+	$(PIP) install $(PIP_EXTRA) -e '.[test,plot]' --no-build-isolation
 	touch $@
 
 venv: $(VENV)/.runtime  ## create .venv/ (torch, numpy, pyyaml, submitit, this package)

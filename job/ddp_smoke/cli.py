@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="fail unless WORLD_SIZE is N")
     p.add_argument("--storage-dir", metavar="DIR",
                    help="directory every node should share (default REPORT_DIR/storage)")
+    p.add_argument("--profile", metavar="NAME|FILE.yaml",
+                   help="pass floors for bandwidth and compute: cpu (default, figures only), "
+                        "a100-8gpu, h100-8gpu, h200-8gpu, b200-8gpu, or a profile file")
     p.add_argument("--fault", metavar="RANK:KIND@CHECK",
                    help="inject a fault (crash|raise|hang|slow|corrupt) to test alerting; "
                         "see ddp_smoke/faults.py")

@@ -20,7 +20,7 @@ import yaml
 
 BACKENDS = ("auto", "gloo", "nccl")
 _NULLABLE = {"report_dir": str, "storage_dir": str, "expect_nodes": int,
-             "expect_world_size": int, "fault": str}
+             "expect_world_size": int, "fault": str, "profile": str}
 
 
 class ConfigError(ValueError):
@@ -116,6 +116,9 @@ def _validate(cfg: dict[str, Any]) -> None:
         if cfg[key] is not None and cfg[key] < 1:
             raise ConfigError(f"key {key!r} = {cfg[key]!r}: expected an integer >= 1")
     parse_faults(cfg["fault"], checks)
+    if cfg["profile"]:
+        from . import profiles
+        profiles.load(cfg["profile"])
 
 
 def report_dir(cfg: dict[str, Any], run_id: str) -> str:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import __version__, checks, runtime, summary
+from . import __version__, checks, plot, runtime, summary
 from .config import ConfigError, report_dir as default_report_dir
 from .faults import Injector, parse_faults
 from .report import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict, write_report
@@ -111,6 +111,8 @@ class _Coordinator:
         self._lock = threading.Lock()
         self.finalized = False
         self.leaving = False  # set once this rank has its verdict: store errors are expected now
+        self.stop = threading.Event()  # ends the heartbeat and watchdog threads on a clean exit
+        self.threads: list[threading.Thread] = []
 
     # -- posting -------------------------------------------------------------------------
     def abort(self, store, kind: str, detail: dict | None = None) -> None:
@@ -153,6 +155,7 @@ class _Coordinator:
                         checks=self._with_unrun(), config=self.cfg, timings=self.timings,
                         error=self._first_error(store) if aborted else None)
         path = write_report(report, self.report_dir)
+        plot.write_busbw_png(report, self.report_dir)  # only with matplotlib installed
         summary.print_report(report, path)
         try:
             store.set("final", report.verdict)
@@ -243,12 +246,12 @@ def _dead_ranks(store, world, exclude) -> list[int]:
     return [r for r in world if r not in exclude and store.add(f"beat/{r}", 0) == before[r]]
 
 
-def _beat(store, rank: int) -> None:
+def _beat(store, rank: int, stop: threading.Event) -> None:
     """Heartbeat thread: proves this process is alive until it exits, whatever else it does."""
     try:
-        while True:
+        while not stop.is_set():
             store.add(f"beat/{rank}", 1)
-            time.sleep(BEAT_S)
+            stop.wait(BEAT_S)
     except Exception:  # noqa: BLE001 — the store is gone; the watchdog reports that
         return
 
@@ -263,7 +266,7 @@ class _Watchdog(threading.Thread):
     def run(self) -> None:
         c, store, rank = self.coord, self.coord.wd_store, self.coord.env.rank
         try:
-            while True:
+            while not c.stop.is_set():
                 if select.select([self.wakeup_fd], [], [], BEAT_S)[0]:
                     os.read(self.wakeup_fd, 64)
                     c.abort(store, "terminated", {"signal": "SIGTERM"})
@@ -271,6 +274,8 @@ class _Watchdog(threading.Thread):
                     c.abort(store, "timeout", {"waiting_for": c.stage})
                 if c.aborted(store):
                     break
+            else:
+                return  # clean exit: the main thread stopped us
         except Exception as e:  # noqa: BLE001 — the store is gone: rank 0's side ended
             if c.leaving:
                 return
@@ -382,14 +387,14 @@ def run(cfg: dict[str, Any]) -> int:
         _leave_aborted(coord, store)
     if env.rank != 0:
         verdict = _wait_final(store, timeout + FINAL_WAIT_S)
-        coord.leaving = True
+        _shut_down(coord)
         return 0 if verdict == "pass" else 1
     report = coord.finalize(store, aborted=False)
     if report is None:  # the watchdog is finishing an abort and owns the exit
         time.sleep(FINAL_WAIT_S)
-    coord.leaving = True
     if not env.agent_store:  # rank 0 hosts the store: let the others read the verdict first
         _wait_counter(store, "bye", env.world_size - 1, 5.0)
+    _shut_down(coord)
     return 0 if report is not None and report.verdict == "pass" else 1
 
 
@@ -458,9 +463,22 @@ def _start_threads(coord: _Coordinator) -> None:
     os.set_blocking(w, False)
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    threading.Thread(target=_beat, args=(coord.beat_store, coord.env.rank), daemon=True,
-                     name="ddp-smoke-heartbeat").start()
-    _Watchdog(coord, r).start()
+    coord.threads = [threading.Thread(target=_beat, daemon=True, name="ddp-smoke-heartbeat",
+                                      args=(coord.beat_store, coord.env.rank, coord.stop)),
+                     _Watchdog(coord, r)]
+    for t in coord.threads:
+        t.start()
+
+
+def _shut_down(coord: _Coordinator) -> None:
+    """A clean exit: stop our threads before the interpreter does (a thread caught inside a
+    store call at exit aborts the process), then tear the process group down."""
+    coord.leaving = True
+    coord.stop.set()
+    for t in coord.threads:
+        t.join(timeout=2 * BEAT_S + 1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _check_writable(path: str) -> None:

@@ -20,6 +20,11 @@ import importlib
 REGISTRY = {
     "environment": "ddp_smoke.checks.environment",
     "ddp_step": "ddp_smoke.checks.ddp_step",
+    "sampler_epochs": "ddp_smoke.checks.sampler_epochs",
+    "collectives": "ddp_smoke.checks.collectives",
+    "storage": "ddp_smoke.checks.storage",
+    "bandwidth": "ddp_smoke.checks.bandwidth",
+    "compute": "ddp_smoke.checks.compute",
 }
 
 

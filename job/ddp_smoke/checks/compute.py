@@ -1,0 +1,174 @@
+"""Compute: every rank's dense matmul throughput; stragglers against the median; floors.
+
+Each rank multiplies two random n×n matrices (``compute.matrix_size_gpu``, bf16 and TF32 by
+default, ``dtypes_gpu``; ``matrix_size_cpu`` in fp32 on CPU), 2n³ FLOP per product: warm-up,
+one timed product to size a block of about ``block_s`` seconds, then ``blocks`` timed blocks
+(CUDA events on a GPU; on CPU this process's CPU seconds, so other processes on a shared host
+do not make a rank look slow). A rank's figure is its best block: interference only lowers a
+block, so the best one is what the device can do. On a GPU, also the device-to-device copy
+bandwidth of 1 GiB (``hbm``; bytes read + written, GB = 1e9 B). Units: TFLOPS = 1e12 FLOP/s in
+the report; the human table shows GFLOPS on CPU.
+On CPU under torchrun, OMP_NUM_THREADS=1 by default: a rank computes on one thread, and ranks
+of one host share its cores (and SMT siblings) with each other and with everything else
+running there; GFLOPS are then per CPU-second, i.e. per core busy.
+Culprits: every rank more than ``straggler_margin`` below the median of its dtype (default
+10 %: healthy GPUs of one node differ by about 5 %; ``straggler_margin_cpu``, 30 %, on CPU);
+ranks below the profile's ``min_tflops`` floor, or whose device is not the profile's, with the
+shortfall in percent.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from .. import perf, profiles
+from ..config import ConfigError
+from ..report import FAIL, PASS, CheckResult
+from ..timing import Clock
+
+# name -> (dtype, float32 matmul precision): "high" lets fp32 products use TF32 tensor cores
+GPU_DTYPES = {"bf16": (torch.bfloat16, "high"), "fp16": (torch.float16, "high"),
+              "tf32": (torch.float32, "high"), "fp32": (torch.float32, "highest")}
+_HBM_BYTES = 1 << 30  # 1 GiB: many times any GPU's L2 cache, so the copy streams from HBM
+_HBM_REPEATS = 10
+
+
+def run(ctx) -> dict:
+    """Measure this rank's matmul throughput (and HBM copy bandwidth on a GPU)."""
+    cfg = ctx.section("compute")
+    profile = profiles.load(profiles.selected(ctx.config))
+    clock = Clock(ctx.device, ctx.faults, cpu_time=True)
+    if ctx.device.type == "cuda":
+        bad = [d for d in cfg["dtypes_gpu"] if d not in GPU_DTYPES]
+        if bad or not cfg["dtypes_gpu"]:
+            raise ConfigError(f"key 'compute.dtypes_gpu' = {cfg['dtypes_gpu']!r}: expected one "
+                              f"or more of {', '.join(GPU_DTYPES)}")
+        n = cfg["matrix_size_gpu"]
+        matmul = {d: _matmul(n, *GPU_DTYPES[d], ctx, cfg, clock) for d in cfg["dtypes_gpu"]}
+        hbm = _hbm_gbps(ctx.device, clock) if cfg["hbm"] else None
+        name = torch.cuda.get_device_name(ctx.device)
+        torch.cuda.empty_cache()
+    else:
+        n = cfg["matrix_size_cpu"]
+        matmul = {"fp32": _matmul(n, torch.float32, None, ctx, cfg, clock)}
+        hbm, name = None, _cpu_name()
+    return {"device_type": ctx.device.type, "device_name": name, "matrix_size": n,
+            "threads": torch.get_num_threads(),
+            "matmul": matmul, "hbm_gbps": hbm, "profile": profile}
+
+
+def _matmul(n: int, dtype, precision, ctx, cfg: dict, clock: Clock) -> dict:
+    """Best and median TFLOPS over ``blocks`` timed blocks of n×n×n products."""
+    previous = torch.get_float32_matmul_precision()
+    if precision:
+        torch.set_float32_matmul_precision(precision)
+    try:
+        gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
+        a = torch.randn(n, n, generator=gen, device=ctx.device, dtype=dtype)
+        b = torch.randn(n, n, generator=gen, device=ctx.device, dtype=dtype)
+        c = torch.empty_like(a)  # random data: zeros run measurably faster on some GPUs
+
+        def product():
+            torch.matmul(a, b, out=c)
+
+        def block():
+            for _ in range(per_block):
+                product()
+
+        for _ in range(2):
+            product()  # warm-up: library handles, kernel selection, clocks
+        per_block = max(1, round(cfg["block_s"] / clock.measure(product)))
+        blocks = [perf.matmul_tflops(n, per_block, clock(block)) for _ in range(cfg["blocks"])]
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    return {"tflops": max(blocks), "tflops_median": statistics.median(blocks),
+            "products_per_block": per_block, "blocks": len(blocks)}
+
+
+def _hbm_gbps(device, clock: Clock) -> float:
+    """Device-to-device copy: bytes read plus bytes written per second, best of a few."""
+    src = torch.ones(_HBM_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best_s = min(clock.measure(lambda: dst.copy_(src)) for _ in range(_HBM_REPEATS))
+    return 2 * _HBM_BYTES / best_s / perf.GB
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), "cpu")
+    except OSError:
+        return "cpu"
+
+
+# -- judging (rank 0, pure) ----------------------------------------------------------------
+
+def judge(ev) -> CheckResult:
+    obs, cfg = ev.observations, ev.section()
+    profile, cpu = obs[0]["profile"], obs[0]["device_type"] == "cpu"
+    margin = cfg["straggler_margin_cpu" if cpu else "straggler_margin"]
+    medians, culprits = {}, []
+    for dtype in obs[0]["matmul"]:
+        values = {r: o["matmul"][dtype]["tflops"] for r, o in enumerate(obs)}
+        medians[dtype], slow = perf.stragglers(values, margin)
+        culprits += [ev.culprit(r, (
+            f"{dtype} matmul {_rate(values[r], cpu)} is "
+            f"{perf.shortfall_pct(values[r], medians[dtype]):.1f} % below the median "
+            f"{_rate(medians[dtype], cpu)} (straggler margin {margin:.0%})")) for r in slow]
+    culprits += _floors(ev, profile, cpu)
+    ranks = [{"rank": r, "host": ev.host(r), "device_name": o["device_name"],
+              "threads": o["threads"], "matmul": o["matmul"], "hbm_gbps": o["hbm_gbps"]}
+             for r, o in enumerate(obs)]
+    figures = {"legend": "tflops: best timed block of n x n x n products, 2n^3 FLOP each, "
+                         "1 TFLOPS = 1e12 FLOP/s; tflops_median: median block; hbm_gbps: "
+                         "device copy, bytes read + written, GB = 1e9 B",
+               "profile": profile["name"], "matrix_size": obs[0]["matrix_size"],
+               "straggler_margin": margin, "median_tflops": medians, "ranks": ranks,
+               "floors": profile["compute"].get("min_tflops", {})}
+    summary = "; ".join(f"{d} median {_rate(m, cpu)} over {len(obs)} rank(s) (min "
+                        f"{_rate(min(o['matmul'][d]['tflops'] for o in obs), cpu)})"
+                        for d, m in medians.items())
+    if culprits:
+        summary = f"{len(culprits)} problem(s): {culprits[0].reason}"
+    return CheckResult("compute", FAIL if culprits else PASS, summary=summary,
+                       culprits=culprits, figures=figures, notes=_table(ranks, cpu, figures))
+
+
+def _floors(ev, profile: dict, cpu: bool) -> list:
+    out, want = [], profile["device_name"]
+    floors = profile["compute"].get("min_tflops", {})
+    for r, o in enumerate(ev.observations):
+        if want and want.lower() not in o["device_name"].lower():
+            out.append(ev.culprit(r, f"device {o['device_name']!r} is not the profile "
+                                     f"{profile['name']}'s {want!r}"))
+        for dtype, floor in floors.items():
+            got = o["matmul"].get(dtype, {}).get("tflops")
+            if got is not None and got < floor:
+                out.append(ev.culprit(r, (
+                    f"{dtype} matmul {_rate(got, cpu)} is {perf.shortfall_pct(got, floor):.1f} % "
+                    f"below the {profile['name']} floor {_rate(floor, cpu)}")))
+    return out
+
+
+def _rate(tflops: float, cpu: bool) -> str:
+    return f"{tflops * 1e3:.1f} GFLOPS" if cpu else f"{tflops:.1f} TFLOPS"
+
+
+def _table(ranks: list[dict], cpu: bool, figures: dict) -> list[str]:
+    dtypes = list(ranks[0]["matmul"])
+    unit = "GFLOPS" if cpu else "TFLOPS"
+    lines = [f"# compute: {figures['matrix_size']}^3 matmul per rank, best of "
+             f"{ranks[0]['matmul'][dtypes[0]]['blocks']} blocks; profile {figures['profile']}; "
+             "GB = 1e9 B",
+             f"# {'rank':>5} {'host':<20} {'threads':>7} " + " ".join(
+                 f"{d + ' (' + unit + ')':>16}" for d in dtypes) + f" {'hbm (GB/s)':>11}  device"]
+    for r in ranks:
+        rates = " ".join(f"{r['matmul'][d]['tflops'] * (1e3 if cpu else 1):>16.1f}"
+                         for d in dtypes)
+        hbm = f"{r['hbm_gbps']:.0f}" if r["hbm_gbps"] else "-"
+        lines.append(f"  {r['rank']:>5} {str(r['host']):<20} {r['threads']:>7} {rates} "
+                     f"{hbm:>11}  {r['device_name']}")
+    return lines
