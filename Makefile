@@ -17,7 +17,9 @@ PY   := $(VENV)/bin/python
 PIP  := $(PY) -m pip --disable-pip-version-check -q
 
 .DEFAULT_GOAL := help
-.PHONY: help venv smoke-local test lint clean
+N          ?= 2
+
+.PHONY: help venv smoke-local test lint clean sandbox-up sandbox-down slurm-up slurm-try slurm-down
 
 help:  ## list the verbs
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -40,6 +42,23 @@ smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC
 
 test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docker, manifests)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+sandbox-up:  ## N network-namespace "nodes" (dsh-node1 …) on a private bridge, to try multi-node by hand (root)
+	$(PYTHON) -m tests.sandbox.hosts up $(N)
+
+sandbox-down:  ## remove them: processes (by PID), namespaces, bridge, /etc/hosts lines
+	$(PYTHON) -m tests.sandbox.hosts down
+
+slurm-up:  ## a throw-away Slurm cluster of N nodes in namespaces (root; apt-installs slurm-wlm, munge)
+	$(PYTHON) -m tests.sandbox.slurm up $(N)
+
+slurm-try: $(VENV)/.runtime  ## sbatch slurm/ddp_smoke.sbatch on the slurm-up cluster, CPU only (NPROC=2, ARGS=…)
+	mkdir -p reports
+	SLURM_CONF=$(CURDIR)/.sandbox/slurm/slurm.conf sbatch --wait --gpus-per-node=0 --cpus-per-task=2 \
+	  --output=reports/%x-%j.out --export=ALL,NPROC_PER_NODE=$(NPROC) slurm/ddp_smoke.sbatch $(ARGS)
+
+slurm-down:  ## stop the Slurm sandbox (by PID) and remove everything it made
+	$(PYTHON) -m tests.sandbox.slurm down
 
 clean:  ## remove .venv/ and reports/
 	rm -rf $(VENV) reports

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shlex
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -193,7 +194,7 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
 
 def _wait(job, timeout_s: float, say) -> None:
     start, state = time.monotonic(), None
-    while not job.done():
+    while not _finished(job):
         elapsed = time.monotonic() - start
         if elapsed > timeout_s:
             job.cancel(check=False)
@@ -204,6 +205,18 @@ def _wait(job, timeout_s: float, say) -> None:
             say(f"job {job.job_id}: {state} after {elapsed:.0f} s")
         time.sleep(1.0)
     say(f"job {job.job_id}: done after {time.monotonic() - start:.0f} s")
+
+
+def _finished(job) -> bool:
+    """submitit's answer, or Slurm's: without accounting, submitit never sees a job that failed
+    or was cancelled finish (its state stays UNKNOWN), so a job gone from squeue is over."""
+    if job.done():
+        return True
+    if type(job).__name__ != "SlurmJob":
+        return False
+    q = subprocess.run(["squeue", "-h", "-j", str(job.job_id), "-o", "%T"], capture_output=True,
+                       text=True, timeout=60)
+    return (q.returncode == 0 and not q.stdout.strip()) or "Invalid job id" in q.stderr
 
 
 def _death_notice(job) -> str:

@@ -1,0 +1,249 @@
+"""Shared storage: every rank's file and a checkpoint read back intact from one directory.
+
+Every rank writes ``file_bytes`` of data derived from (run id, rank) with its SHA-256 in a
+header line into ``<storage_dir>/ddp-smoke-<run id>/`` (temp file, fsync, rename, as
+checkpoints are written); rank 0 saves a model state with ``torch.save``. After a barrier,
+rank 0 reads every rank's file back and verifies header, length, checksum and content, and
+every rank ``torch.load``s the checkpoint and compares it with the state it expects. After a
+second barrier each rank deletes what it wrote (the run's directory too, once empty).
+``storage_dir`` (flag ``--storage-dir``) must be one directory on every node, as checkpoints
+need; its default, ``<report_dir>/storage``, is shared only when the report directory is.
+Culprits: a rank whose file is missing on rank 0's host — "not shared" when every file written
+on its host is missing there while rank 0's own host's files are present, else "missing" — or
+reads back corrupt; a rank that could not write; rank 0 when its checkpoint reads back wrong on
+two or more ranks, else the one rank that reads it wrong or cannot see it.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..report import FAIL, PASS, CheckResult
+
+FORMAT = "ddp-smoke-storage/1"
+
+
+def payload(run_id: str, rank: int, size_bytes: int) -> bytes:
+    """The bytes rank ``rank`` writes: reproducible anywhere from (run id, rank)."""
+    return random.Random(f"{run_id}/{rank}").randbytes(size_bytes)
+
+
+def model_state(width: int, seed: int) -> dict[str, torch.Tensor]:
+    """A linear layer's state_dict, from its own generator (the global RNG is left alone)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"weight": torch.randn(width, width, generator=g),
+            "bias": torch.randn(width, generator=g), "step": torch.tensor(seed)}
+
+
+def fs_type(path: str) -> str | None:
+    """The filesystem type under ``path`` (nfs, lustre, ext4, overlay …) from mountinfo."""
+    path, best, kind = os.path.realpath(path), "", None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                point = left.split()[4]
+                if path.startswith(point.rstrip("/") + "/") or path == point:
+                    if len(point) > len(best):
+                        best, kind = point, right.split()[0]
+    except OSError:
+        return None
+    return kind
+
+
+def _write_own(ctx, path: str, size_bytes: int) -> dict:
+    data = payload(ctx.env.run_id, ctx.rank, size_bytes)
+    header = {"format": FORMAT, "rank": ctx.rank, "run_id": ctx.env.run_id,
+              "payload_bytes": size_bytes, "sha256": hashlib.sha256(data).hexdigest()}
+    body = bytearray(data)
+    if body:  # the bytes go bad after their checksum was taken, as on a faulty disk or link
+        ctx.faults.corrupt(torch.frombuffer(body, dtype=torch.uint8))
+    t = time.perf_counter()
+    try:
+        _atomic_write(path, json.dumps(header).encode() + b"\n" + bytes(body))
+    except OSError as e:
+        return {"path": path, "error": f"{type(e).__name__}: {e}", "write_s": 0.0}
+    return {"path": path, "error": None, "write_s": round(time.perf_counter() - t, 6)}
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def verify(path: str, run_id: str, rank: int, size_bytes: int) -> dict:
+    """Rank 0's reading of rank ``rank``'s file: state ok|missing|unreadable|corrupt, detail."""
+    try:
+        with open(path, "rb") as f:
+            head, _, body = f.read().partition(b"\n")
+    except FileNotFoundError:
+        return {"rank": rank, "state": "missing", "detail": f"{path} does not exist"}
+    except OSError as e:
+        return {"rank": rank, "state": "unreadable", "detail": f"{type(e).__name__}: {e}"}
+    try:
+        header = json.loads(head)
+        owner = (header["format"], header["rank"], header["run_id"])
+    except (ValueError, KeyError, TypeError):
+        return {"rank": rank, "state": "corrupt", "detail": "header line unreadable"}
+    if owner != (FORMAT, rank, run_id):
+        return {"rank": rank, "state": "corrupt", "detail": f"header names {owner}, not rank "
+                                                            f"{rank} of run {run_id}"}
+    if len(body) != header["payload_bytes"] or len(body) != size_bytes:
+        return {"rank": rank, "state": "corrupt", "detail": f"{len(body)} payload bytes, "
+                                                            f"{size_bytes} written"}
+    want = payload(run_id, rank, size_bytes)
+    if body != want:
+        at = next(i for i, (a, b) in enumerate(zip(body, want)) if a != b)
+        summed = hashlib.sha256(body).hexdigest() == header["sha256"]
+        return {"rank": rank, "state": "corrupt",
+                "detail": f"first wrong byte at offset {at} of {size_bytes} (checksum "
+                          f"{'matches: written wrong' if summed else 'mismatch: bytes changed'})"}
+    if hashlib.sha256(body).hexdigest() != header["sha256"]:
+        return {"rank": rank, "state": "corrupt", "detail": "header checksum wrong, data intact"}
+    return {"rank": rank, "state": "ok", "detail": ""}
+
+
+def _save_checkpoint(ctx, path: str, opts: dict) -> dict:
+    state = model_state(opts["model_width"], opts["seed"])
+    ctx.faults.corrupt(state["weight"])  # rank 0 saves a wrong model
+    t = time.perf_counter()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(state, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)
+    except (OSError, RuntimeError) as e:
+        return {"error": f"{type(e).__name__}: {e}", "save_s": 0.0, "checkpoint_bytes": 0}
+    return {"error": None, "save_s": round(time.perf_counter() - t, 6),
+            "checkpoint_bytes": os.path.getsize(path)}
+
+
+def _load_checkpoint(path: str, opts: dict) -> dict:
+    t = time.perf_counter()
+    if not os.path.exists(path):
+        return {"state": "missing", "detail": f"{path} does not exist", "load_s": 0.0}
+    try:
+        got = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 — any unpickling failure is a finding, not a crash
+        return {"state": "unreadable", "detail": f"{type(e).__name__}: {e}"[:300], "load_s": 0.0}
+    load_s = round(time.perf_counter() - t, 6)
+    want = model_state(opts["model_width"], opts["seed"])
+    if not isinstance(got, dict) or got.keys() != want.keys():
+        return {"state": "corrupt", "detail": "keys differ from the saved state", "load_s": load_s}
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    detail = (f"tensor {bad[0]!r} differs by up to "
+              f"{(got[bad[0]].double() - want[bad[0]].double()).abs().max().item():.3g}"
+              if bad else "")
+    return {"state": "corrupt" if bad else "ok", "detail": detail, "load_s": load_s}
+
+
+def _remove(*paths: str) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:
+            pass  # never written, or already gone
+
+
+def run(ctx) -> dict:
+    """Write, barrier, read back (rank 0: every file; all: the checkpoint), barrier, clean up."""
+    opts = ctx.section("storage")
+    folder = os.path.join(os.path.abspath(ctx.storage_dir), f"ddp-smoke-{ctx.env.run_id}")
+    own, ckpt = os.path.join(folder, f"rank{ctx.rank}.bin"), os.path.join(folder, "checkpoint.pt")
+    obs = {"dir": folder, "fs_type": fs_type(ctx.storage_dir), "file_bytes": opts["file_bytes"],
+           "write": _write_own(ctx, own, opts["file_bytes"])}
+    if ctx.rank == 0:
+        obs["save"] = _save_checkpoint(ctx, ckpt, opts)
+    dist.barrier()  # every file and the checkpoint are on disk before anyone reads
+    if ctx.rank == 0:
+        t = time.perf_counter()
+        obs["files"] = [verify(os.path.join(folder, f"rank{r}.bin"), ctx.env.run_id, r,
+                               opts["file_bytes"]) for r in range(ctx.world_size)]
+        obs["read_all_s"] = round(time.perf_counter() - t, 6)
+    obs["load"] = _load_checkpoint(ckpt, opts)
+    dist.barrier()  # rank 0 has read every file before anyone deletes its own
+    _remove(own, *([ckpt] if ctx.rank == 0 else []))
+    for path in [folder] + ([ctx.storage_dir] if ctx.config.get("storage_dir") is None else []):
+        try:
+            os.rmdir(path)  # only when empty: the last rank to delete removes it
+        except OSError:
+            pass
+    return obs
+
+
+def _file_culprits(ev) -> list:
+    obs, out = ev.observations, []
+    failed = {r for r, o in enumerate(obs) if o["write"]["error"]}
+    out += [ev.culprit(r, f"unwritable: {obs[r]['write']['path']}: {obs[r]['write']['error']}")
+            for r in sorted(failed)]
+    found = {f["rank"]: f for f in obs[0]["files"] if f["rank"] not in failed}
+    missing = {r for r, f in found.items() if f["state"] == "missing"}
+    for r, f in sorted(found.items()):
+        if f["state"] in ("corrupt", "unreadable"):
+            out.append(ev.culprit(r, f"{f['state']}: its file, as rank 0 reads it: {f['detail']}"))
+        elif r in missing:
+            out.append(ev.culprit(r, _missing_reason(ev, r, missing, "its file")))
+    return out
+
+
+def _missing_reason(ev, rank: int, missing: set[int], what: str) -> str:
+    """'not shared' when rank's whole host is missing and rank 0's host is complete."""
+    host, host0, obs = ev.host(rank), ev.host(0), ev.observations
+    on_host = {r for r in range(ev.world_size) if ev.host(r) == host}
+    on_host0 = {r for r in range(ev.world_size) if ev.host(r) == host0}
+    if host != host0 and on_host <= missing and not on_host0 & missing:
+        return (f"not shared: {what} is missing on rank 0's host {host0}, as is every file "
+                f"written on {host}; {obs[rank]['dir']} ({obs[rank]['fs_type']} here, "
+                f"{obs[0]['fs_type']} on {host0}) is not one directory across hosts")
+    return f"missing: {what} was written but rank 0 on {host0} does not see it"
+
+
+def _checkpoint_culprits(ev) -> list:
+    obs, world = ev.observations, ev.world_size
+    if obs[0]["save"]["error"]:
+        return [ev.culprit(0, f"unwritable: could not save the checkpoint: "
+                              f"{obs[0]['save']['error']}")]
+    loads = {r: o["load"] for r, o in enumerate(obs) if o["load"]["state"] != "ok"}
+    unseen = {r for r, g in loads.items() if g["state"] == "missing" and ev.host(r) != ev.host(0)}
+    out = [ev.culprit(r, "not shared: cannot see the checkpoint rank 0 saved on "
+                         f"{ev.host(0)} ({loads[r]['detail']})") for r in sorted(unseen)]
+    wrong = {r: g for r, g in loads.items() if r not in unseen}
+    if len(wrong) >= 2 or (wrong and len(wrong) == world):
+        first = next(iter(wrong.values()))
+        out.append(ev.culprit(0, f"{first['state']}: the checkpoint it saved reads back wrong "
+                                 f"on ranks {sorted(wrong)}: {first['detail']}"))
+    else:
+        out += [ev.culprit(r, f"{g['state']}: the checkpoint, on this rank only: {g['detail']}")
+                for r, g in wrong.items()]
+    return out
+
+
+def judge(ev) -> CheckResult:
+    obs, world = ev.observations, ev.world_size
+    culprits = _file_culprits(ev) + _checkpoint_culprits(ev)
+    states = [f["state"] for f in obs[0]["files"]]
+    ckpt_bytes = obs[0]["save"]["checkpoint_bytes"]
+    summary = (f"{world} files of {obs[0]['file_bytes']} B and a {ckpt_bytes} B checkpoint "
+               f"round-tripped through {obs[0]['dir']} ({obs[0]['fs_type']})" if not culprits
+               else ", ".join(f"{n} {kind}" for kind, n in sorted(collections.Counter(
+                   c.reason.split(":")[0] for c in culprits).items())))
+    return CheckResult("storage", FAIL if culprits else PASS, summary=summary, culprits=culprits,
+                       figures={"dir": obs[0]["dir"], "fs_types": [o["fs_type"] for o in obs],
+                                "file_bytes": obs[0]["file_bytes"], "file_states": states,
+                                "checkpoint_bytes": ckpt_bytes,
+                                "write_s": [o["write"]["write_s"] for o in obs],
+                                "read_all_s": obs[0]["read_all_s"],
+                                "save_s": obs[0]["save"]["save_s"],
+                                "load_s": [o["load"]["load_s"] for o in obs]})
+

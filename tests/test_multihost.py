@@ -1,0 +1,214 @@
+"""Multi-host: real torchrun c10d rendezvous across network namespaces, one per "node".
+
+Each node is a network namespace with its own address on a private bridge and its own hostname
+(tests/sandbox/hosts.py). torchrun runs inside each with `--local-addr` and
+`GLOO_SOCKET_IFNAME=eth0`, exactly as on a cluster. The happy paths assert on rank 0's
+report.json; the failure paths assert that each ends within its bound, with a message that
+names the cause. A node whose torchrun fails makes the harness stop the others, as
+`srun --kill-on-bad-exit=1` does in the Slurm template.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.sandbox.hosts import Host, HostSandbox, sandbox_fixture
+
+PREFIX, SUBNET = "dsh", "10.231.1.0/24"
+NOBODY = "10.231.1.99"      # inside our subnet, held by no one: nothing answers there
+UNHELD = "10.231.1.10"      # likewise; sorts before .11, so its node becomes group rank 0
+STARTUP_S = 40              # torchrun + torch import on a loaded 2-core machine, generously
+KILL_GRACE_S = 5            # what srun --kill-on-bad-exit leaves the others before SIGKILL
+
+box = sandbox_fixture(PREFIX, SUBNET, 3)
+
+
+def _torchrun(host: Host, nnodes: int, nproc: int, endpoint: str, run_id: str,
+              rdzv_conf: str, worker: list[str], local_addr: str | None = None) -> list[str]:
+    """The torchrun command line for one node (torch.distributed.run is torchrun's module)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+            f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={run_id}", f"--local-addr={local_addr or host.addr}",
+            f"--rdzv-conf={rdzv_conf}", "--max-restarts=0", "-m", "ddp_smoke", *worker]
+
+
+def _env() -> dict[str, str]:
+    # One thread per rank: six ranks on two cores otherwise spend their time in contention.
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1"}
+
+
+class _Nodes:
+    """torchrun on several hosts; each node's output goes to a file under logs."""
+
+    def __init__(self, sandbox: HostSandbox, logs: Path):
+        self.sandbox, self.logs = sandbox, logs
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.t0 = time.monotonic()
+
+    def start(self, host: Host, argv: list[str]) -> None:
+        """Starts argv on host, output to logs/<host>.log."""
+        with open(self.logs / f"{host.name}.log", "wb") as out:
+            self.procs[host.name] = self.sandbox.popen(host, argv, env=_env(), stdout=out,
+                                                       stderr=subprocess.STDOUT)
+
+    def wait(self, timeout_s: float) -> dict[str, int]:
+        """Waits for every node; once one fails, stops the rest (like srun --kill-on-bad-exit).
+
+        Raises:
+            AssertionError: when timeout_s passes first (a hang), with each node's log tail.
+        """
+        deadline, killed_at = self.t0 + timeout_s, None
+        while time.monotonic() < deadline:
+            codes = {n: p.poll() for n, p in self.procs.items()}
+            if all(c is not None for c in codes.values()):
+                return codes
+            if killed_at is None and any(c not in (None, 0) for c in codes.values()):
+                killed_at = time.monotonic()
+                self._signal(signal.SIGTERM)
+            elif killed_at and time.monotonic() - killed_at > KILL_GRACE_S:
+                self._signal(signal.SIGKILL)
+            time.sleep(0.1)
+        self._signal(signal.SIGKILL)
+        pytest.fail(f"nodes still running after {timeout_s} s (a hang):\n{self.tails()}")
+
+    def _signal(self, sig: int) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, sig)  # our own session leader and its children, by PID
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def tails(self, lines: int = 25) -> str:
+        return "\n".join(f"--- {n}\n" + "\n".join(self.log(n).splitlines()[-lines:])
+                         for n in self.procs)
+
+
+def _run_job(box: HostSandbox, tmp_path: Path, nnodes: int, nproc: int, port: int) -> dict:
+    """Runs the worker on nnodes×nproc ranks; returns report.json plus the job's wall time."""
+    hosts, report_dir = box.hosts[:nnodes], tmp_path / "report"
+    worker = ["--backend", "gloo", "--checks", "environment,ddp_step", "--timeout", "60",
+              "--expect-nodes", str(nnodes), "--expect-world-size", str(nnodes * nproc),
+              "--report-dir", str(report_dir)]
+    nodes = _Nodes(box, tmp_path)
+    for host in hosts:
+        nodes.start(host, _torchrun(host, nnodes, nproc, f"{hosts[0].name}:{port}",
+                                    f"dsh-{nnodes}x{nproc}-{os.getpid()}",
+                                    "join_timeout=60,read_timeout=30", worker))
+    codes = nodes.wait(timeout_s=150)
+    assert set(codes.values()) == {0}, f"exit codes {codes}\n{nodes.tails()}"
+    report = json.loads((report_dir / "report.json").read_text())
+    print(f"\n{nnodes}x{nproc}: wall {nodes.elapsed():.1f} s, timings {report['timings']}")
+    return report
+
+
+def _assert_spans(report: dict, hosts: list[Host], nproc: int) -> None:
+    """The report shows the promised world, one record per (host, local_rank), right addresses."""
+    assert report["verdict"] == "pass", json.dumps(report["checks"], indent=1)
+    assert report["world_size"] == len(hosts) * nproc
+    assert report["nodes"] == len(hosts)
+    addr = {h.name: h.addr for h in hosts}
+    slots = sorted((r["host"], r["local_rank"]) for r in report["ranks"])
+    assert slots == sorted((h.name, i) for h in hosts for i in range(nproc))
+    for r in report["ranks"]:
+        assert r["addresses"]["eth0"] == addr[r["host"]], r
+        assert r["route_address"] == addr[r["host"]], r  # gloo's path leaves by eth0, not lo
+    assert [r["rank"] for r in report["ranks"]] == list(range(report["world_size"]))
+
+
+@pytest.mark.timeout(180)
+def test_two_nodes_two_procs(box, tmp_path):
+    report = _run_job(box, tmp_path, nnodes=2, nproc=2, port=29410)
+    _assert_spans(report, box.hosts[:2], nproc=2)
+    # torchrun gives the first node (the lowest address) the low ranks.
+    assert [r["host"] for r in report["ranks"]] == ["dsh-node1"] * 2 + ["dsh-node2"] * 2
+
+
+@pytest.mark.timeout(180)
+def test_three_nodes_one_proc(box, tmp_path):
+    report = _run_job(box, tmp_path, nnodes=3, nproc=1, port=29411)
+    _assert_spans(report, box.hosts, nproc=1)
+
+
+def _fast_fail(box, logs: Path, port, local_addrs, endpoint=None, nnodes=2) -> _Nodes:
+    """Starts a 1-proc-per-node job with 5 s rendezvous bounds on the hosts in local_addrs."""
+    logs.mkdir()
+    nodes = _Nodes(box, logs)
+    worker = ["--backend", "gloo", "--checks", "environment", "--timeout", "10",
+              "--report-dir", str(logs / "report")]
+    for host, local_addr in local_addrs.items():
+        nodes.start(host, _torchrun(host, nnodes, 1, endpoint or f"{box.hosts[0].name}:{port}",
+                                    f"dsh-fail-{port}-{os.getpid()}",
+                                    "join_timeout=5,read_timeout=5", worker, local_addr))
+    return nodes
+
+
+@pytest.fixture(scope="module")
+def failures(box, tmp_path_factory):
+    """The three misconfigurations, started together: each mostly waits out a 5 s bound.
+
+    Each test below waits for and judges its own; the sandbox's teardown stops leftovers.
+    """
+    logs = tmp_path_factory.mktemp("failures")
+    node1, node2 = box.hosts[:2]
+    return {
+        # Two nodes promised, one comes.
+        "never_joins": _fast_fail(box, logs / "never_joins", 29420, {node1: None}),
+        # The endpoint is an address nobody holds.
+        "no_one": _fast_fail(box, logs / "no_one", 29421, {node1: None},
+                             endpoint=f"{NOBODY}:29421"),
+        # Node 1 advertises an address it does not hold; sorting first, it is group rank 0.
+        "unreachable": _fast_fail(box, logs / "unreachable", 29422,
+                                  {node1: UNHELD, node2: None}),
+    }
+
+
+FAIL_BOUND_S = STARTUP_S + 5 + 15  # start-up, the 5 s rendezvous bound, exit
+
+
+@pytest.mark.timeout(120)
+def test_node_never_joins(box, failures):
+    """The rendezvous gives up after join_timeout; no worker ever starts."""
+    nodes, node1 = failures["never_joins"], box.hosts[0]
+    codes = nodes.wait(timeout_s=FAIL_BOUND_S)
+    assert codes[node1.name] != 0
+    assert "RendezvousTimeoutError" in nodes.log(node1.name), nodes.tails()
+    assert not (nodes.logs / "report" / "report.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_endpoint_points_to_no_one(box, failures):
+    """Nothing answers at the endpoint: the store connection fails after read_timeout."""
+    nodes, node1 = failures["no_one"], box.hosts[0]
+    codes = nodes.wait(timeout_s=FAIL_BOUND_S)
+    log = nodes.log(node1.name)
+    assert codes[node1.name] != 0
+    assert "RendezvousConnectionError" in log, nodes.tails()
+    assert f"({NOBODY}, 29421)" in log  # torch names the address it could not reach
+
+
+@pytest.mark.timeout(120)
+def test_node_advertises_unreachable_address(box, failures):
+    """Node 1, group rank 0, advertises an address it does not hold.
+
+    Its agent then blocks in torch's own TCPStore (300 s, not configurable) trying to reach
+    itself at that address; node 2 waits read_timeout for the MASTER_ADDR that node 1 never
+    publishes, fails, and the launcher (srun --kill-on-bad-exit in the template) stops node 1.
+    """
+    nodes, (node1, node2) = failures["unreachable"], box.hosts[:2]
+    codes = nodes.wait(timeout_s=FAIL_BOUND_S)
+    log2 = nodes.log(node2.name)
+    assert codes[node2.name] not in (0, -signal.SIGTERM, -signal.SIGKILL), nodes.tails()
+    assert "MASTER_ADDR" in log2 and "wait timeout" in log2, nodes.tails()
+    assert codes[node1.name] != 0  # stopped by the launcher, or failed on its own
