@@ -18,8 +18,13 @@ PIP  := $(PY) -m pip --disable-pip-version-check -q
 
 .DEFAULT_GOAL := help
 N          ?= 2
+IMAGE      ?= ddp-smoke:0.1.0
+BASE_IMAGE ?= pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime
+WHEELHOUSE ?=
+PY_VERSION ?= 3.12
 
-.PHONY: help venv smoke-local test lint clean sandbox-up sandbox-down slurm-up slurm-try slurm-down
+.PHONY: help venv smoke-local test lint clean sandbox-up sandbox-down slurm-up slurm-try slurm-down \
+        image wheelhouse image-test bench
 
 help:  ## list the verbs
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -42,6 +47,26 @@ smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC
 
 test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docker, manifests)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.test  ## shellcheck the scripts, hadolint the Dockerfile, parse the manifests
+	$(VENV)/bin/shellcheck slurm/*.sbatch docker/*.sh .ci/run
+	$(VENV)/bin/hadolint docker/Dockerfile
+	$(VENV)/bin/kubectl label --local -f k8s x=y -o name >/dev/null
+
+image:  ## build the worker image (IMAGE=…, BASE_IMAGE=…, WHEELHOUSE=wheelhouse: offline)
+	docker build -f docker/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) \
+	  --build-arg WHEELHOUSE=$(WHEELHOUSE) -t $(IMAGE) .
+
+wheelhouse:  ## wheels for an offline `make image WHEELHOUSE=wheelhouse` (PY_VERSION = the base's Python)
+	$(PYTHON) -m pip download --only-binary=:all: --python-version $(PY_VERSION) \
+	  --platform manylinux_2_28_x86_64 -d wheelhouse numpy pyyaml submitit setuptools
+
+image-test: $(VENV)/.test  ## build and run the image on a private Docker engine (root)
+	$(PY) -m pytest tests/test_docker.py $(PYTEST_ARGS)
+
+bench: $(VENV)/.runtime  ## timing benchmarks: smoke vs the bare tutorial, bandwidth vs an independent loop
+	$(PY) bench/smoke_vs_tutorial.py 5
+	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 bench/bandwidth_vs_loop.py --rounds 5
 
 sandbox-up:  ## N network-namespace "nodes" (dsh-node1 …) on a private bridge, to try multi-node by hand (root)
 	$(PYTHON) -m tests.sandbox.hosts up $(N)

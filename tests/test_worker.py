@@ -106,3 +106,17 @@ def test_help_is_the_manual_and_names_every_check():
         assert f"  {name} " in p.stdout
     for words in ("--report-dir", "--config", "--checks", "--timeout", "Exit status"):
         assert words in p.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("text, words", [
+    ("collectives: {dtypes: [float8]}\n", "'collectives.dtypes' = 'float8'"),
+    ("sampler_epochs: {epochs: 1}\n", "'sampler_epochs.epochs' = 1"),
+    ("bandwidth: {collectives: [all_sum]}\n", "'bandwidth.collectives'"),
+    ("storage: {file_bytes: 0}\n", "'storage.file_bytes' = 0"),
+    ("profile: h900-8gpu\n", "h900-8gpu"),
+])
+def test_bad_check_options_exit_2_before_any_rank_waits(tmp_path, text, words):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    assert words in _one_line_exit_2(single("--config", str(cfg), report_dir=tmp_path / "r"))

@@ -339,6 +339,11 @@ def run(cfg: dict[str, Any]) -> int:
     if any(f.rank >= env.world_size for f in faults):
         raise ConfigError(f"key 'fault' = {cfg['fault']!r}: rank out of range for "
                           f"WORLD_SIZE={env.world_size}")
+    for name in cfg["checks"]:  # imports cost seconds (DDP pulls in torch._dynamo): not timed
+        validate = getattr(checks.load(name), "validate", None)
+        if validate:  # bad options: exit 2 on every rank, before anyone waits for anyone
+            validate(cfg.get(name, {}))
+    coord_t0 = time.monotonic()
     backend = runtime.pick_backend(cfg["backend"])
     timeout = float(cfg["timeout"])
     rdir = default_report_dir(cfg, env.run_id)
@@ -353,11 +358,10 @@ def run(cfg: dict[str, Any]) -> int:
                f"within {timeout} s: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
                code=1)
     coord.backend, coord.report_dir = backend, rdir
-    coord.timings["connect_store_s"] = round(time.monotonic() - t0, 4)
+    coord.timings["load_checks_s"] = round(coord_t0 - t0, 4)
+    coord.timings["connect_store_s"] = round(time.monotonic() - coord_t0, 4)
     _start_threads(coord)
 
-    for name in cfg["checks"]:  # imports cost seconds (DDP pulls in torch._dynamo): not timed
-        checks.load(name)
     device = runtime.bind_device(backend, env.local_rank)
     store = coord.store
     store.set(f"rank/{env.rank}", json.dumps(runtime.rank_record(env, device)))

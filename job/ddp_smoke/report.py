@@ -116,6 +116,7 @@ def write_atomic(path: str, text: str) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the report from the rest of the team
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

@@ -12,8 +12,9 @@ proves, the culprit it can name, when it skips) and which defines two functions:
     Runs on rank 0 only, with every rank's observation (:class:`ddp_smoke.harness.Evidence`),
     and decides status, summary, figures and culprits. Pure: no collectives, no I/O.
 
-A check's options live in ``defaults.yaml`` under a section named after it, so they are
-validated like every other key.
+A check's options live in ``defaults.yaml`` under a section named after it, so their types are
+validated like every other key; an optional ``validate(section)`` raises ConfigError for bad
+values, which the harness calls on every rank before connecting (exit 2, one line).
 """
 import importlib
 

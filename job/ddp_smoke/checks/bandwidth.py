@@ -45,7 +45,6 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 def run(ctx) -> dict:
     """Sweep the sizes, then test node pairs; return this rank's timings."""
     cfg = ctx.section("bandwidth")
-    _validate(cfg)
     profile = profiles.load(profiles.selected(ctx.config))
     clock = Clock(ctx.device, ctx.faults)
     nodes = _node_of_each_rank(ctx)
@@ -59,7 +58,8 @@ def run(ctx) -> dict:
             "sweep_s": sweep_s, "pairs_s": time.monotonic() - t}
 
 
-def _validate(cfg: dict) -> None:
+def validate(cfg: dict) -> None:
+    """Reject bad options before any rank connects (exit 2, one line)."""
     bad = [c for c in cfg["collectives"] if c not in SWEPT]
     if bad or not cfg["collectives"]:
         raise ConfigError(f"key 'bandwidth.collectives' = {cfg['collectives']!r}: expected "

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..config import ConfigError
 from ..report import FAIL, PASS, SKIP, CheckResult
 
 OPS = ("all_reduce_sum", "all_reduce_max", "all_gather", "reduce_scatter", "broadcast",
@@ -215,11 +216,19 @@ def _run_case(run: _Runner, case: Case) -> dict:
 def _dtypes(ctx, opts) -> list[str]:
     names = list(opts["dtypes"]) + (list(opts["cuda_dtypes"]) if ctx.device.type == "cuda"
                                     else [])
-    unknown = [d for d in names if d not in EXACT_UP_TO]
-    if unknown:
-        raise ValueError(f"collectives.dtypes: {unknown[0]!r} is not one of "
-                         f"{', '.join(EXACT_UP_TO)}")
     return list(dict.fromkeys(names))
+
+
+def validate(opts: dict) -> None:
+    """Reject bad options before any rank connects (exit 2, one line)."""
+    for key in ("dtypes", "cuda_dtypes"):
+        unknown = [d for d in opts[key] if d not in EXACT_UP_TO]
+        if unknown:
+            raise ConfigError(f"key 'collectives.{key}' = {unknown[0]!r}: expected one of "
+                              f"{', '.join(EXACT_UP_TO)}")
+    if not opts["sizes_bytes"] or min(opts["sizes_bytes"]) < 1:
+        raise ConfigError(f"key 'collectives.sizes_bytes' = {opts['sizes_bytes']!r}: expected "
+                          "one or more sizes >= 1")
 
 
 def run(ctx) -> dict:

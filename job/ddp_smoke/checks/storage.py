@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..config import ConfigError
 from ..report import FAIL, PASS, CheckResult
 
 FORMAT = "ddp-smoke-storage/1"
@@ -154,6 +155,13 @@ def _remove(*paths: str) -> None:
             os.remove(path)
         except OSError:
             pass  # never written, or already gone
+
+
+def validate(opts: dict) -> None:
+    """Reject bad options before any rank connects (exit 2, one line)."""
+    for key in ("file_bytes", "model_width"):
+        if opts[key] < 1:
+            raise ConfigError(f"key 'storage.{key}' = {opts[key]!r}: expected an integer >= 1")
 
 
 def run(ctx) -> dict:

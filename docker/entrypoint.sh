@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# ddp-smoke image entrypoint: turns `docker run IMAGE [ARGS]` into a torchrun launch of the worker.
+#
+#   docker run IMAGE                              single-node smoke: torchrun --standalone,
+#                                                 one rank per visible GPU (2 ranks on CPU)
+#   docker run IMAGE -- --checks ddp_step         the same, with worker options after `--`
+#   docker run IMAGE --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+#                    --rdzv-id=JOB --local-addr=ADDR -- --expect-nodes 2
+#                                                 launchers: torchrun options, then `--`, then
+#                                                 worker options (see `python -m ddp_smoke --help`)
+#   docker run IMAGE bash | python … | torchrun … anything not starting with `-` runs as given
+#
+# Defaults added only when absent (so a launcher's own value always wins):
+#   --standalone --local-addr=127.0.0.1   when no torchrun option is given at all
+#   --nproc-per-node=gpu|2     unless given or PET_NPROC_PER_NODE is set (torchrun reads it)
+#   --report-dir $DDP_SMOKE_REPORT_DIR   (image default /reports; set it empty to leave the
+#                              worker's own default or a --config file's value alone)
+set -euo pipefail
+
+# A command, not options: run it as is (shells, debugging, Kubernetes `command:` overrides).
+if [[ $# -gt 0 && "$1" != -* ]]; then
+    exec "$@"
+fi
+
+torchrun_args=()
+worker_args=()
+while [[ $# -gt 0 ]]; do
+    if [[ "$1" == "--" ]]; then
+        shift
+        worker_args=("$@")
+        break
+    fi
+    torchrun_args+=("$1")
+    shift
+done
+
+has_option() {  # has_option NAME ARGS…: true when ARGS contain --NAME or --NAME=…
+    local name="$1" arg
+    shift
+    for arg in "$@"; do
+        [[ "$arg" == "--$name" || "$arg" == "--$name="* ]] && return 0
+    done
+    return 1
+}
+
+# One node: everything stays on loopback. Without --local-addr torchrun advertises the hostname,
+# which does not resolve in every container (`--network none` has no entry for it) and then
+# stalls for the store's 300 s connect timeout.
+if [[ ${#torchrun_args[@]} -eq 0 ]]; then
+    torchrun_args=(--standalone --local-addr=127.0.0.1)
+fi
+
+# nvidia-smi is mounted by the NVIDIA container toolkit only when GPUs are given (--gpus);
+# torchrun's "gpu" then counts the devices torch can use (CUDA_VISIBLE_DEVICES included).
+if ! has_option nproc-per-node "${torchrun_args[@]}" \
+        && ! has_option nproc_per_node "${torchrun_args[@]}" \
+        && [[ -z "${PET_NPROC_PER_NODE:-}" ]]; then
+    if command -v nvidia-smi > /dev/null 2>&1 && nvidia-smi -L 2> /dev/null | grep -q '^GPU '; then
+        torchrun_args+=(--nproc-per-node=gpu)
+    else
+        torchrun_args+=(--nproc-per-node=2)
+    fi
+fi
+
+if [[ -n "${DDP_SMOKE_REPORT_DIR:-}" ]] \
+        && ! has_option report-dir "${worker_args[@]}" \
+        && ! has_option report_dir "${worker_args[@]}"; then
+    worker_args+=(--report-dir "$DDP_SMOKE_REPORT_DIR")
+fi
+
+# Printed so that a pod or job log shows exactly what ran.
+echo "+ torchrun ${torchrun_args[*]} -m ddp_smoke ${worker_args[*]}" >&2
+exec python -m torch.distributed.run "${torchrun_args[@]}" -m ddp_smoke "${worker_args[@]}"

