@@ -1,0 +1,295 @@
+"""Kubernetes layer 3 (issue 8): the manifests' pods, run for real, rendezvous and pass.
+
+For ``k8s/`` (the PyTorchJob) and ``k8s/indexed-job/`` (the operator-free Indexed Job): the
+manifests are loaded as ``kubectl apply -f`` reads them, edited as the README tells a user to
+(image, 2 nodes, no GPU, 1 process per pod), and ``tests/k8s_operator.py`` computes each pod as
+the Training Operator v1.9.4 / the Job controller and the kubelet would build it: argv after
+``$(VAR)`` expansion, the final env (the operator's appended variables, ``JOB_COMPLETION_INDEX``,
+downward-API values such as the pod IP), hostname, mounts, user. Each pod then runs on the real
+Docker engine of ``tests/sandbox/docker.py`` as a container of the image built from ``docker/``,
+in its own network namespace on a private bridge, with exactly that and nothing else:
+
+* argv, env, hostname: the computed ones (``command`` replaces the image's ENTRYPOINT);
+* names: every name cluster DNS would answer (the per-pod headless Services of the operator;
+  ``<job>-<i>.<svc>`` of the Indexed Job's Service) and the pod's own FQDN, as /etc/hosts lines;
+* ConfigMap volumes: the ConfigMap's files written to a host folder, mounted read-only (0644 files,
+  as the kubelet writes them);
+* emptyDir volumes: a host folder per pod, mode 2777 group fsGroup (the kubelet's emptyDir with
+  an ``fsGroup``); the memory emptyDir at /dev/shm: ``--shm-size`` of its ``sizeLimit``;
+* securityContext: ``--user runAsUser:runAsGroup``, ``--group-add fsGroup``, capabilities
+  dropped/added as written, ``no-new-privileges`` for ``allowPrivilegeEscalation: false``,
+  Docker's default seccomp profile for ``RuntimeDefault``; ``runAsNonRoot`` checked as the
+  kubelet does. Anything else in a securityContext fails the test instead of being ignored.
+
+Not run: the operator's init container (``alpine:3.10``, ``nslookup <job>-master-0``), which no
+offline machine can pull; its one effect, the Worker starting after the Master exists, is kept by
+starting the Master first. The Indexed Job's pods are started highest index first: the Job
+controller promises no order, and the pod that hosts the c10d store starting last is the worst
+case. Resource requests/limits are not applied (16 CPUs do not exist here); cluster DNS is a
+static table, so names that a real cluster answers only once a pod is Ready answer at once here.
+
+The pods must rendezvous (c10d, over real TCP between the namespaces) and the pod that ran rank 0
+must hold ``report.json`` in its /reports and print it as the ``ddp-smoke-report.json: `` log
+line that the manifests' headers tell users to grep: verdict pass, 2 ranks on 2 nodes, hosts =
+the pods' hostnames. The checks are the ConfigMaps' own list, unedited.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests import k8s_operator as ko
+from tests.sandbox import hosts
+from tests.sandbox.docker import (REPO, BuiltImage, Container, PodNetwork,  # noqa: F401
+                                  docker_engine, wait_all, worker_image)
+
+# The first test of a session pays for a cold image build (≈ 3–4 min, see test_docker.py); a warm
+# run takes well under a minute per job. Every wait below has its own, shorter bound.
+pytestmark = pytest.mark.timeout(900)
+
+PREFIX, SUBNET = "dsk", "10.231.4.0/24"  # this file's own pods, bridge and addresses
+NODES, NPROC = 2, 1
+RUN_TIMEOUT_S = 240  # a 2-pod run of the ConfigMap's checks takes < 1 min; a hang must end
+REPORT_LINE = "ddp-smoke-report.json: "
+# securityContext keys this file turns into `docker run` options (or checks); any other key fails.
+SECURITY_KEYS = {"runAsUser", "runAsGroup", "runAsNonRoot", "fsGroup", "fsGroupChangePolicy",
+                 "seccompProfile", "allowPrivilegeEscalation", "privileged", "capabilities"}
+
+
+@pytest.fixture
+def k8s_net(docker_engine, worker_image: BuiltImage):
+    """A PodNetwork with this file's prefix and subnet, removed after the test."""
+    reason = hosts.missing_requirements()
+    if reason:
+        pytest.skip(reason)
+    with PodNetwork(docker_engine, worker_image.tag, prefix=PREFIX, subnet=SUBNET) as net:
+        yield net
+
+
+# -- from a computed pod to `docker run` options ---------------------------------------------------
+
+def _pod_spec(docs: list[dict[str, Any]], pod: ko.Pod) -> dict[str, Any]:
+    """The pod template's spec that ``pod`` was made from (for the pod-level securityContext)."""
+    job = next(d for d in docs if d["kind"] in ("PyTorchJob", "Job"))
+    if job["kind"] == "PyTorchJob":
+        return job["spec"]["pytorchReplicaSpecs"][pod.replica]["template"]["spec"]
+    return job["spec"]["template"]["spec"]
+
+
+def _security_options(pod_spec: dict[str, Any], pod: ko.Pod) -> tuple[str, list[str]]:
+    """``--user`` value and further ``docker run`` options for the pod's securityContexts.
+
+    Pod-level fields apply unless the container sets them (the kubelet's merge); the kubelet
+    refuses to start a container whose runAsNonRoot contradicts its user.
+    """
+    (container,) = pod_spec["containers"]
+    pod_sc, ctr_sc = pod_spec.get("securityContext", {}), container.get("securityContext", {})
+    merged = {**pod_sc, **ctr_sc}
+    unknown = set(merged) - SECURITY_KEYS
+    assert not unknown, f"securityContext fields this test does not emulate: {sorted(unknown)}"
+    assert pod.run_as_user is not None and pod.run_as_group is not None, (
+        "runAsUser/runAsGroup unset: the pod would run as the image's user; write them")
+    if merged.get("runAsNonRoot"):
+        assert pod.run_as_user != 0, "runAsNonRoot with runAsUser 0: the kubelet refuses it"
+    extra = []
+    if "fsGroup" in pod_sc:  # the kubelet adds fsGroup to the container's supplementary groups
+        extra.append(f"--group-add={pod_sc['fsGroup']}")
+    caps = merged.get("capabilities", {})
+    extra += [f"--cap-drop={c}" for c in caps.get("drop", [])]
+    extra += [f"--cap-add={c}" for c in caps.get("add", [])]
+    if merged.get("allowPrivilegeEscalation") is False:
+        extra.append("--security-opt=no-new-privileges")
+    assert not merged.get("privileged"), "privileged pods are not run here"
+    seccomp = merged.get("seccompProfile", {}).get("type", "RuntimeDefault")
+    assert seccomp == "RuntimeDefault", f"seccompProfile {seccomp} is not emulated"
+    # RuntimeDefault = the runtime's default profile: Docker applies its own unless told not to.
+    return f"{pod.run_as_user}:{pod.run_as_group}", extra
+
+
+def _volumes(pod: ko.Pod, pod_spec: dict[str, Any], root: Path) -> tuple[list[str], str, dict]:
+    """Host folders for the pod's mounts: ``-v`` values, /dev/shm size, mount path → host folder."""
+    root.mkdir(parents=True)
+    fs_group = pod_spec.get("securityContext", {}).get("fsGroup")
+    binds, shm_size, host_of = [], None, {}
+    for i, mount in enumerate(pod.mounts):
+        if mount.kind == "memory":
+            assert mount.path == "/dev/shm", f"memory emptyDir at {mount.path}: not emulated"
+            assert mount.size_limit_bytes, "a memory emptyDir without sizeLimit is unbounded"
+            shm_size = str(mount.size_limit_bytes)  # bytes; Docker's unit-less default
+            continue
+        folder = root / f"vol{i}"
+        folder.mkdir()
+        if mount.kind == "configMap":
+            # The kubelet writes each key as a file, mode 0644 (defaultMode), in a folder every
+            # user can read, and mounts configMap volumes read-only whatever the pod says.
+            for name, text in mount.files.items():
+                (folder / name).write_text(text)
+                (folder / name).chmod(0o644)
+            folder.chmod(0o755)
+            binds.append(f"{folder}:{mount.path}:ro")
+        elif mount.kind == "emptyDir":
+            # The kubelet creates an emptyDir 0777; with fsGroup it then gives it that group
+            # and the setgid bit, so files made in it keep the group.
+            if fs_group is not None:
+                os.chown(folder, 0, fs_group)
+            folder.chmod(0o777 if fs_group is None else 0o2777)
+            binds.append(f"{folder}:{mount.path}{':ro' if mount.read_only else ''}")
+        else:
+            pytest.fail(f"volume kind {mount.kind} at {mount.path}: not emulated here")
+        host_of[mount.path] = folder
+    assert shm_size, "no memory emptyDir at /dev/shm: the runtime's 64 MiB default would apply"
+    return binds, shm_size, host_of
+
+
+def _host_path(host_of: dict[str, Path], path: str) -> Path:
+    """The host path of a path inside the container, through its bind mounts."""
+    for inside, folder in sorted(host_of.items(), key=lambda kv: -len(kv[0])):
+        if path == inside or path.startswith(inside.rstrip("/") + "/"):
+            return folder / os.path.relpath(path, inside)
+    raise AssertionError(f"{path} is on no volume: it dies with the container")
+
+
+# -- one job, run -----------------------------------------------------------------------------------
+
+def _customized(folder: Path, image: str) -> list[dict[str, Any]]:
+    """The folder's manifests with the README's edits for this machine (CPU, 2 nodes, 1 rank)."""
+    docs = ko.customize(ko.load_manifests(folder), image=image, nodes=NODES, gpus_per_node=0,
+                        nproc_per_node=NPROC)
+    job = next(d for d in docs if d["kind"] in ("PyTorchJob", "Job"))
+    templates = ([r["template"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
+                 if job["kind"] == "PyTorchJob" else [job["spec"]["template"]])
+    for container in (c for t in templates for c in t["spec"]["containers"]):
+        resources = container.get("resources", {})  # the README's CPU edit: no GPU request left
+        assert not any("nvidia.com/gpu" in resources.get(k, {}) for k in ("requests", "limits"))
+    return docs
+
+
+def _config_checks(docs: list[dict[str, Any]]) -> list[str]:
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    return yaml.safe_load(config["data"]["config.yaml"])["checks"]
+
+
+def _run_job(net: PodNetwork, docs: list[dict[str, Any]], pods: list[ko.Pod],
+             ips: dict[str, str], start_order: list[ko.Pod], tmp_path: Path) -> dict[str, Any]:
+    """Runs every pod, waits, and returns {name: {status, logs, host_of, pod}} per pod."""
+    runs: dict[str, dict[str, Any]] = {}
+    for pod in pods:
+        spec = _pod_spec(docs, pod)
+        user, security = _security_options(spec, pod)
+        binds, shm_size, host_of = _volumes(pod, spec, tmp_path / pod.name)
+        net_pod = net.add_pod(pod.hostname, ips[pod.name],
+                              etc_hosts=ko.etc_hosts(pod, pods, ips))
+        runs[pod.name] = dict(pod=pod, net_pod=net_pod, host_of=host_of, opts=dict(
+            command=pod.argv, env=pod.env, volumes=binds, user=user, shm_size=shm_size,
+            extra=security))
+    containers: dict[str, Container] = {}
+    start = time.monotonic()
+    for pod in start_order:
+        run = runs[pod.name]
+        containers[pod.name] = net.run(run["net_pod"], pod.image, **run["opts"])
+    statuses = wait_all([containers[p.name] for p in pods], RUN_TIMEOUT_S)
+    elapsed = time.monotonic() - start
+    for pod, status in zip(pods, statuses):
+        runs[pod.name].update(status=status, logs=containers[pod.name].logs())
+    runs["_elapsed_s"] = elapsed
+    return runs
+
+
+def _describe(runs: dict[str, Any]) -> str:
+    """Every pod's `docker run` essentials, exit status and log, for an assertion message."""
+    parts = [f"elapsed {runs['_elapsed_s']:.1f} s"]
+    for name, run in runs.items():
+        if name.startswith("_"):
+            continue
+        parts.append(f"--- pod {name} (hostname {run['pod'].hostname}, exit {run['status']}) "
+                     f"argv: {shlex.join(run['pod'].argv)[:200]}…\n{run['logs'][-6000:]}")
+    return "\n".join(parts)
+
+
+def _assert_passing_report(runs: dict[str, Any], pods: list[ko.Pod],
+                           checks: list[str]) -> dict[str, Any]:
+    """The pod that ran rank 0 kept report.json in /reports and logged it; it says pass."""
+    info = _describe(runs)
+    assert [runs[p.name]["status"] for p in pods] == [0] * len(pods), info
+    holders = []
+    for pod in pods:
+        path = _host_path(runs[pod.name]["host_of"], f"{pod.env['REPORT_DIR']}/report.json")
+        lines = [ln for ln in runs[pod.name]["logs"].splitlines() if ln.startswith(REPORT_LINE)]
+        if path.exists():
+            holders.append(pod)
+            assert path.stat().st_uid == pod.run_as_user, "report not written as runAsUser"
+            report = json.loads(path.read_text())
+            assert len(lines) == 1, info
+            assert json.loads(lines[0][len(REPORT_LINE):]) == report, info  # the log = the file
+        else:
+            assert lines == [], info  # a pod without the report prints no report line
+    assert len(holders) == 1, f"report.json in {[p.name for p in holders]}\n{info}"
+    assert (report["verdict"], report["world_size"], report["nodes"], report["backend"]) == (
+        "pass", NODES * NPROC, NODES, "gloo"), info
+    assert sorted(r["host"] for r in report["ranks"]) == sorted(p.hostname for p in pods), info
+    assert sorted(r["rank"] for r in report["ranks"]) == list(range(NODES * NPROC))
+    assert {r["local_rank"] for r in report["ranks"]} == {0}
+    assert [(c["name"], c["status"]) for c in report["checks"]] == [
+        (name, "pass") for name in checks], info
+    return report
+
+
+def _ips(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """Pod name → address in this file's subnet (.11, .12, …), in the controllers' order."""
+    net = ipaddress.ip_network(SUBNET)
+    return {name: str(net[11 + i]) for i, name in enumerate(ko.pod_names(docs))}
+
+
+# -- the tests --------------------------------------------------------------------------------------
+
+def test_pytorchjob_pods_rendezvous_and_pass(k8s_net: PodNetwork, worker_image: BuiltImage,
+                                             tmp_path):
+    docs = _customized(REPO / "k8s", worker_image.tag)
+    ips = _ips(docs)
+    pods = ko.compute_pods(docs, pod_ips=ips)
+    master, worker = pods
+    # What the operator gives the pods, from the manifest alone (nothing set by this test).
+    assert (master.hostname, worker.hostname) == ("ddp-smoke-master-0", "ddp-smoke-worker-0")
+    for pod in pods:
+        assert (pod.env["MASTER_ADDR"], pod.env["MASTER_PORT"], pod.env["PET_NNODES"],
+                pod.env["PET_NPROC_PER_NODE"], pod.env["WORLD_SIZE"]) == (
+            "ddp-smoke-master-0", "29400", "2", "1", "2"), pod.env
+        assert pod.env["POD_IP"] == ips[pod.name] and pod.image == worker_image.tag
+    assert (master.env["RANK"], worker.env["RANK"]) == ("0", "1")
+    # The one part not run: the Worker's init container waits for the Master's name.
+    assert master.init_containers == []
+    (init,) = worker.init_containers
+    assert init["image"] == ko.INIT_IMAGE and "nslookup ddp-smoke-master-0" in init["argv"][-1]
+
+    runs = _run_job(k8s_net, docs, pods, ips, start_order=[master, worker], tmp_path=tmp_path)
+    _assert_passing_report(runs, pods, _config_checks(docs))
+
+
+def test_indexed_job_pods_rendezvous_and_pass(k8s_net: PodNetwork, worker_image: BuiltImage,
+                                              tmp_path):
+    docs = _customized(REPO / "k8s" / "indexed-job", worker_image.tag)
+    ips = _ips(docs)
+    pods = ko.compute_pods(docs, pod_ips=ips)
+    assert [(p.hostname, p.env["JOB_COMPLETION_INDEX"]) for p in pods] == [
+        ("ddp-smoke-indexed-0", "0"), ("ddp-smoke-indexed-1", "1")]
+    for pod in pods:
+        assert pod.env["RDZV_ENDPOINT"] == "ddp-smoke-indexed-0.ddp-smoke-indexed:29400"
+        assert (pod.env["NNODES"], pod.env["NPROC_PER_NODE"], pod.env["POD_IP"]) == (
+            "2", "1", ips[pod.name])
+        # Index 0's Service name resolves in every pod, before anything is Ready.
+        assert ko.etc_hosts(pod, pods, ips)["ddp-smoke-indexed-0.ddp-smoke-indexed"] == ips[
+            pods[0].name]
+    assert not pods[0].dns_requires_ready  # publishNotReadyAddresses: true
+    assert pods[0].fqdn == "ddp-smoke-indexed-0.ddp-smoke-indexed.default.svc.cluster.local"
+
+    # No order among an Indexed Job's pods: the store's host (index 0) starts last here.
+    runs = _run_job(k8s_net, docs, pods, ips, start_order=pods[::-1], tmp_path=tmp_path)
+    _assert_passing_report(runs, pods, _config_checks(docs))
