@@ -190,7 +190,8 @@ def runs(tmp_path_factory):
     agent = [str(BIN / "torchrun"), "--nnodes=3", "--nproc-per-node=1", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=perf-{port}",
              "--local-addr=127.0.0.1", "--max-restarts=0"]
-    faults = "1:slow@compute,1:slow=30@bandwidth,0:corrupt@bandwidth"
+    # slow=10: far outside the CPU straggler margin even with three ranks on two loaded cores
+    faults = "1:slow=10@compute,1:slow=30@bandwidth,0:corrupt@bandwidth"
     plans = {"sweep": [standalone + common], "faults": [agent + common + ["--fault", faults]] * 3}
     procs = {name: [_start(argv + ["--config", str(base / f"{name}.yaml"),
                                    "--report-dir", str(base / name)], base / f"{name}-{i}.log")
@@ -209,7 +210,10 @@ def runs(tmp_path_factory):
 def _start(argv: list[str], log: Path) -> subprocess.Popen:
     with open(log, "w") as f:
         return subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env={**os.environ})
+                                stdin=subprocess.DEVNULL,
+                                # torchrun sets it only for nproc-per-node > 1; without it each
+                                # single-rank agent's matmul spins threads on both shared cores
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _wait(p: subprocess.Popen, deadline: float) -> int:

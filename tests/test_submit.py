@@ -32,7 +32,8 @@ def test_local_fault_raises_with_the_culprit_and_the_report(tmp_path):
 
 def test_plan_renders_slurm_parameters_and_refuses_node_local_folders(tmp_path):
     p = plan("slurm", nodes=2, procs_per_node=4, gpus_per_node=4, partition="gpu",
-             account="ops", folder=REPO / ".sandbox" / "x", container_image="img:1")
+             account="ops", folder=REPO / ".sandbox" / "x", container_image="img:1",
+             allow_local_folder=True)  # the checkout itself may live under /tmp (CI)
     assert p.parameters["nodes"] == 2 and p.parameters["tasks_per_node"] == 4
     assert p.parameters["slurm_partition"] == "gpu" and p.parameters["gpus_per_node"] == 4
     assert "--container-image=img:1" in p.parameters["slurm_srun_args"]
@@ -47,7 +48,8 @@ def test_plan_renders_slurm_parameters_and_refuses_node_local_folders(tmp_path):
 def test_cli_dry_run_and_bad_input():
     cli = [sys.executable, "-m", "ddp_smoke.submit"]
     dry = subprocess.run(cli + ["--cluster", "slurm", "--nodes", "2", "--folder",
-                                str(REPO / ".sandbox" / "dry"), "--dry-run", "--", *QUICK],
+                                str(REPO / ".sandbox" / "dry"), "--allow-local-folder",
+                                "--dry-run", "--", *QUICK],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert dry.returncode == 0 and "nodes=2" in dry.stdout and "--checks" in dry.stdout
     bad = subprocess.run(cli + ["--", "--checks", "nope"], capture_output=True, text=True,
