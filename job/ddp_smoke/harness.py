@@ -118,8 +118,8 @@ class _Coordinator:
     def abort(self, store, kind: str, detail: dict | None = None) -> None:
         """Tell everyone the run stops, and why, from this rank's point of view."""
         body = {"rank": self.env.rank, "kind": kind, "stage": self.stage, **(detail or {})}
-        try:
-            store.set(f"abort/{self.env.rank}", json.dumps(body))
+        try:  # the first reason stands: a SIGTERM after an error must not hide the error
+            store.compare_set(f"abort/{self.env.rank}", "", json.dumps(body))
             store.add("abort", 1)
         except Exception:  # noqa: BLE001 — the store host may be gone; nothing left to tell
             pass
