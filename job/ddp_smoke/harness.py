@@ -264,7 +264,7 @@ class _Watchdog(threading.Thread):
         self.coord, self.wakeup_fd = coord, wakeup_fd
 
     def run(self) -> None:
-        c, store, rank = self.coord, self.coord.wd_store, self.coord.env.rank
+        c, store = self.coord, self.coord.wd_store
         try:
             while not c.stop.is_set():
                 if select.select([self.wakeup_fd], [], [], BEAT_S)[0]:
@@ -281,15 +281,19 @@ class _Watchdog(threading.Thread):
                 return
             _leave(f"lost the coordination store at {c.env.master_addr}:{c.env.master_port} "
                    f"({type(e).__name__}); rank 0 or its node is gone", code=1)
-        if rank == 0:
-            if c.finalize(store, aborted=True) is None:
-                return  # the main thread finished the report first and owns the exit
+        _exit_aborted(c, store)  # returns only when the main thread owns the exit
+
+
+def _exit_aborted(c: _Coordinator, store) -> None:
+    """Leave an aborted run with status 1, from the main thread or the watchdog.
+
+    Rank 0 writes the report first; it returns instead when the other thread is writing it
+    (that thread then owns the exit). Other ranks wait briefly for rank 0's report.
+    """
+    if c.env.rank == 0:
+        if c.finalize(store, aborted=True) is not None:
             _leave(None, code=1)
-        _leave_aborted(c, store)
-
-
-def _leave_aborted(c: _Coordinator, store) -> None:
-    """A non-zero rank's way out of an aborted run: wait briefly for rank 0's report, exit 1."""
+        return
     if _wait_final(store, FINAL_WAIT_S) is None:
         _leave(f"run aborted at {c.stage}, and rank 0 wrote no report: rank 0 "
                f"({c.ranks[0]['host'] if c.ranks else c.env.master_addr}) is gone or stuck",
@@ -384,11 +388,9 @@ def run(cfg: dict[str, Any]) -> int:
     except Exception as e:  # noqa: BLE001 — init or harness failure on this rank
         coord.abort(store, "error", _error_detail(e))
     if coord.aborted(store):
-        if env.rank == 0 and coord.finalize(store, aborted=True) is None:
-            time.sleep(FINAL_WAIT_S)  # the watchdog is finishing the report and owns the exit
-        if env.rank == 0:
-            _leave(None, code=1)
-        _leave_aborted(coord, store)
+        _exit_aborted(coord, store)
+        time.sleep(FINAL_WAIT_S)  # the watchdog is finishing the report and owns the exit
+        return 1
     if env.rank != 0:
         verdict = _wait_final(store, timeout + FINAL_WAIT_S)
         _shut_down(coord)
