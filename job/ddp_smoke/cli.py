@@ -52,9 +52,19 @@ def _manual() -> str:
     return __doc__.format(checks="\n".join(lines))
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are ConfigErrors: one line and exit 2, like every other
+    bad input, instead of argparse's usage block."""
+
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+    def error(self, message: str):
+        raise ConfigError(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddp_smoke", description=_manual(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m ddp_smoke", description=_manual())
     p.add_argument("--report-dir", metavar="DIR",
                    help="where rank 0 writes report.json and junit.xml (default reports/<run id>)")
     p.add_argument("--config", metavar="FILE.yaml",
@@ -82,9 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_config(argv: list[str] | None = None) -> dict:
     """Flags and ``--config`` into the effective config; ConfigError on any mistake."""
-    parser = _parser()
-    parser.error = lambda message: (_ for _ in ()).throw(ConfigError(message))  # one line, exit 2
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k != "config"}
     if flags["checks"] is not None:
         flags["checks"] = [c.strip() for c in flags["checks"].split(",") if c.strip()]

@@ -21,7 +21,6 @@ submitit's eyes. On timeout the job is cancelled and SmokeTimeout raised.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -246,8 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(prog="ddp-smoke-submit", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .cli import Parser, parse_config
+
+    ap = Parser(prog="ddp-smoke-submit", description=__doc__)
     ap.add_argument("--cluster", choices=CLUSTERS, default="local")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--procs-per-node", type=int, default=2)
@@ -261,7 +261,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--allow-local-folder", action="store_true")
     ap.add_argument("--wait-timeout", type=float, default=900, metavar="SECONDS")
     ap.add_argument("--dry-run", action="store_true", help="print what would be submitted")
-    ap.error = lambda message: (_ for _ in ()).throw(ConfigError(message))
     try:
         a = ap.parse_args(ours)
         kwargs = dict(nodes=a.nodes, procs_per_node=a.procs_per_node,
@@ -271,7 +270,6 @@ def main(argv: list[str] | None = None) -> None:
         if a.dry_run:
             print(plan(a.cluster, **kwargs))
             sys.exit(0)
-        from .cli import parse_config
         parse_config(worker)  # bad worker options fail here, not in every task
         report = submit(a.cluster, wait_timeout_s=a.wait_timeout, **kwargs)
     except ConfigError as e:
