@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +20,8 @@ from torch.utils.data.distributed import DistributedSampler
 from ddp_smoke.checks import collectives, sampler_epochs, storage
 from ddp_smoke.harness import Evidence
 from ddp_smoke.report import FAIL, PASS, SKIP
+from tests import launch
 
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 RUN_TIMEOUT_S = 100  # one torchrun; the worker's own --timeout bounds each wait inside it
 MY_CHECKS = "sampler_epochs,collectives,storage"
 # Fault runs need no large size: a wrong element is found the same way (and 4 MB costs seconds).
@@ -297,18 +294,12 @@ def test_verify_reads_real_files(tmp_path):
 
 def torchrun(report_dir: Path, nproc: int, *args: str) -> tuple[int, dict, str]:
     """Run the worker under torchrun; return its exit status, report.json, and its output."""
-    if not TORCHRUN.exists():
-        pytest.skip(f"{TORCHRUN} not found: run the tests with the venv's python (make test)")
-    cmd = [str(TORCHRUN), "--standalone", f"--nproc-per-node={nproc}", "-m", "ddp_smoke",
-           "--backend", "gloo", "--timeout", "60", "--report-dir", str(report_dir), *args]
-    proc = subprocess.run(cmd, cwd=report_dir.parent, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    path = report_dir / "report.json"
-    log = report_dir.parent / "torchrun.log"
-    log.write_text(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    output = f"exit {proc.returncode}, whole log in {log}\n{proc.stderr}"
-    assert path.exists(), f"no report; {output[-3000:]}"
-    return proc.returncode, json.loads(path.read_text()), output
+    run = launch.torchrun(nproc, "--backend", "gloo", "--timeout", "60", *args,
+                          report_dir=report_dir, timeout_s=RUN_TIMEOUT_S,
+                          env={"OMP_NUM_THREADS": "1"})
+    output = f"exit {run.returncode}\n{run.stdout}\n{run.stderr}"
+    assert run.report is not None, f"no report; {output[-3000:]}"
+    return run.returncode, run.report, output
 
 
 def checks_by_name(report: dict) -> dict:
