@@ -60,3 +60,84 @@ def _run(cmd, report_dir, timeout_s, env) -> Run:
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
                        env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
     return Run(p.returncode, p.stdout, p.stderr, time.monotonic() - t, Path(report_dir))
+
+
+class Spawned:
+    """A torchrun launch in the background whose ranks a test can watch and signal.
+
+    Static rendezvous on a chosen port (``--master-port``): the agent hosts the store there,
+    so the test reads each rank's heartbeat (stage, collective progress) like rank 0 does.
+    """
+
+    def __init__(self, nproc: int, *args: str, report_dir: Path, env: dict | None = None):
+        self.port, self.report_dir, self.nproc = free_port(), Path(report_dir), nproc
+        cmd = [str(BIN / "torchrun"), "--nnodes=1", f"--nproc-per-node={nproc}",
+               "--master-addr=127.0.0.1", f"--master-port={self.port}",
+               "-m", "ddp_smoke", "--report-dir", str(report_dir), *args]
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})},
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self._store = None
+
+    def wait_until(self, predicate, timeout_s: float = 90) -> None:
+        """Poll ``predicate(beats)`` (every rank's heartbeat) until true."""
+        if self._store is None:
+            self._store = Heartbeats("127.0.0.1", self.port, self.nproc)
+        self._store.wait_until(predicate, timeout_s, self.proc)
+
+    def worker_pid(self, rank: int) -> int:
+        """PID of the worker process of ``rank`` (a child of the torchrun agent)."""
+        for child in Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split():
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                return int(child)
+        raise AssertionError(f"no worker of rank {rank} under agent {self.proc.pid}")
+
+    def finish(self, timeout_s: float = 120) -> Run:
+        """Wait for the launch to end by itself; the run as :class:`Run`."""
+        try:
+            out, err = self.proc.communicate(timeout=timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.communicate()
+        return Run(self.proc.returncode, out, err, time.monotonic() - self.t0, self.report_dir)
+
+
+class Heartbeats:
+    """Read the ranks' heartbeats (stage, collective progress) from the coordination store,
+    as rank 0 does: how a test knows a run is mid-check before it strikes."""
+
+    def __init__(self, addr: str, port: int, world_size: int):
+        self.addr, self.port, self.world_size = addr, port, world_size
+        self._store = None
+
+    def beat(self, rank: int) -> dict | None:
+        import datetime
+
+        import torch.distributed as dist
+        if self._store is None:
+            self._store = dist.TCPStore(self.addr, self.port, is_master=False,
+                                        timeout=datetime.timedelta(seconds=10),
+                                        wait_for_workers=False)
+        key = f"ddp_smoke/0/beat/{rank}"
+        return json.loads(self._store.get(key)) if self._store.check([key]) else None
+
+    def wait_until(self, predicate, timeout_s: float = 90, proc=None) -> list[dict]:
+        """Poll ``predicate(beats)`` (every rank's last heartbeat) until true; return them."""
+        end, beats = time.monotonic() + timeout_s, []
+        while time.monotonic() < end:
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"launch ended early ({proc.returncode})")
+            try:
+                beats = [self.beat(r) for r in range(self.world_size)]
+            except Exception:  # noqa: BLE001 — the store is not up yet
+                self._store, beats = None, []
+            if beats and all(beats) and predicate(beats):
+                return beats
+            time.sleep(0.1)
+        raise AssertionError(f"condition not reached in {timeout_s} s: {beats}")

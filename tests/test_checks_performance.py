@@ -108,6 +108,13 @@ def test_two_pass_attribution_blames_nodes_and_links():
     assert perf.attribute(after, 0.25)["nodes"] == [5]
 
 
+def test_link_suspects_are_measured_again_before_blame():
+    # 0-1 was slow once while both nodes were fine with everyone else: a link suspect is
+    # measured again in pass 2 (a busy moment on a shared host is not a bad link).
+    link = {(0, 1): 2.0, (0, 2): 10.0, (0, 3): 10.0, (1, 2): 10.0, (1, 3): 9.5, (2, 3): 10.0}
+    assert perf.second_pass(4, link, 0.25, 3) == [[(0, 1)]]
+
+
 def test_bandwidth_judge_applies_floors_and_says_by_how_much():
     # 8 ranks, 1 node, all_reduce of 1e9 B in 1 s: algbw 1 GB/s, busbw 1.75 GB/s
     row = {"collective": "all_reduce", "size_bytes": 10 ** 9, "count": 250_000_000,

@@ -31,7 +31,8 @@ def test_contract_keys_and_nodes(tmp_path):
     for key in ("verdict", "world_size", "nodes", "backend", "ranks", "checks", "timings"):
         assert key in data
     assert data["nodes"] == 2 and data["verdict"] == "fail"
-    assert data["checks"][1]["culprits"] == [{"rank": 1, "host": "node2", "reason": "slow"}]
+    assert data["checks"][1]["culprits"] == [{"rank": 1, "host": "node2", "reason": "slow",
+                                              "ranks": None, "hosts": None, "where": None}]
     assert sorted(os.listdir(tmp_path)) == ["junit.xml", "report.json"]  # no temp files left
 
 

@@ -1,17 +1,25 @@
-"""The harness: runs the selected checks on every rank, bounds every wait, gathers to rank 0.
+"""The harness: runs the selected checks on every rank, bounds every wait, gathers the report.
 
 Coordination goes through the launcher's TCPStore, never through the backend under test, so it
 works the same for gloo and NCCL and still works when a collective is stuck:
 
-* each rank posts its identity, then for every check: arrives (a store counter, polled with a
-  deadline, the idea of gloo's ``monitored_barrier``), runs the check, posts its observation
-  as JSON; rank 0 waits for all observations with a deadline and judges;
-* a watchdog thread per rank, on its own store connection, beats a counter, watches the
-  deadline, the shared abort flag and SIGTERM (through a wakeup fd, because the main thread may
-  sit inside a C++ collective where Python signal handlers cannot run);
-* any rank that errs, times out or is terminated posts an abort with its reason; rank 0 then
-  judges from evidence (who raised, whose heartbeat stopped, who never arrived, who never
-  finished), writes the report with what was measured, and every rank exits 1.
+* each rank posts its identity; the ranks agree on the backend; then for every check each
+  rank arrives (a per-rank key plus one counter; the last to arrive raises a flag the others
+  poll — O(1) store work per poll), runs the check, posts its observation as JSON; rank 0
+  waits for the observation counter with a deadline, reads them in one call and judges;
+* a heartbeat thread per rank publishes, on its own store connection, a beat counter, the
+  stage and the rank's collective progress (:mod:`ddp_smoke.comm`);
+* a watchdog thread per rank, on its own connection, watches the deadline, the shared abort
+  flag and termination signals (SIGTERM, SIGINT, SIGUSR1, SIGUSR2 arrive through a wakeup fd,
+  because the main thread may sit inside a C++ collective where Python handlers cannot run);
+* any rank that errs, times out or is terminated posts an abort with its reason; every live
+  rank then leaves its forensics (:mod:`ddp_smoke.forensics`), and the report's writer judges
+  from the evidence (:mod:`ddp_smoke.blame`), writes the report with what was measured, and
+  every rank exits 1.
+
+The writer is rank 0; when rank 0 is gone (its heartbeat stopped) the lowest surviving rank
+takes over, from the results rank 0 posted to the store as it judged each check. When the
+store itself is gone, each surviving rank prints one JSON line of what it knows on stderr.
 """
 from __future__ import annotations
 
@@ -31,14 +39,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import __version__, checks, plot, runtime, summary
+from . import __version__, blame, checks, comm, forensics, plot, runtime, summary
 from .config import ConfigError, report_dir as default_report_dir
 from .faults import Injector, parse_faults
 from .report import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict, write_report
 
 BEAT_S = 0.25          # heartbeat period; a rank silent for DEAD_AFTER_S is taken as dead
 DEAD_AFTER_S = 1.5
-FINAL_WAIT_S = 10.0    # how long a non-zero rank waits for rank 0's report after an abort
+FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
+TAKEOVER_S = 3 * DEAD_AFTER_S  # rank 0 silent this long, before writing: a survivor writes
+STORE_OPS_PER_S = 20000  # polling budget on the one store: pauses grow with the world size
+TERMINATING = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", signal.SIGUSR1: "SIGUSR1",
+               signal.SIGUSR2: "SIGUSR2"}
 # Messages of backend errors seen by a rank whose peer vanished: the rank is a victim.
 _COMM_MARKERS = ("Connection closed by peer", "Connection reset by peer", "gloo/transport",
                  "Broken pipe", "NCCL communicator was aborted", "Timed out waiting")
@@ -84,6 +96,10 @@ class Evidence:
         """A culprit with the host filled in from the rank's identity."""
         return Culprit(rank, None if rank is None else self.host(rank), reason)
 
+    def link_culprit(self, a: int, b: int, reason: str) -> Culprit:
+        """The link between ranks ``a`` and ``b``: both ends named, neither convicted."""
+        return Culprit(None, None, reason, ranks=[a, b], hosts=[self.host(a), self.host(b)])
+
     def section(self, name: str | None = None) -> dict[str, Any]:
         return self.config.get(name or self.name, {})
 
@@ -93,7 +109,7 @@ class _Stop(Exception):
 
 
 class _Coordinator:
-    """Store keys and the once-only finalisation shared by the main and watchdog threads."""
+    """Store protocol and the once-only finalisation shared by the main and watchdog threads."""
 
     def __init__(self, env, cfg, connect, started_at, t0):
         self.env, self.cfg, self.checks = env, cfg, cfg["checks"]
@@ -101,23 +117,43 @@ class _Coordinator:
         self.store = connect(may_host=True)        # main thread's (rank 0 may host the store)
         self.wd_store = connect(may_host=False)    # watchdog's: a blocked call must not block it
         self.beat_store = connect(may_host=False)  # heartbeat's: it beats until the process ends
-        self.stage = "init"
-        self.deadline: float | None = None
+        self._lock = threading.Lock()  # guards stage/deadline: read as one snapshot
+        self._stage, self._deadline = "init", None
         self.results: list[CheckResult] = []
         self.timings: dict[str, float] = {}
         self.ranks: list[dict] = []
         self.backend = "?"
         self.report_dir = ""
-        self._lock = threading.Lock()
         self.finalized = False
         self.leaving = False  # set once this rank has its verdict: store errors are expected now
         self.stop = threading.Event()  # ends the heartbeat and watchdog threads on a clean exit
         self.threads: list[threading.Thread] = []
+        self.pause_max = max(0.05, min(BEAT_S, env.world_size / STORE_OPS_PER_S))
+        self._forensics: dict | None = None
+
+    # -- phase, read as one snapshot by the watchdog -------------------------------------
+    def enter(self, stage: str, deadline_s: float | None) -> None:
+        with self._lock:
+            self._stage = stage
+            self._deadline = None if deadline_s is None else time.monotonic() + deadline_s
+
+    def phase(self) -> tuple[str, float | None]:
+        with self._lock:
+            return self._stage, self._deadline
+
+    @property
+    def stage(self) -> str:
+        return self.phase()[0]
+
+    def expired(self) -> bool:
+        deadline = self.phase()[1]
+        return deadline is not None and time.monotonic() > deadline
 
     # -- posting -------------------------------------------------------------------------
     def abort(self, store, kind: str, detail: dict | None = None) -> None:
         """Tell everyone the run stops, and why, from this rank's point of view."""
-        body = {"rank": self.env.rank, "kind": kind, "stage": self.stage, **(detail or {})}
+        body = {"rank": self.env.rank, "kind": kind, "stage": self.stage, "at": time.time(),
+                **(detail or {})}
         try:  # the first reason stands: a SIGTERM after an error must not hide the error
             store.compare_set(f"abort/{self.env.rank}", "", json.dumps(body))
             store.add("abort", 1)
@@ -127,41 +163,104 @@ class _Coordinator:
     def aborted(self, store) -> bool:
         return store.add("abort", 0) > 0
 
-    def wait_all(self, store, prefix: str, what: str) -> None:
-        """Poll until ``prefix/<r>`` exists for every rank, or raise _Stop (abort/deadline)."""
-        keys = [f"{prefix}/{r}" for r in range(self.env.world_size)]
-        pause = 0.001
-        while not store.check(keys):
-            if self.aborted(store):
-                raise _Stop
-            if self.deadline is not None and time.monotonic() > self.deadline:
+    def arrive(self, store, prefix: str, what: str) -> None:
+        """Post ``prefix/<rank>`` and wait until every rank has (or raise _Stop)."""
+        store.set(f"{prefix}/{self.env.rank}", "1")
+        if store.add(prefix, 1) == self.env.world_size:
+            store.set(f"{prefix}/all", "1")  # the last to arrive tells everyone at once
+        self.wait_flag(store, f"{prefix}/all", what)
+
+    def wait_flag(self, store, key: str, what: str, watch=None) -> None:
+        """Poll one key, with backoff, until it exists; raise _Stop on abort or deadline.
+        ``watch()``, if given, runs about once a second and may raise _Stop itself."""
+        pause, checked, watched = 0.001, time.monotonic(), time.monotonic()
+        while not store.check([key]):
+            if time.monotonic() - checked > BEAT_S:
+                checked = time.monotonic()
+                if self.aborted(store):
+                    raise _Stop
+            if watch and time.monotonic() - watched > 1.0:
+                watched = time.monotonic()
+                watch()
+            if self.expired():
                 self.abort(store, "timeout", {"waiting_for": what})
                 raise _Stop
             time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, self.pause_max)
 
-    # -- rank 0 ----------------------------------------------------------------------------
+    def gather(self, store, name: str) -> list[dict]:
+        """Rank 0: every rank's observation of ``name``, read in one call once all are in.
+
+        While it waits, rank 0 watches the heartbeats of the ranks still missing: one silent
+        for DEAD_AFTER_S (killed, frozen, cut off) stops the run now, not at the deadline.
+        """
+        silence = _Silence(DEAD_AFTER_S)
+
+        def watch():
+            missing = [r for r in range(self.env.world_size)
+                       if not store.check([f"obs/{name}/{r}"])]
+            gone = silence.update({r: (_beat_of(store, r) or {}).get("n") for r in missing})
+            if gone:
+                self.abort(store, "lost", {"silent": gone, "waiting_for": f"{name} results"})
+                raise _Stop
+
+        self.wait_flag(store, f"obs/{name}/all", f"every rank to finish {name}", watch)
+        return [json.loads(v) for v in
+                store.multi_get([f"obs/{name}/{r}" for r in range(self.env.world_size)])]
+
+    def post_observation(self, store, name: str, obs: dict) -> None:
+        store.set(f"obs/{name}/{self.env.rank}", json.dumps(obs))
+        if store.add(f"obs/{name}", 1) == self.env.world_size:
+            store.set(f"obs/{name}/all", "1")
+
+    # -- the report's writer ---------------------------------------------------------------
     def finalize(self, store, aborted: bool) -> Report | None:
-        """Rank 0 writes the report once; returns it, or None if it was already written."""
+        """Write the report once; returns it, or None if this process already wrote it."""
         with self._lock:
             if self.finalized:
                 return None
             self.finalized = True
+        try:
+            store.compare_set("writer", "", str(self.env.rank))
+        except Exception:  # noqa: BLE001 — the store is gone; write what this rank knows
+            pass
         if aborted:
             self._judge_abort(store)
         self.timings["total_s"] = round(time.monotonic() - self.t0, 4)
         report = Report(version=__version__, started_at=self.started_at, backend=self.backend,
                         world_size=self.env.world_size, ranks=self._identities(store),
                         checks=self._with_unrun(), config=self.cfg, timings=self.timings,
-                        error=self._first_error(store) if aborted else None)
-        path = write_report(report, self.report_dir)
-        plot.write_busbw_png(report, self.report_dir)  # only with matplotlib installed
-        summary.print_report(report, path)
+                        error=self._first_error(store) if aborted else None,
+                        forensics=self._all_forensics(store) if aborted else [])
         try:
+            path = write_report(report, self.report_dir)
+            plot.write_busbw_png(report, self.report_dir)  # only with matplotlib installed
+        except OSError as e:  # full, over quota, read-only, stale NFS handle: keep the report
+            path = f"(not written: {e})"
+            print(f"ddp-smoke: error: cannot write the report in {self.report_dir}: "
+                  f"{e.strerror or e}; the report follows as one JSON line", file=sys.stderr)
+            print(json.dumps(report.to_dict(), separators=(",", ":")), file=sys.stderr)
+        summary.print_report(report, path)
+        try:  # always, so that the other ranks leave now with the verdict
             store.set("final", report.verdict)
         except Exception:  # noqa: BLE001
             pass
         return report
+
+    def post_result(self, store, result: CheckResult) -> None:
+        """Rank 0 keeps each judged result in the store too: a survivor may have to write."""
+        self.results.append(result)
+        try:
+            store.set(f"result/{result.name}", json.dumps(dataclasses.asdict(result)))
+        except Exception:  # noqa: BLE001 — the report is still written from memory
+            pass
+
+    def adopt_results(self, store) -> None:
+        """A survivor that writes the report takes rank 0's judged results from the store."""
+        if self.env.rank == 0:
+            return
+        self.results = [check_from_dict(json.loads(got)) for name in self.checks
+                        if (got := _try_get(store, f"result/{name}"))]
 
     def _identities(self, store) -> list[dict]:
         if len(self.ranks) == self.env.world_size:
@@ -171,6 +270,7 @@ class _Coordinator:
             got = _try_get(store, f"rank/{r}")
             out.append(json.loads(got) if got else {"rank": r, "local_rank": None, "host": None,
                                                      "missing": "never connected to the store"})
+        self.ranks = out
         return out
 
     def _with_unrun(self) -> list[CheckResult]:
@@ -189,47 +289,68 @@ class _Coordinator:
         return {"rank": None, "host": None, "type": "Aborted",
                 "message": f"run aborted at {self.stage}", "stage": self.stage}
 
+    def _all_forensics(self, store) -> list[dict]:
+        out = []
+        for r in range(self.env.world_size):
+            got = _try_get(store, f"forensics/{r}")
+            if got:
+                out.append({"rank": r, "host": self.ranks[r].get("host") if r < len(self.ranks)
+                            else None, **json.loads(got)})
+        return out
+
     def _judge_abort(self, store) -> None:
-        """Name the culprits of the stage where the run stopped, from positive evidence."""
+        """Name the culprits of the stage where the run stopped (:mod:`ddp_smoke.blame`)."""
         stage = self.stage
         world = range(self.env.world_size)
-        reasons = {r: json.loads(g) for r in world if (g := _try_get(store, f"abort/{r}"))}
-        connected = {r for r in world if store.check([f"rank/{r}"])}
-        arrive = "rank" if stage == "init" else f"arrive/{stage}"
-        arrived = {r for r in world if store.check([f"{arrive}/{r}"])}
-        finished = {r for r in world if store.check([f"obs/{stage}/{r}"])}
-        dead = _dead_ranks(store, sorted(connected - {0}), exclude={
-            r for r, a in reasons.items() if a["kind"] == "terminated"})
         ids = self._identities(store)
-
-        def who(r, why):
-            return Culprit(r, ids[r].get("host"), why)
-
-        never = [who(r, f"never connected to the store at {self.env.master_addr}:"
-                        f"{self.env.master_port} (not started, or cannot reach it)")
-                 for r in world if r not in connected]
-        raised = [who(r, f"raised {a.get('type')}: {a.get('message')}")
-                  for r, a in sorted(reasons.items()) if a["kind"] == "error" and not a.get("comm")]
-        died = [who(r, f"died during {stage} (no heartbeat for {DEAD_AFTER_S} s)"
-                       if r in arrived else f"died before arriving at {stage}") for r in dead]
-        timeout = self.cfg["timeout"]
-        absent = [who(r, f"did not arrive at {stage} within {timeout} s (process alive: hung?)")
-                  for r in connected if r not in arrived and r not in dead]
-        stuck = [who(r, f"did not finish {stage} within {timeout} s (process alive)")
-                 for r in world if r in arrived and r not in finished and r not in dead
-                 and r not in reasons]
-        comm = [who(r, f"communication failure: {a.get('message')}")
-                for r, a in sorted(reasons.items()) if a["kind"] == "error" and a.get("comm")]
-        culprits = (raised + died + never) or absent or stuck or comm or [
-            Culprit(None, None, "aborted: " + "; ".join(f"rank {r} {a['kind']}"
-                                                        for r, a in sorted(reasons.items())))]
-        figures = {"arrived": sorted(arrived), "finished": sorted(finished), "dead": sorted(dead),
+        connected = {r for r in world if store.check([f"rank/{r}"])}
+        terminated = set()
+        reasons = {}
+        for r in world:
+            if got := _try_get(store, f"abort/{r}"):
+                reasons[r] = json.loads(got)
+                if reasons[r]["kind"] == "terminated":
+                    terminated.add(r)
+        dead, beats = _dead_ranks(store, sorted(connected), exclude=terminated)
+        reasons.update({r: json.loads(g) for r in world if r not in reasons
+                        and (g := _try_get(store, f"abort/{r}"))})  # posted while we waited
+        arrive = "connect" if stage == "init" else f"arrive/{stage}"
+        snap = blame.Snapshot(
+            stage=stage, world_size=self.env.world_size, timeout_s=float(self.cfg["timeout"]),
+            hosts=[i.get("host") for i in ids], connected=connected,
+            arrived={r for r in world if store.check([f"{arrive}/{r}"])},
+            finished={r for r in world if store.check([f"obs/{stage}/{r}"])},
+            dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != "stopped"},
+            progress=beats,
+            where={r: f["where"] for r in world if (g := _try_get(store, f"forensics/{r}"))
+                   and (f := json.loads(g)).get("where")},
+            store=f"{self.env.master_addr}:{self.env.master_port}", dead_after_s=DEAD_AFTER_S)
+        verdict = blame.judge(snap)
+        figures = {"arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
+                   "dead": sorted(dead), "victims": verdict.victims,
+                   "progress": {str(r): p for r, p in sorted(beats.items())},
                    "aborts": [reasons[r] for r in sorted(reasons)]}
         judged = {c.name for c in self.results}
         # Outside a check (process-group init, between checks) the run itself failed: "launch".
         name = stage if stage in self.checks and stage not in judged else "launch"
+        culprits = verdict.culprits
         self.results.append(CheckResult(name, FAIL, summary=f"stopped at {stage}: "
-                                        f"{culprits[0].reason}", culprits=culprits, figures=figures))
+                                        f"{culprits[0].reason}", culprits=culprits,
+                                        figures=figures))
+
+    # -- every live rank, on an abort ------------------------------------------------------
+    def leave_forensics(self, store) -> None:
+        """Once per process: stacks, Flight Recorder, where the main thread is."""
+        with self._lock:
+            if self._forensics is not None:
+                return
+            self._forensics = {}
+        found = forensics.dump(self.report_dir or ".", self.env.rank)
+        self._forensics = found
+        try:
+            store.set(f"forensics/{self.env.rank}", json.dumps(found))
+        except Exception:  # noqa: BLE001 — the store is gone; the files are still there
+            pass
 
 
 def _try_get(store, key: str) -> bytes | None:
@@ -239,25 +360,51 @@ def _try_get(store, key: str) -> bytes | None:
         return None
 
 
-def _dead_ranks(store, world, exclude) -> list[int]:
-    """Ranks whose heartbeat did not move over DEAD_AFTER_S (terminated ones excluded)."""
-    before = {r: store.add(f"beat/{r}", 0) for r in world}
+def _beat_of(store, rank: int) -> dict | None:
+    got = _try_get(store, f"beat/{rank}")
+    return json.loads(got) if got else None
+
+
+class _Silence:
+    """Which ranks' heartbeat counters have not moved for ``after_s``."""
+
+    def __init__(self, after_s: float):
+        self.after_s, self.last = after_s, {}
+
+    def update(self, beats: dict) -> list[int]:
+        now = time.monotonic()
+        for r, n in beats.items():
+            if r not in self.last or self.last[r][0] != n:
+                self.last[r] = (n, now)
+        return sorted(r for r in beats if now - self.last[r][1] > self.after_s)
+
+
+def _dead_ranks(store, ranks, exclude) -> tuple[list[int], dict[int, dict]]:
+    """Ranks whose heartbeat did not move over DEAD_AFTER_S (``exclude``d ones left out), and
+    every rank's last published progress."""
+    before = {r: _beat_of(store, r) for r in ranks}
     time.sleep(DEAD_AFTER_S)
-    return [r for r in world if r not in exclude and store.add(f"beat/{r}", 0) == before[r]]
+    after = {r: _beat_of(store, r) or before[r] for r in ranks}
+    dead = [r for r in ranks if r not in exclude
+            and (after[r] or {}).get("n") == (before[r] or {}).get("n")]
+    return dead, {r: p for r, p in after.items() if p}
 
 
-def _beat(store, rank: int, stop: threading.Event) -> None:
-    """Heartbeat thread: proves this process is alive until it exits, whatever else it does."""
+def _beat(c: _Coordinator) -> None:
+    """Heartbeat thread: proves this process is alive, and publishes where it is."""
+    store, n = c.beat_store, 0
     try:
-        while not stop.is_set():
-            store.add(f"beat/{rank}", 1)
-            stop.wait(BEAT_S)
+        while not c.stop.is_set():
+            n += 1
+            store.set(f"beat/{c.env.rank}", json.dumps({"n": n, "t": time.time(),
+                                                         "stage": c.stage, **comm.progress()}))
+            c.stop.wait(BEAT_S)
     except Exception:  # noqa: BLE001 — the store is gone; the watchdog reports that
         return
 
 
 class _Watchdog(threading.Thread):
-    """Enforces the deadline, reacts to aborts and SIGTERM even while main is stuck."""
+    """Enforces the deadline, reacts to aborts and signals even while main is stuck."""
 
     def __init__(self, coord: _Coordinator, wakeup_fd: int):
         super().__init__(name="ddp-smoke-watchdog", daemon=True)
@@ -268,61 +415,97 @@ class _Watchdog(threading.Thread):
         try:
             while not c.stop.is_set():
                 if select.select([self.wakeup_fd], [], [], BEAT_S)[0]:
-                    os.read(self.wakeup_fd, 64)
-                    c.abort(store, "terminated", {"signal": "SIGTERM"})
-                if c.deadline is not None and time.monotonic() > c.deadline:
+                    got = [s for s in os.read(self.wakeup_fd, 64) if s in TERMINATING]
+                    if got:
+                        c.abort(store, "terminated", {"signal": TERMINATING[got[0]]})
+                if c.expired():
                     c.abort(store, "timeout", {"waiting_for": c.stage})
                 if c.aborted(store):
                     break
             else:
                 return  # clean exit: the main thread stopped us
-        except Exception as e:  # noqa: BLE001 — the store is gone: rank 0's side ended
+            _exit_aborted(c, store)  # returns only when the main thread owns the exit
+        except Exception as e:  # noqa: BLE001 — never die silently (the store is gone?)
             if c.leaving:
                 return
-            _leave(f"lost the coordination store at {c.env.master_addr}:{c.env.master_port} "
-                   f"({type(e).__name__}); rank 0 or its node is gone", code=1)
-        _exit_aborted(c, store)  # returns only when the main thread owns the exit
+            _give_up(c, e)
+
+
+def _give_up(c: _Coordinator, e: BaseException) -> None:
+    """The coordination store is gone (rank 0 hosted it, or its node is lost), or leaving
+    failed otherwise: say what this rank knows as one JSON line on stderr, and leave."""
+    stage, store = c.stage, f"{c.env.master_addr}:{c.env.master_port}"
+    lost = isinstance(e, (RuntimeError, OSError))  # c10d's store errors are RuntimeErrors
+    print(json.dumps({"ddp_smoke_rank": c.env.rank, "run_id": c.env.run_id, "stage": stage,
+                      "progress": comm.progress(), "error": f"{type(e).__name__}: {e}"[:300],
+                      "store": store, "aborted": True}), file=sys.stderr)
+    _leave(f"lost the coordination store at {store} during {stage} ({type(e).__name__}); "
+           "rank 0 or its node is gone" if lost else
+           f"could not finish the aborted run at {stage}: {type(e).__name__}: {e}", code=1)
 
 
 def _exit_aborted(c: _Coordinator, store) -> None:
     """Leave an aborted run with status 1, from the main thread or the watchdog.
 
-    Rank 0 writes the report first; it returns instead when the other thread is writing it
-    (that thread then owns the exit). Other ranks wait briefly for rank 0's report.
+    Every live rank leaves its forensics first. The writer (rank 0, or the lowest survivor
+    when rank 0 is gone) writes the report; it returns instead when the other thread of this
+    process is writing it (that thread then owns the exit).
     """
-    if c.env.rank == 0:
-        if c.finalize(store, aborted=True) is not None:
-            _leave(None, code=1)
-        return
-    if _wait_final(store, FINAL_WAIT_S) is None:
-        _leave(f"run aborted at {c.stage}, and rank 0 wrote no report: rank 0 "
-               f"({c.ranks[0]['host'] if c.ranks else c.env.master_addr}) is gone or stuck",
-               code=1)
-    _leave(f"run aborted at {c.stage}; rank 0 wrote the report", code=1)
+    try:
+        c.leave_forensics(store)
+        if c.env.rank == 0 or _await_report(c, store, FINAL_WAIT_S) == "write":
+            c.adopt_results(store)
+            if c.finalize(store, aborted=True) is not None:
+                _leave(None, code=1)
+            return
+    except Exception as e:  # noqa: BLE001 — the store went away while leaving
+        _give_up(c, e)
+    _leave(f"run aborted at {c.stage}; the report was written", code=1)
 
 
-def _wait_final(store, timeout_s: float) -> str | None:
-    """Wait for rank 0's verdict while rank 0's heartbeat moves; say goodbye once read.
+def _await_report(c: _Coordinator, store, timeout_s: float) -> str | None:
+    """Wait for the report's verdict; return it, or ``"write"`` when this rank must write
+    the report itself.
 
-    Returns None when rank 0 wrote nothing within ``timeout_s`` or its heartbeat stopped
-    for DEAD_AFTER_S (it died: no reason to wait out the whole bound).
+    Rank 0 writes, and claims the ``writer`` key when it starts. A rank that has not claimed
+    it and whose heartbeat stopped for TAKEOVER_S is gone: the lowest rank still waiting
+    here claims it instead (one compare-and-set decides). A claimed writer is waited for as
+    long as its heartbeat moves, then ``timeout_s`` more; after that this rank leaves with
+    status 1, saying so.
     """
-    end = time.monotonic() + timeout_s
-    beat, beat_at = -1, time.monotonic()
+    me = c.env.rank
+    store.set(f"waiting/{me}", "1")  # alive and waiting: a candidate writer
+    watch, seen, seen_at = 0, None, time.monotonic()
+    end, pause = seen_at + timeout_s, 0.01
     while time.monotonic() < end:
-        try:
-            if store.check(["final"]):
-                store.add("bye", 1)
-                return store.get("final").decode()
-            now_beat = store.add("beat/0", 0)
-        except Exception:  # noqa: BLE001 — rank 0 hosted the store and is gone
-            return None
-        if now_beat != beat:
-            beat, beat_at = now_beat, time.monotonic()
-        elif time.monotonic() - beat_at > DEAD_AFTER_S:
-            return None
-        time.sleep(0.05)
+        if store.check(["final"]):
+            store.add("bye", 1)
+            return store.get("final").decode()
+        writer = _try_get(store, "writer")
+        if writer is not None and int(writer) != watch:
+            watch, seen = int(writer), None
+        beat = (_beat_of(store, watch) or {}).get("n")
+        now = time.monotonic()
+        if beat != seen:
+            seen, seen_at, end = beat, now, max(end, now + timeout_s)
+        elif now - seen_at > TAKEOVER_S and writer is None:
+            watch = _next_waiting(store, watch, c.env.world_size)
+            seen, seen_at = None, now
+            if watch == me:
+                claimed = store.compare_set("writer", "", str(me)).decode()
+                if claimed == str(me):
+                    return "write"
+                watch = int(claimed)
+        time.sleep(pause)
+        pause = min(pause * 2, c.pause_max)
+    _leave(f"run aborted at {c.stage}, and no rank wrote the report within {timeout_s} s of "
+           f"rank {watch}'s last heartbeat", code=1)
     return None
+
+
+def _next_waiting(store, rank: int, world: int) -> int:
+    """The lowest rank above ``rank`` that is waiting for the report (alive)."""
+    return next((r for r in range(rank + 1, world) if store.check([f"waiting/{r}"])), world)
 
 
 def _leave(message: str | None, code: int) -> None:
@@ -348,11 +531,11 @@ def run(cfg: dict[str, Any]) -> int:
         if validate:  # bad options: exit 2 on every rank, before anyone waits for anyone
             validate(cfg.get(name, {}))
     coord_t0 = time.monotonic()
-    backend = runtime.pick_backend(cfg["backend"])
     timeout = float(cfg["timeout"])
     rdir = default_report_dir(cfg, env.run_id)
     if env.rank == 0:
         _check_writable(rdir)
+    forensics.flight_recorder_env(rdir)
 
     try:
         coord = _Coordinator(env, cfg, lambda may_host: _store(env, timeout, may_host),
@@ -361,38 +544,54 @@ def run(cfg: dict[str, Any]) -> int:
         _leave(f"cannot reach the coordination store at {env.master_addr}:{env.master_port} "
                f"within {timeout} s: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
                code=1)
-    coord.backend, coord.report_dir = backend, rdir
+    coord.report_dir = rdir
     coord.timings["load_checks_s"] = round(coord_t0 - t0, 4)
     coord.timings["connect_store_s"] = round(time.monotonic() - coord_t0, 4)
     _start_threads(coord)
 
-    device = runtime.bind_device(backend, env.local_rank)
     store = coord.store
-    store.set(f"rank/{env.rank}", json.dumps(runtime.rank_record(env, device)))
-    ctx = Context(env, backend, device, cfg, Injector(faults, env.rank), rdir,
-                  cfg["storage_dir"] or os.path.join(rdir, "storage"))
+    ctx = None
     try:
-        coord.deadline = time.monotonic() + timeout
+        coord.enter("init", timeout)
         t = time.monotonic()
-        runtime.init_process_group(env, backend, device, store, timeout + 15)
-        coord.wait_all(store, "rank", "every rank to connect")
+        pick = runtime.pick_backend(cfg["backend"])
+        device, device_error = _bind(pick, env)
+        store.set(f"rank/{env.rank}", json.dumps(runtime.rank_record(env, device)))
+        if pick == "nccl":
+            store.add("backend/nccl", 1)
+        coord.arrive(store, "connect", "every rank to connect")
+        coord.backend = _agree_backend(coord, store, cfg["backend"], pick)
+        if device_error:
+            coord.abort(store, "error", {"type": "DeviceError", "message": device_error,
+                                         "reason": device_error})
+            raise _Stop
+        runtime.init_process_group(env, coord.backend, device, store, timeout + 15)
         coord.timings["rendezvous_s"] = round(time.monotonic() - t, 4)
-        coord.ranks = [json.loads(store.get(f"rank/{r}")) for r in range(env.world_size)]
+        coord.ranks = [json.loads(v) for v in
+                       store.multi_get([f"rank/{r}" for r in range(env.world_size)])]
+        ctx = Context(env, coord.backend, device, cfg, Injector(faults, env.rank), rdir,
+                      cfg["storage_dir"] or os.path.join(rdir, "storage"))
         t = time.monotonic()
         for name in cfg["checks"]:
             _run_check(coord, ctx, name)
         coord.timings["checks_s"] = round(time.monotonic() - t, 4)
-        coord.stage, coord.deadline = "finish", None
+        coord.enter("finish", None)
     except _Stop:
         pass
     except Exception as e:  # noqa: BLE001 — init or harness failure on this rank
         coord.abort(store, "error", _error_detail(e))
     if coord.aborted(store):
         _exit_aborted(coord, store)
-        time.sleep(FINAL_WAIT_S)  # the watchdog is finishing the report and owns the exit
+        time.sleep(FINAL_WAIT_S + 2 * DEAD_AFTER_S)  # the watchdog owns the exit
         return 1
     if env.rank != 0:
-        verdict = _wait_final(store, timeout + FINAL_WAIT_S)
+        verdict = _await_report(coord, store, timeout + FINAL_WAIT_S)
+        if verdict == "write":  # rank 0 died after the checks: write what it judged
+            coord.abort(store, "stopped", {"why": "rank 0 stopped before writing the report"})
+            coord.adopt_results(store)
+            if coord.finalize(store, aborted=True) is None:
+                time.sleep(FINAL_WAIT_S)  # the watchdog is writing it and owns the exit
+            return 1
         _shut_down(coord)
         return 0 if verdict == "pass" else 1
     report = coord.finalize(store, aborted=False)
@@ -404,30 +603,48 @@ def run(cfg: dict[str, Any]) -> int:
     return 0 if report is not None and report.verdict == "pass" else 1
 
 
+def _bind(pick: str, env: runtime.LaunchEnv) -> tuple[torch.device, str | None]:
+    """This rank's device, or CPU and the reason it could not have its GPU."""
+    try:
+        return runtime.bind_device(pick, env.local_rank), None
+    except runtime.DeviceError as e:
+        return torch.device("cpu"), str(e)
+
+
+def _agree_backend(coord: _Coordinator, store, requested: str, pick: str) -> str:
+    """Every rank runs the backend all agree on; with ``auto``, a node without usable CUDA
+    among GPU nodes is named, not left to hang in NCCL's rendezvous."""
+    cuda_ranks = store.add("backend/nccl", 0)
+    backend, problem = runtime.agree_backend(requested, pick, cuda_ranks, coord.env.world_size)
+    if problem is None:
+        return backend
+    if pick != backend:  # this rank is the odd one out
+        coord.abort(store, "error", {"type": "BackendMismatch", "message": problem,
+                                     "reason": problem.format(host=runtime.hostname())})
+    else:
+        coord.abort(store, "stopped", {"why": "another rank cannot use the agreed backend"})
+    raise _Stop
+
+
 def _run_check(coord: _Coordinator, ctx: Context, name: str) -> None:
     env, store, timeout = ctx.env, coord.store, ctx.timeout_s
     module = checks.load(name)  # imported already by run(): a cache hit
-    coord.stage, ctx.faults.check = name, name
-    coord.deadline = time.monotonic() + timeout
+    coord.enter(name, timeout)
+    ctx.faults.check = name
     ctx.faults.before_arrival()
-    store.set(f"arrive/{name}/{env.rank}", "1")
-    coord.wait_all(store, f"arrive/{name}", f"every rank to arrive at {name}")
-    coord.deadline = time.monotonic() + timeout  # a fresh bound for the work and the gather
+    coord.arrive(store, f"arrive/{name}", f"every rank to arrive at {name}")
+    coord.enter(name, timeout)  # a fresh bound for the work and the gather
     t = time.monotonic()
     try:
         ctx.faults.at_start()
         obs = {"ok": True, "data": module.run(ctx)}
     except Exception as e:  # noqa: BLE001 — a check that raises fails with its rank named
-        detail = _error_detail(e)
-        store.set(f"obs/{name}/{env.rank}", json.dumps({"ok": False, **detail}))
-        coord.abort(store, "error", detail)
+        coord.abort(store, "error", _error_detail(e))
         raise _Stop from None
     obs["duration_s"] = round(time.monotonic() - t, 6)
-    store.set(f"obs/{name}/{env.rank}", json.dumps(obs))
+    coord.post_observation(store, name, obs)
     if env.rank == 0:
-        coord.wait_all(store, f"obs/{name}", f"every rank to finish {name}")
-        got = [json.loads(store.get(f"obs/{name}/{r}")) for r in range(env.world_size)]
-        coord.results.append(_judge(module, name, got, coord))
+        coord.post_result(store, _judge(module, name, coord.gather(store, name), coord))
 
 
 def _judge(module, name: str, got: list[dict], coord: _Coordinator) -> CheckResult:
@@ -444,10 +661,10 @@ def _judge(module, name: str, got: list[dict], coord: _Coordinator) -> CheckResu
 
 def _error_detail(e: BaseException) -> dict:
     message = str(e)
-    comm = isinstance(e, getattr(dist, "DistError", ())) or any(m in message
-                                                                for m in _COMM_MARKERS)
+    comm_error = isinstance(e, getattr(dist, "DistError", ())) or any(m in message
+                                                                      for m in _COMM_MARKERS)
     return {"type": type(e).__name__, "message": message.splitlines()[0][:500] if message else "",
-            "traceback": traceback.format_exc(limit=6), "comm": comm}
+            "traceback": traceback.format_exc(limit=6), "comm": comm_error}
 
 
 def _wait_counter(store, key: str, target: int, timeout_s: float) -> None:
@@ -463,14 +680,15 @@ def _store(env: runtime.LaunchEnv, timeout: float, may_host: bool):
 
 
 def _start_threads(coord: _Coordinator) -> None:
-    """Heartbeat and watchdog threads; SIGTERM wakes the watchdog through a pipe, wherever
-    the main thread is."""
+    """Heartbeat and watchdog threads; a terminating signal wakes the watchdog through a
+    pipe, wherever the main thread is (Python handlers run only between bytecodes)."""
     r, w = os.pipe()
     os.set_blocking(w, False)
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    for sig in TERMINATING:
+        signal.signal(sig, lambda *_: None)
     signal.set_wakeup_fd(w, warn_on_full_buffer=False)
     coord.threads = [threading.Thread(target=_beat, daemon=True, name="ddp-smoke-heartbeat",
-                                      args=(coord.beat_store, coord.env.rank, coord.stop)),
+                                      args=(coord,)),
                      _Watchdog(coord, r)]
     for t in coord.threads:
         t.start()

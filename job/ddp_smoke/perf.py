@@ -125,7 +125,9 @@ def slow_pairs(busbw: dict[tuple[int, int], float], margin: float) -> tuple[floa
 
 def second_pass(k: int, busbw: dict[tuple[int, int], float], margin: float,
                 rounds: int) -> list[list[tuple[int, int]]]:
-    """Pair each suspect (a node in a slow pair) with a known-good node it has not met.
+    """Pair each suspect (a node in a slow pair) with a known-good node it has not met, and
+    measure again each slow pair whose two nodes were fine with someone else (a link
+    suspect: a real slow link is slow every time, a busy moment is not).
 
     Known-good: every pair it took part in was fine. Suspects that already met one are left
     alone. At most ``rounds`` rounds, each node in at most one pair per round.
@@ -136,7 +138,9 @@ def second_pass(k: int, busbw: dict[tuple[int, int], float], margin: float,
     suspects = sorted({n for p in slow for n in p})
     good = [n for n in range(k) if n not in suspects and any(n in p for p in busbw)]
     met = set(busbw)
+    fine = {n for p in busbw if p not in slow for n in p}
     pending = [s for s in suspects if not any(tuple(sorted((s, g))) in met for g in good)]
+    retest = sorted(p for p in slow if set(p) <= fine)
     plan = []
     for _ in range(rounds):
         busy, this = set(), []
@@ -146,6 +150,11 @@ def second_pass(k: int, busbw: dict[tuple[int, int], float], margin: float,
                 this.append(tuple(sorted((s, g))))
                 busy |= {s, g}
                 pending.remove(s)
+        for p in list(retest):
+            if not set(p) & busy:
+                this.append(p)
+                busy |= set(p)
+                retest.remove(p)
         if not this:
             break
         plan.append(this)

@@ -11,10 +11,13 @@ fills these records and rank 0 writes them.
       "version": str, "started_at": ISO-8601 str, "config": {...effective config...},
       "ranks":  [{"rank", "local_rank", "group_rank", "host", "addresses", "pid", "device", ...}],
       "checks": [{"name", "status": "pass"|"fail"|"skip", "duration_s", "summary",
-                  "culprits": [{"rank": int|null, "host": str|null, "reason": str}],
+                  "culprits": [{"rank": int|null, "host": str|null, "reason": str,
+                                "ranks": [int, int]|null, "hosts": [str, str]|null,
+                                "where": str|null}],
                   "figures": {...}, "notes": [str]}],
       "timings": {"<phase>_s": float, ...},
-      "error": null | {"rank", "host", "type", "message"}
+      "error": null | {"rank", "host", "type", "message"},
+      "forensics": [{"rank", "host", "where", "stacks": path, "flight_recorder": path}]
     }
 """
 from __future__ import annotations
@@ -35,11 +38,20 @@ STATUSES = (PASS, FAIL, SKIP)
 
 @dataclass
 class Culprit:
-    """Who is to blame and why. ``rank``/``host`` are None when the evidence names no rank."""
+    """Who is to blame and why.
+
+    ``rank``/``host`` are None when the evidence names no single rank. A link culprit names
+    both ends in ``ranks``/``hosts`` (its ``rank`` stays None: neither end is convicted).
+    ``where`` is the innermost frame of the kit's code on the culprit's main thread, when the
+    run was aborted and the rank could still say.
+    """
 
     rank: int | None
     host: str | None
     reason: str
+    ranks: list[int] | None = None
+    hosts: list[str | None] | None = None
+    where: str | None = None
 
 
 @dataclass
@@ -82,6 +94,7 @@ class Report:
     config: dict[str, Any]
     timings: dict[str, float] = field(default_factory=dict)
     error: dict[str, Any] | None = None
+    forensics: list[dict[str, Any]] = field(default_factory=list)  # per rank, after an abort
 
     @property
     def nodes(self) -> int:

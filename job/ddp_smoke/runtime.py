@@ -80,6 +80,29 @@ def pick_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+def agree_backend(requested: str, pick: str, cuda_ranks: int,
+                  world_size: int) -> tuple[str, str | None]:
+    """The backend every rank runs, from how many ranks picked NCCL; and the problem, if any.
+
+    With ``auto`` every rank must pick the same: when some ranks have usable CUDA and others
+    do not, NCCL would hang in its rendezvous on the GPU ranks while the others run gloo. The
+    problem text names the odd ranks' side with a ``{host}`` placeholder for their host.
+    """
+    if requested != "auto" or cuda_ranks in (0, world_size):
+        return pick, None
+    return "nccl", (f"no usable CUDA on {{host}} (torch.cuda.is_available() is False) while "
+                    f"{cuda_ranks} of {world_size} ranks have it: backend auto needs every "
+                    "node alike (check the driver and CUDA_VISIBLE_DEVICES there)")
+
+
+class DeviceError(RuntimeError):
+    """This rank cannot have the GPU its local rank asks for."""
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
 def bind_device(backend: str, local_rank: int) -> torch.device:
     """One GPU per process: LOCAL_RANK's GPU, or GPU 0 when the launcher masked all but one."""
     if backend != "nccl":
@@ -87,9 +110,10 @@ def bind_device(backend: str, local_rank: int) -> torch.device:
     count = torch.cuda.device_count()
     index = 0 if count == 1 else local_rank
     if index >= count:
-        raise RuntimeError(f"LOCAL_RANK={local_rank} but only {count} GPUs are visible "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
-                           "nproc-per-node must not exceed the GPUs per node")
+        raise DeviceError(f"only {count} GPUs visible on {hostname()} for LOCAL_RANK="
+                          f"{local_rank} (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): nproc-per-node must "
+                          "not exceed the GPUs per node")
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 

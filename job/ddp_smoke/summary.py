@@ -24,8 +24,16 @@ def render(report: Report, path: str) -> str:
     for c in report.checks:
         lines.append(f"  {c.name:<16} {c.status.upper():<6} {c.duration_s:>8.3f}  {c.summary}")
         for k in c.culprits:
-            where = f"rank {k.rank} ({k.host})" if k.rank is not None else "no single rank"
-            lines.append(f"  {'':<16} culprit: {where}: {k.reason}")
+            who = (f"rank {k.rank} ({k.host})" if k.rank is not None else
+                   f"link ranks {k.ranks[0]}-{k.ranks[1]} ({k.hosts[0]} <-> {k.hosts[1]})"
+                   if k.ranks else "no single rank")
+            at = f" [{k.where}]" if k.where else ""
+            lines.append(f"  {'':<16} culprit: {who}: {k.reason}{at}")
+        victims = c.figures.get("victims") if c.status == FAIL else None
+        if victims:
+            lines.append(f"  {'':<16} victims (stopped by the culprit, not at fault): ranks "
+                         f"{', '.join(str(v['rank']) for v in victims[:16])}"
+                         f"{' …' if len(victims) > 16 else ''}")
     passed = sum(c.status == PASS for c in report.checks)
     failed = [c.name for c in report.checks if c.status == FAIL]
     tail = f"; failed: {', '.join(failed)}" if failed else ""

@@ -4,7 +4,8 @@ Each node's leader (its first rank) exchanges a buffer with one other leader per
 simultaneous send and receive, nccl-tests' sendrecv, busbw = algbw = S / t, t the fastest of
 ``pair_iters`` exchanges, taken on the slower side. Barriers separate the rounds, so a leader
 never talks to two partners at once. Pass 1 is the first ``pair_rounds`` rounds of a
-round-robin; pass 2 pairs each suspect with a known-good node. The plan is a pure function of
+round-robin; pass 2 pairs each suspect with a known-good node and measures each link
+suspect again (a pair counts with its better pass). The plan is a pure function of
 a table every rank holds (``perf.round_robin``, ``perf.second_pass``), so all ranks take the
 same collectives in the same order; P2P on the default group needs no subgroup, hence no
 ``new_group`` call that every rank would have to make in the same order.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import perf
+from .. import comm, perf
 
 _SKIP = "all ranks are on one node: link pairs need leaders on >= 2 nodes"
 
@@ -49,7 +50,7 @@ def _rounds(ctx, cfg, rounds, pass_number, leaders, me, size, clock) -> list[dic
             time_s = _exchange(ctx, leaders[peer], size, cfg["pair_iters"], clock)
             out.append({"pass": pass_number, "round": number, "node": me, "peer_node": peer,
                         "time_us": time_s * 1e6})
-        dist.barrier()  # rounds never overlap: each leader talks to one partner at a time
+        comm.barrier()  # rounds never overlap: each leader talks to one partner at a time
     return out
 
 
@@ -66,9 +67,7 @@ def _exchange(ctx, peer: int, size_bytes: int, iters: int, clock) -> float:
     token = torch.zeros(2, dtype=torch.float32, device=ctx.device)
 
     def swap(out, into):
-        ops = [dist.P2POp(dist.isend, out, peer), dist.P2POp(dist.irecv, into, peer)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        comm.sendrecv(out, into, peer)
 
     swap(send, recv)  # the first exchange opens the connection
     times = []
@@ -83,7 +82,7 @@ def _first_pass_table(ctx, k: int, size: int, mine: list[dict]) -> dict:
     times = torch.zeros(k, k, dtype=torch.float64, device=ctx.device)
     for m in mine:
         times[m["node"], m["peer_node"]] = times[m["peer_node"], m["node"]] = m["time_us"]
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # MAX copies a value: bit-identical everywhere
+    comm.all_reduce(times, op=dist.ReduceOp.MAX)  # MAX copies a value: bit-identical everywhere
     table = times.tolist()
     return {(a, b): perf.algbw_gbps(size, table[a][b] / 1e6)
             for a in range(k) for b in range(a + 1, k) if table[a][b] > 0}
@@ -95,12 +94,16 @@ def judge(ev, cfg: dict) -> tuple[dict, list]:
     if "skipped" in first:
         return {"skipped": first["skipped"]}, []
     leaders, size = first["leaders"], first["size_bytes"]
-    measured: dict = {}
+    by_pass: dict = {}
     for o in ev.observations:
         for m in o["pairs"]["measured"]:
-            key = tuple(sorted((m["node"], m["peer_node"])))
-            if m["time_us"] > measured.get(key, {"time_us": 0.0})["time_us"]:
-                measured[key] = m  # the slower side's time is the pair's
+            key = (tuple(sorted((m["node"], m["peer_node"]))), m["pass"])
+            if m["time_us"] > by_pass.get(key, {"time_us": 0.0})["time_us"]:
+                by_pass[key] = m  # the slower side's time is the exchange's
+    measured: dict = {}
+    for (pair, _), m in sorted(by_pass.items()):
+        if m["time_us"] < measured.get(pair, {"time_us": float("inf")})["time_us"]:
+            measured[pair] = m  # measured twice (a link suspect): its better pass counts
     busbw = {p: perf.algbw_gbps(size, m["time_us"] / 1e6) for p, m in measured.items()}
     blame = perf.attribute(busbw, margin(first["device_type"], cfg))
     host = [ev.host(r) for r in leaders]
@@ -127,7 +130,7 @@ def _culprits(ev, blame: dict, busbw: dict, leaders: list[int], host: list) -> l
            "unresolved": "too few partners to tell node from link (raise bandwidth.pair_rounds)"}
     for kind, reason in why.items():
         for a, b in blame[kind]:
-            out.append(ev.culprit(None, (
+            out.append(ev.link_culprit(leaders[a], leaders[b], (
                 f"link {host[a]} (rank {leaders[a]}) <-> {host[b]} (rank {leaders[b]}): "
                 f"{busbw[(a, b)]:.2f} GB/s, {perf.shortfall_pct(busbw[(a, b)], ref):.0f} % below "
                 f"the reference {ref:.2f} GB/s; {reason}")))

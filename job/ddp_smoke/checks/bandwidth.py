@@ -29,7 +29,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .. import perf, profiles
+from .. import comm, perf, profiles
 from ..config import ConfigError
 from ..report import FAIL, PASS, CheckResult
 from ..timing import Clock
@@ -37,9 +37,6 @@ from . import _pairs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SWEPT = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
-# torch 2.13 renamed the tensor forms; older releases (2.11 on some GPU images) lack the new names
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def run(ctx) -> dict:
@@ -84,7 +81,7 @@ def _node_of_each_rank(ctx) -> list[int]:
     host = zlib.crc32(socket.gethostname().encode())
     key = torch.tensor([ctx.env.group_rank, host], dtype=torch.int64, device=ctx.device)
     out = torch.empty(2 * ctx.world_size, dtype=torch.int64, device=ctx.device)
-    _ALL_GATHER(out, key)
+    comm.all_gather_into(out, key)
     index: dict = {}
     return [index.setdefault(tuple(k), len(index)) for k in out.view(-1, 2).tolist()]
 
@@ -94,8 +91,8 @@ def _node_of_each_rank(ctx) -> list[int]:
 def _sweep(ctx, cfg: dict, sizes: list[int], clock: Clock) -> list[dict]:
     dtype = DTYPES[cfg["dtype"]]
     warm = torch.ones(1, device=ctx.device)
-    dist.all_reduce(warm)  # the first collective sets up connections: keep it out of the sweep
-    dist.barrier()
+    comm.all_reduce(warm)  # the first collective sets up connections: keep it out of the sweep
+    comm.barrier()
     typesize = torch.empty(0, dtype=dtype).element_size()
     rows = []
     for collective in cfg["collectives"]:
@@ -120,12 +117,12 @@ def _measure(ctx, cfg: dict, collective: str, size_bytes: int, count: int, pool,
     op = _operation(collective, inp, out)
 
     def once() -> float:
-        dist.barrier()  # every iteration starts together, as in all_reduce_bench
+        comm.barrier()  # every iteration starts together, as in all_reduce_bench
         return clock(op)
 
     warm_s = max((once() for _ in range(cfg["warmup_iters"])), default=0.0)
     agreed = torch.tensor([warm_s], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # one iteration count on every rank
+    comm.all_reduce(agreed, op=dist.ReduceOp.MAX)  # one iteration count on every rank
     iters = perf.timed_iterations(agreed.item(), cfg["time_per_size_s"], cfg["min_iters"],
                                   cfg["iters"])
     times = [once() for _ in range(iters)]
@@ -146,11 +143,11 @@ def _lengths(collective: str, count: int, n: int) -> tuple[int, int | None]:
 
 
 def _operation(collective: str, inp, out):
-    return {"all_reduce": lambda: dist.all_reduce(inp),
-            "broadcast": lambda: dist.broadcast(inp, 0),
-            "all_gather": lambda: _ALL_GATHER(out, inp),
-            "reduce_scatter": lambda: _REDUCE_SCATTER(out, inp),
-            "all_to_all": lambda: dist.all_to_all_single(out, inp)}[collective]
+    return {"all_reduce": lambda: comm.all_reduce(inp),
+            "broadcast": lambda: comm.broadcast(inp, 0),
+            "all_gather": lambda: comm.all_gather_into(out, inp),
+            "reduce_scatter": lambda: comm.reduce_scatter_into(out, inp),
+            "all_to_all": lambda: comm.all_to_all_single(out, inp)}[collective]
 
 
 def _verify(ctx, collective: str, inp, out, op) -> tuple[int, list[int]]:
@@ -162,7 +159,7 @@ def _verify(ctx, collective: str, inp, out, op) -> tuple[int, list[int]]:
     n, rank = ctx.world_size, ctx.rank
     inp.fill_(rank + 1)
     ctx.faults.corrupt(inp)  # a `corrupt` rank's contribution is wrong by one element
-    dist.barrier()
+    comm.barrier()
     op()
     if collective in ("all_gather", "all_to_all"):
         expected = torch.arange(1, n + 1, device=out.device, dtype=out.dtype).view(n, 1)

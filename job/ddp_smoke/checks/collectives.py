@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..config import ConfigError
 from ..report import FAIL, PASS, SKIP, CheckResult
 
@@ -135,16 +136,15 @@ def _all_reduce(run: _Runner, case: Case) -> _Plan:
     is_sum = case.op == "all_reduce_sum"
     red = dist.ReduceOp.SUM if is_sum else dist.ReduceOp.MAX
     want = run.total(case, 0, case.count, torch.add if is_sum else torch.maximum)
-    return _Plan(sent, x, lambda: dist.all_reduce(x, op=red), want)
+    return _Plan(sent, x, lambda: comm.all_reduce(x, op=red), want)
 
 
 def _all_gather(run: _Runner, case: Case) -> _Plan:
     b = case.block
     x, sent = run.contribute(case, 0, b)
     out = run.empty(case, case.count)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     want = torch.cat([run.gen(case, r, 0, b) for r in range(run.world)])
-    return _Plan(sent, out, lambda: gather(out, x), want,
+    return _Plan(sent, out, lambda: comm.all_gather_into(out, x), want,
                  [(r, r * b, r * b + b) for r in range(run.world)])
 
 
@@ -152,14 +152,13 @@ def _reduce_scatter(run: _Runner, case: Case) -> _Plan:
     b = case.block
     x, sent = run.contribute(case, 0, case.count)
     out = run.empty(case, b)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return _Plan(sent, out, lambda: scatter(out, x), run.total(case, run.me * b, b, torch.add))
+    return _Plan(sent, out, lambda: comm.reduce_scatter_into(out, x), run.total(case, run.me * b, b, torch.add))
 
 
 def _broadcast(run: _Runner, case: Case) -> _Plan:
     root, n = run.world - 1, case.count  # the last rank: a root other than 0 when world > 1
     x, sent = run.contribute(case, 0, n) if run.me == root else (run.empty(case, n), None)
-    return _Plan(sent, x, lambda: dist.broadcast(x, src=root), run.gen(case, root, 0, n),
+    return _Plan(sent, x, lambda: comm.broadcast(x, src=root), run.gen(case, root, 0, n),
                  [(root, 0, n)])
 
 
@@ -168,7 +167,7 @@ def _all_to_all(run: _Runner, case: Case) -> _Plan:
     x, sent = run.contribute(case, 0, case.count)
     out = run.empty(case, case.count)
     want = torch.cat([run.gen(case, r, run.me * b, b) for r in range(run.world)])
-    return _Plan(sent, out, lambda: dist.all_to_all_single(out, x), want,
+    return _Plan(sent, out, lambda: comm.all_to_all_single(out, x), want,
                  [(r, r * b, r * b + b) for r in range(run.world)])
 
 
@@ -178,9 +177,7 @@ def _send_recv(run: _Runner, case: Case) -> _Plan:
     out = run.empty(case, n)
 
     def ring():
-        ops = [dist.P2POp(dist.isend, x, right), dist.P2POp(dist.irecv, out, left)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        comm.sendrecv(x, out, right, left)
     return _Plan(sent, out, ring, run.gen(case, left, 0, n), [(left, 0, n)])
 
 
@@ -238,7 +235,7 @@ def run(ctx) -> dict:
     runner = _Runner(ctx, opts["seed"])
     rows = [_run_case(runner, case) for case in cases]
     t = time.perf_counter()
-    dist.barrier()
+    comm.barrier()
     return {"cases": [c.__dict__ for c in cases], "rows": rows,
             "barrier_s": round(time.perf_counter() - t, 6)}
 

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from .. import comm
 from ..report import FAIL, PASS, CheckResult
 
 SEED, LR, BATCH = 17, 0.1, 2
@@ -36,14 +37,18 @@ def _model() -> nn.Linear:
 def run(ctx) -> dict:
     """Train one step on this rank's shard; return shard, loss and post-step parameters."""
     model = _model().to(ctx.device)
-    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index]
-                                  if ctx.device.type == "cuda" else None)
+    with comm.tracked("ddp_broadcast_parameters"):
+        ddp = DistributedDataParallel(model, device_ids=[ctx.device.index]
+                                      if ctx.device.type == "cuda" else None)
     data = TensorDataset(torch.tensor(FEATURES), torch.tensor(TARGETS))
     sampler = DistributedSampler(data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
     x, y = next(iter(DataLoader(data, batch_size=BATCH, sampler=sampler)))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
     loss = F.mse_loss(ddp(x.to(ctx.device)), y.to(ctx.device))
-    loss.backward()
+    with comm.tracked("ddp_gradient_all_reduce"):
+        loss.backward()
+        if loss.is_cuda:
+            torch.cuda.synchronize(ctx.device)
     optimizer.step()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     ctx.faults.corrupt(params)  # a rank whose weights drifted out of sync

@@ -23,8 +23,8 @@ import random
 import time
 
 import torch
-import torch.distributed as dist
 
+from .. import comm
 from ..config import ConfigError
 from ..report import FAIL, PASS, CheckResult
 
@@ -173,14 +173,14 @@ def run(ctx) -> dict:
            "write": _write_own(ctx, own, opts["file_bytes"])}
     if ctx.rank == 0:
         obs["save"] = _save_checkpoint(ctx, ckpt, opts)
-    dist.barrier()  # every file and the checkpoint are on disk before anyone reads
+    comm.barrier()  # every file and the checkpoint are on disk before anyone reads
     if ctx.rank == 0:
         t = time.perf_counter()
         obs["files"] = [verify(os.path.join(folder, f"rank{r}.bin"), ctx.env.run_id, r,
                                opts["file_bytes"]) for r in range(ctx.world_size)]
         obs["read_all_s"] = round(time.perf_counter() - t, 6)
     obs["load"] = _load_checkpoint(ckpt, opts)
-    dist.barrier()  # rank 0 has read every file before anyone deletes its own
+    comm.barrier()  # rank 0 has read every file before anyone deletes its own
     _remove(own, *([ckpt] if ctx.rank == 0 else []))
     for path in [folder] + ([ctx.storage_dir] if ctx.config.get("storage_dir") is None else []):
         try:

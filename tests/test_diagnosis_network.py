@@ -1,0 +1,183 @@
+"""Diagnosis of real network faults between namespace "nodes": the exact culprit, every time.
+
+Four nodes, one gloo rank each, torchrun with c10d rendezvous across network namespaces
+(tests/sandbox/hosts.py). The faults are the kernel's own (../shared/reference/fault-recipes.md):
+a node throttled with tbf on both ends of its veth; one link throttled with htb and a u32
+filter on the peer's address at both ends; a node cut off mid-run with iptables DROP inside
+its namespace. Each case runs three times: a race shows as a wrong culprit set.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch import Heartbeats
+from tests.multinode import Nodes, torchrun_argv
+from tests.sandbox.hosts import Host, HostSandbox, netns_pids, sandbox_fixture
+
+PREFIX, SUBNET = "dsf", "10.231.5.0/24"
+NODES = 4
+REPEAT = 3
+SLOW = ["rate", "200mbit", "burst", "64kb", "latency", "500ms"]
+# A small sweep and short pair exchanges: at 200 mbit a large buffer takes seconds per pass.
+SMALL_SWEEP = """bandwidth:
+  max_bytes_cpu: 1048576
+  pair_bytes_cpu: 2097152
+  pair_rounds: 3
+"""
+# Long enough to cut a node off in the middle (6 CPU-seconds per rank, no collective in it).
+MID_COMPUTE = "compute:\n  blocks: 60\n  block_s: 0.1\n"
+
+box = sandbox_fixture(PREFIX, SUBNET, NODES)
+_port = iter(range(29510, 29600))
+
+
+def _sh(*argv: str) -> None:
+    subprocess.run(list(argv), check=True, capture_output=True, timeout=10)
+
+
+def _in(host: Host, *argv: str) -> None:
+    _sh("ip", "netns", "exec", host.netns, *argv)
+
+
+@contextlib.contextmanager
+def _slow_node(host: Host):
+    """tbf on both ends of the node's veth: every link of the node, both directions."""
+    _sh("tc", "qdisc", "add", "dev", host.link, "root", "tbf", *SLOW)
+    _in(host, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", *SLOW)
+    try:
+        yield
+    finally:
+        _sh("tc", "qdisc", "del", "dev", host.link, "root")
+        _in(host, "tc", "qdisc", "del", "dev", "eth0", "root")
+
+
+@contextlib.contextmanager
+def _slow_link(a: Host, b: Host):
+    """htb at both ends, only traffic to the other end's address goes the slow class."""
+    for here, there in ((a, b), (b, a)):
+        _in(here, "tc", "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb",
+            "default", "10")
+        _in(here, "tc", "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:10", "htb",
+            "rate", "20gbit")
+        _in(here, "tc", "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:30", "htb",
+            "rate", "200mbit")
+        _in(here, "tc", "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:0",
+            "prio", "1", "u32", "match", "ip", "dst", f"{there.addr}/32", "flowid", "1:30")
+    try:
+        yield
+    finally:
+        for here in (a, b):
+            _in(here, "tc", "qdisc", "del", "dev", "eth0", "root")
+
+
+@contextlib.contextmanager
+def _partitioned(host: Host):
+    rules = [["INPUT", "-s", SUBNET, "-j", "DROP"], ["OUTPUT", "-d", SUBNET, "-j", "DROP"]]
+    for rule in rules:
+        _in(host, "iptables", "-I", *rule)
+    try:
+        yield
+    finally:
+        for rule in rules:
+            _in(host, "iptables", "-D", *rule)
+
+
+def _start(box: HostSandbox, tmp_path: Path, checks: str, config: str, timeout: int) -> Nodes:
+    (tmp_path / "cfg.yaml").write_text(config)
+    report_dir = tmp_path / "report"
+    worker = ["--backend", "gloo", "--checks", checks, "--timeout", str(timeout),
+              "--config", str(tmp_path / "cfg.yaml"), "--report-dir", str(report_dir)]
+    nodes, port, first = Nodes(box, tmp_path), next(_port), box.hosts[0]
+    for host in box.hosts:
+        nodes.start(host, torchrun_argv(host, NODES, 1, f"{first.name}:{port}",
+                                        f"dsf-{port}-{os.getpid()}",
+                                        "join_timeout=60,read_timeout=60", worker))
+    return nodes
+
+
+def _report(nodes: Nodes, tmp_path: Path, timeout_s: float = 200) -> dict:
+    codes = nodes.wait(timeout_s)
+    path = tmp_path / "report" / "report.json"
+    assert path.exists(), f"no report; exit codes {codes}\n{nodes.tails()}"
+    return json.loads(path.read_text())
+
+
+def _rank_of(report: dict, host: Host) -> int:
+    return next(r["rank"] for r in report["ranks"] if r["host"] == host.name)
+
+
+def _check(report: dict, name: str) -> dict:
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("attempt", range(REPEAT))
+def test_throttled_node_is_named(box, tmp_path, attempt):
+    slow = box.hosts[2]
+    with _slow_node(slow):
+        report = _report(_start(box, tmp_path, "environment,bandwidth", SMALL_SWEEP, 60),
+                         tmp_path)
+    culprits = _check(report, "bandwidth")["culprits"]
+    assert [(c["rank"], c["host"]) for c in culprits] == [(_rank_of(report, slow), slow.name)], \
+        culprits
+    assert "slow with every partner" in culprits[0]["reason"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("attempt", range(REPEAT))
+def test_throttled_link_is_named_with_both_ends(box, tmp_path, attempt):
+    a, b = box.hosts[0], box.hosts[1]
+    with _slow_link(a, b):
+        report = _report(_start(box, tmp_path, "environment,bandwidth", SMALL_SWEEP, 60),
+                         tmp_path)
+    culprits = _check(report, "bandwidth")["culprits"]
+    ends = sorted([(_rank_of(report, a), a.name), (_rank_of(report, b), b.name)])
+    assert [(c["rank"], sorted(zip(c["ranks"], c["hosts"]))) for c in culprits] == \
+        [(None, ends)], culprits
+    assert culprits[0]["reason"].startswith("link ")
+
+
+def _store_of(box: HostSandbox) -> tuple[str, int]:
+    """MASTER_ADDR/PORT of the run, read from a worker's environment (the agent's store)."""
+    for pid in netns_pids(box.hosts[0].netns):
+        try:
+            env = dict(v.split("=", 1) for v in
+                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+        except OSError:
+            continue
+        if "RANK" in env and "MASTER_PORT" in env:
+            return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    raise LookupError("no worker yet")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("attempt", range(REPEAT))
+def test_partitioned_node_is_named(box, tmp_path, attempt):
+    cut = box.hosts[3]
+    # The deadline is far: rank 0 must notice the silent node by its heartbeat, not wait.
+    nodes = _start(box, tmp_path, "environment,compute", MID_COMPUTE, 90)
+    watch = None
+    for _ in range(600):
+        try:
+            watch = Heartbeats(*_store_of(box), NODES)
+            break
+        except LookupError:
+            time.sleep(0.1)
+    assert watch is not None, nodes.tails()
+    watch.wait_until(lambda beats: all(b["stage"] == "compute" for b in beats), 120)
+    with _partitioned(cut):
+        cut_at = time.monotonic()
+        report = _report(nodes, tmp_path)
+    print(f"partition to report: {report['timings']['total_s']} s run, "
+          f"{time.monotonic() - cut_at:.1f} s from the cut to the end")
+    culprits = _check(report, "compute")["culprits"]
+    assert [(c["rank"], c["host"]) for c in culprits] == [(_rank_of(report, cut), cut.name)], \
+        culprits
+    assert "lost the network" in culprits[0]["reason"]
