@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -39,6 +40,12 @@ def _victims(report: dict, check: str) -> list[int]:
     return sorted(v["rank"] for v in figures["victims"])
 
 
+def _fault_to_report(done, struck_at: float, what: str) -> None:
+    """Print the time from the fault to the report on disk (for the notes; never asserted)."""
+    took = os.path.getmtime(done.report_dir / "report.json") - struck_at
+    print(f"\n{what}: fault to report {took:.1f} s, launch total {done.wall_s:.1f} s")
+
+
 def _spawn_long_compute(tmp_path):
     run = Spawned(4, *LONG_COMPUTE, "--config", _long_compute_config(tmp_path),
                   report_dir=tmp_path / "report", env={"OMP_NUM_THREADS": "1"})
@@ -51,7 +58,9 @@ def _spawn_long_compute(tmp_path):
 def test_one_terminated_rank_is_the_culprit_not_the_ranks_it_stopped(tmp_path, attempt):
     run = _spawn_long_compute(tmp_path)
     os.kill(run.worker_pid(2), signal.SIGTERM)  # a node reclaimed, a container stopped
+    struck_at = time.time()
     done = run.finish()
+    _fault_to_report(done, struck_at, "SIGTERM to rank 2 of 4")
     assert done.returncode != 0
     report = done.report
     assert report is not None, done.stderr[-3000:]
@@ -70,7 +79,9 @@ def test_one_terminated_rank_is_the_culprit_not_the_ranks_it_stopped(tmp_path, a
 def test_whole_job_terminated_names_the_launcher(tmp_path, attempt):
     run = _spawn_long_compute(tmp_path)
     run.proc.send_signal(signal.SIGTERM)  # scancel, a time limit, a pod deleted: to the agent
+    struck_at = time.time()
     done = run.finish()
+    _fault_to_report(done, struck_at, "SIGTERM to the whole job")
     assert done.returncode != 0
     report = done.report
     assert report is not None, done.stderr[-3000:]
@@ -85,7 +96,9 @@ def test_whole_job_terminated_names_the_launcher(tmp_path, attempt):
 def test_rank_0_killed_mid_check_is_named_by_the_lowest_survivor(tmp_path, attempt):
     run = _spawn_long_compute(tmp_path)
     os.kill(run.worker_pid(0), signal.SIGKILL)  # an OOM kill of rank 0
+    struck_at = time.time()
     done = run.finish()
+    _fault_to_report(done, struck_at, "SIGKILL to rank 0")
     assert done.returncode != 0
     report = done.report
     assert report is not None, done.stderr[-3000:]
@@ -104,7 +117,10 @@ def test_rank_stalled_inside_the_sweep_is_the_only_culprit(tmp_path, attempt):
     run = Spawned(4, "--checks", "environment,bandwidth", "--timeout", "10",
                   "--fault", "1:slow=1000@bandwidth", report_dir=tmp_path / "report",
                   env={"OMP_NUM_THREADS": "1"})
+    run.wait_until(lambda beats: all(b["stage"] == "bandwidth" for b in beats))
+    struck_at = time.time()  # the stall comes within the first sizes of the sweep
     done = run.finish()
+    _fault_to_report(done, struck_at, "rank 1 stalled between collectives (timeout 10 s)")
     assert done.returncode != 0
     report = done.report
     assert report is not None, done.stderr[-3000:]
@@ -119,3 +135,22 @@ def test_rank_stalled_inside_the_sweep_is_the_only_culprit(tmp_path, attempt):
     flight = {f["rank"]: f.get("flight_recorder") for f in report["forensics"]}
     assert all(flight.values()) and "gloo:" in open(flight[0]).read()
     assert "culprit: rank 1" in done.stdout and "[in " in done.stdout
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("attempt", range(2))
+def test_rank_0_paused_while_the_others_wait_is_still_a_pass(tmp_path, attempt):
+    # Rank 0's heartbeat stops for 3 s (a GC pause, a slow disk, a stopped process) while
+    # the others have finished and wait for the verdict: a passing run exits 0 everywhere.
+    (tmp_path / "cfg.yaml").write_text("compute:\n  blocks: 30\n  block_s: 0.1\n")
+    run = Spawned(4, "--checks", "environment,compute", "--timeout", "60", "--config",
+                  str(tmp_path / "cfg.yaml"), report_dir=tmp_path / "report",
+                  env={"OMP_NUM_THREADS": "1"})
+    run.wait_until(_in_compute)
+    pid = run.worker_pid(0)
+    os.kill(pid, signal.SIGSTOP)  # CPU-timed compute: the pause costs rank 0 no GFLOPS
+    time.sleep(3)
+    os.kill(pid, signal.SIGCONT)
+    done = run.finish()
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    assert done.report["verdict"] == "pass"

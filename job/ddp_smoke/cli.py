@@ -24,6 +24,10 @@ Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by
   submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,
   SLURM_*; NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
 
+Repeat mode: --repeat N or --duration S runs the checks again and again; each check's result
+  then holds every iteration's figures, failures per rank, busbw p50/p99 per size, and says
+  "intermittent: failed in 2 of 20 iterations" for a fault seen in some iterations only.
+
 Exit status: 0 verdict pass · 1 verdict fail (the report says why) · 2 bad input (one line).
 
 Failure modes: a rank that raises, dies, hangs or never arrives is named in the report; every
@@ -86,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fault", metavar="RANK:KIND@CHECK",
                    help="inject a fault (crash|raise|hang|slow|corrupt) to test alerting; "
                         "see ddp_smoke/faults.py")
+    p.add_argument("--repeat", metavar="N", type=int,
+                   help="run the checks N times in one process group; a fault seen in some "
+                        "iterations only is flagged intermittent (default 1)")
+    p.add_argument("--duration", metavar="SECONDS", type=float,
+                   help="instead of --repeat: keep starting iterations for this long")
     p.add_argument("--version", action="version", version=f"ddp-smoke {__version__}")
     return p
 

@@ -20,7 +20,7 @@ import yaml
 
 BACKENDS = ("auto", "gloo", "nccl")
 _NULLABLE = {"report_dir": str, "storage_dir": str, "expect_nodes": int,
-             "expect_world_size": int, "fault": str, "profile": str}
+             "expect_world_size": int, "fault": str, "profile": str, "duration": float}
 
 
 class ConfigError(ValueError):
@@ -115,6 +115,14 @@ def _validate(cfg: dict[str, Any]) -> None:
     for key in ("expect_nodes", "expect_world_size"):
         if cfg[key] is not None and cfg[key] < 1:
             raise ConfigError(f"key {key!r} = {cfg[key]!r}: expected an integer >= 1")
+    if not 1 <= cfg["repeat"] <= 100000:
+        raise ConfigError(f"key 'repeat' = {cfg['repeat']!r}: expected an integer from 1 to "
+                          "100000")
+    duration = cfg["duration"]
+    if duration is not None and not 0 < duration <= 7 * 86400:
+        raise ConfigError(f"key 'duration' = {duration!r}: expected seconds > 0, at most a week")
+    if duration is not None and cfg["repeat"] != 1:
+        raise ConfigError("keys 'repeat' and 'duration': give one, not both")
     parse_faults(cfg["fault"], checks)
     if cfg["profile"]:
         from . import profiles

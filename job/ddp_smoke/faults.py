@@ -1,7 +1,8 @@
 """Fault injection, for checking that an operator's alerting path catches each failure.
 
 Off by default. ``--fault RANK:KIND@CHECK`` (several separated by commas) makes rank RANK
-misbehave at check CHECK:
+misbehave at check CHECK; in repeat mode ``@CHECK#I`` or ``@CHECK#I-J`` limits it to those
+iterations (1-based), to test that an intermittent fault is flagged as one:
 
   crash    the process dies at once (``os._exit(13)``), as after a segfault or an OOM kill;
            the others must name it from what they observe.
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from .config import ConfigError
 
 KINDS = ("crash", "raise", "hang", "slow", "corrupt")
-_SPEC = re.compile(r"^(\d+):(crash|raise|hang|slow(?:=([0-9.]+))?|corrupt)@([a-z_]+)$")
+_SPEC = re.compile(r"^(\d+):(crash|raise|hang|slow(?:=([0-9.]+))?|corrupt)@([a-z_]+)"
+                   r"(?:#(\d+)(?:-(\d+))?)?$")
 CRASH_EXIT_CODE = 13
 
 
@@ -34,6 +36,7 @@ class Fault:
     kind: str
     check: str
     slowdown: float = 4.0
+    iterations: tuple[int, int] | None = None  # first and last (1-based); None: every one
 
 
 def parse_faults(spec: str | None, checks: list[str]) -> list[Fault]:
@@ -46,14 +49,20 @@ def parse_faults(spec: str | None, checks: list[str]) -> list[Fault]:
         if not m:
             raise ConfigError(f"key 'fault' = {part!r}: expected RANK:KIND@CHECK with KIND one "
                               f"of {', '.join(KINDS)} (e.g. 1:hang@collectives, 0:slow=3@compute)")
-        rank, kind, factor, check = m.groups()
+        rank, kind, factor, check, first, last = m.groups()
         if check not in checks:
             raise ConfigError(f"key 'fault' = {part!r}: check {check!r} is not among the "
                               f"selected checks ({', '.join(checks)})")
         slowdown = float(factor) if factor else 4.0
         if slowdown < 1:
             raise ConfigError(f"key 'fault' = {part!r}: slow factor must be >= 1")
-        faults.append(Fault(int(rank), kind.split("=")[0], check, slowdown))
+        iterations = None
+        if first:
+            iterations = (int(first), int(last or first))
+            if not 1 <= iterations[0] <= iterations[1]:
+                raise ConfigError(f"key 'fault' = {part!r}: iterations are 1-based, first <= "
+                                  "last (e.g. #2 or #2-4)")
+        faults.append(Fault(int(rank), kind.split("=")[0], check, slowdown, iterations))
     return faults
 
 
@@ -63,10 +72,14 @@ class Injector:
     def __init__(self, faults: list[Fault], rank: int):
         self._mine = {f.check: f for f in faults if f.rank == rank}
         self.check: str | None = None  # set by the harness as each check starts
+        self.iteration = 0  # repeat mode: the pass over the checks (0-based), set likewise
 
     def _active(self, kind: str) -> Fault | None:
         fault = self._mine.get(self.check)
-        return fault if fault and fault.kind == kind else None
+        if fault is None or fault.kind != kind:
+            return None
+        first, last = fault.iterations or (1, float("inf"))
+        return fault if first <= self.iteration + 1 <= last else None
 
     def before_arrival(self) -> None:
         """``hang``: never arrive (the watchdog thread still beats and obeys the abort)."""

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import __version__, blame, checks, comm, forensics, plot, runtime, summary
+from . import __version__, blame, checks, comm, forensics, plot, repeat, runtime, summary
 from .config import ConfigError, report_dir as default_report_dir
 from .faults import Injector, parse_faults
 from .report import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict, write_report
@@ -119,7 +119,8 @@ class _Coordinator:
         self.beat_store = connect(may_host=False)  # heartbeat's: it beats until the process ends
         self._lock = threading.Lock()  # guards stage/deadline: read as one snapshot
         self._stage, self._deadline = "init", None
-        self.results: list[CheckResult] = []
+        self.iteration = 0  # repeat mode: which pass over the checks (0-based)
+        self.judged: list[tuple[int, CheckResult]] = []  # (iteration, result), in order
         self.timings: dict[str, float] = {}
         self.ranks: list[dict] = []
         self.backend = "?"
@@ -163,6 +164,10 @@ class _Coordinator:
     def aborted(self, store) -> bool:
         return store.add("abort", 0) > 0
 
+    def key(self, stage: str) -> str:
+        """A stage's store key: the check name and the iteration."""
+        return f"{stage}/{self.iteration}"
+
     def arrive(self, store, prefix: str, what: str) -> None:
         """Post ``prefix/<rank>`` and wait until every rank has (or raise _Stop)."""
         store.set(f"{prefix}/{self.env.rank}", "1")
@@ -188,30 +193,31 @@ class _Coordinator:
             time.sleep(pause)
             pause = min(pause * 2, self.pause_max)
 
-    def gather(self, store, name: str) -> list[dict]:
+    def gather(self, store, stage: str) -> list[dict]:
         """Rank 0: every rank's observation of ``name``, read in one call once all are in.
 
         While it waits, rank 0 watches the heartbeats of the ranks still missing: one silent
         for DEAD_AFTER_S (killed, frozen, cut off) stops the run now, not at the deadline.
         """
-        silence = _Silence(DEAD_AFTER_S)
+        silence, key = _Silence(DEAD_AFTER_S), self.key(stage)
 
         def watch():
             missing = [r for r in range(self.env.world_size)
-                       if not store.check([f"obs/{name}/{r}"])]
+                       if not store.check([f"obs/{key}/{r}"])]
             gone = silence.update({r: (_beat_of(store, r) or {}).get("n") for r in missing})
             if gone:
-                self.abort(store, "lost", {"silent": gone, "waiting_for": f"{name} results"})
+                self.abort(store, "lost", {"silent": gone, "waiting_for": f"{stage} results"})
                 raise _Stop
 
-        self.wait_flag(store, f"obs/{name}/all", f"every rank to finish {name}", watch)
+        self.wait_flag(store, f"obs/{key}/all", f"every rank to finish {stage}", watch)
         return [json.loads(v) for v in
-                store.multi_get([f"obs/{name}/{r}" for r in range(self.env.world_size)])]
+                store.multi_get([f"obs/{key}/{r}" for r in range(self.env.world_size)])]
 
-    def post_observation(self, store, name: str, obs: dict) -> None:
-        store.set(f"obs/{name}/{self.env.rank}", json.dumps(obs))
-        if store.add(f"obs/{name}", 1) == self.env.world_size:
-            store.set(f"obs/{name}/all", "1")
+    def post_observation(self, store, stage: str, obs: dict) -> None:
+        key = self.key(stage)
+        store.set(f"obs/{key}/{self.env.rank}", json.dumps(obs))
+        if store.add(f"obs/{key}", 1) == self.env.world_size:
+            store.set(f"obs/{key}/all", "1")
 
     # -- the report's writer ---------------------------------------------------------------
     def finalize(self, store, aborted: bool) -> Report | None:
@@ -249,9 +255,9 @@ class _Coordinator:
 
     def post_result(self, store, result: CheckResult) -> None:
         """Rank 0 keeps each judged result in the store too: a survivor may have to write."""
-        self.results.append(result)
+        self.judged.append((self.iteration, result))
         try:
-            store.set(f"result/{result.name}", json.dumps(dataclasses.asdict(result)))
+            store.set(f"result/{self.key(result.name)}", json.dumps(dataclasses.asdict(result)))
         except Exception:  # noqa: BLE001 — the report is still written from memory
             pass
 
@@ -259,8 +265,13 @@ class _Coordinator:
         """A survivor that writes the report takes rank 0's judged results from the store."""
         if self.env.rank == 0:
             return
-        self.results = [check_from_dict(json.loads(got)) for name in self.checks
-                        if (got := _try_get(store, f"result/{name}"))]
+        self.judged = [(it, check_from_dict(json.loads(got)))
+                       for it in range(self.iteration + 1) for name in self.checks
+                       if (got := _try_get(store, f"result/{name}/{it}"))]
+        unjudged = [n for n in self.checks if (self.iteration, n) not in
+                    {(it, r.name) for it, r in self.judged}]
+        if unjudged and self.stage not in unjudged:  # rank 0 died before judging it
+            self.enter(unjudged[0], None)
 
     def _identities(self, store) -> list[dict]:
         if len(self.ranks) == self.env.world_size:
@@ -274,10 +285,11 @@ class _Coordinator:
         return out
 
     def _with_unrun(self) -> list[CheckResult]:
-        done = {c.name for c in self.results}
+        results = repeat.combine(self.judged, [r.get("host") for r in self.ranks])
+        done = {c.name for c in results}
         rest = [CheckResult(n, SKIP, summary=f"not run: the run stopped at {self.stage}")
                 for n in self.checks if n not in done]
-        return self.results + rest
+        return results + rest
 
     def _first_error(self, store) -> dict | None:
         for r in range(self.env.world_size):
@@ -314,12 +326,12 @@ class _Coordinator:
         dead, beats = _dead_ranks(store, sorted(connected), exclude=terminated)
         reasons.update({r: json.loads(g) for r in world if r not in reasons
                         and (g := _try_get(store, f"abort/{r}"))})  # posted while we waited
-        arrive = "connect" if stage == "init" else f"arrive/{stage}"
+        arrive = "connect" if stage == "init" else f"arrive/{self.key(stage)}"
         snap = blame.Snapshot(
             stage=stage, world_size=self.env.world_size, timeout_s=float(self.cfg["timeout"]),
             hosts=[i.get("host") for i in ids], connected=connected,
             arrived={r for r in world if store.check([f"{arrive}/{r}"])},
-            finished={r for r in world if store.check([f"obs/{stage}/{r}"])},
+            finished={r for r in world if store.check([f"obs/{self.key(stage)}/{r}"])},
             dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != "stopped"},
             progress=beats,
             where={r: f["where"] for r in world if (g := _try_get(store, f"forensics/{r}"))
@@ -330,13 +342,13 @@ class _Coordinator:
                    "dead": sorted(dead), "victims": verdict.victims,
                    "progress": {str(r): p for r, p in sorted(beats.items())},
                    "aborts": [reasons[r] for r in sorted(reasons)]}
-        judged = {c.name for c in self.results}
+        judged = {c.name for it, c in self.judged if it == self.iteration}
         # Outside a check (process-group init, between checks) the run itself failed: "launch".
         name = stage if stage in self.checks and stage not in judged else "launch"
         culprits = verdict.culprits
-        self.results.append(CheckResult(name, FAIL, summary=f"stopped at {stage}: "
-                                        f"{culprits[0].reason}", culprits=culprits,
-                                        figures=figures))
+        self.judged.append((self.iteration, CheckResult(
+            name, FAIL, summary=f"stopped at {stage}: {culprits[0].reason}", culprits=culprits,
+            figures=figures)))
 
     # -- every live rank, on an abort ------------------------------------------------------
     def leave_forensics(self, store) -> None:
@@ -572,9 +584,15 @@ def run(cfg: dict[str, Any]) -> int:
         ctx = Context(env, coord.backend, device, cfg, Injector(faults, env.rank), rdir,
                       cfg["storage_dir"] or os.path.join(rdir, "storage"))
         t = time.monotonic()
-        for name in cfg["checks"]:
-            _run_check(coord, ctx, name)
+        while True:
+            ctx.faults.iteration = coord.iteration
+            for name in cfg["checks"]:
+                _run_check(coord, ctx, name)
+            if not _another_iteration(coord, store, t):
+                break
+            coord.iteration += 1
         coord.timings["checks_s"] = round(time.monotonic() - t, 4)
+        coord.timings["iterations"] = coord.iteration + 1
         coord.enter("finish", None)
     except _Stop:
         pass
@@ -601,6 +619,19 @@ def run(cfg: dict[str, Any]) -> int:
         _wait_counter(store, "bye", env.world_size - 1, 5.0)
     _shut_down(coord)
     return 0 if report is not None and report.verdict == "pass" else 1
+
+
+def _another_iteration(coord: _Coordinator, store, started: float) -> bool:
+    """Repeat mode: rank 0 decides whether another pass over the checks starts (``--repeat``
+    counts them, ``--duration`` watches the clock); every rank follows its decision."""
+    cfg = coord.cfg
+    if cfg["duration"] is None:
+        return coord.iteration + 1 < cfg["repeat"]
+    key = f"next/{coord.iteration}"
+    if coord.env.rank == 0:
+        store.set(key, "1" if time.monotonic() - started < cfg["duration"] else "0")
+    coord.wait_flag(store, key, "rank 0 to decide on another iteration")
+    return store.get(key) == b"1"
 
 
 def _bind(pick: str, env: runtime.LaunchEnv) -> tuple[torch.device, str | None]:
@@ -632,7 +663,7 @@ def _run_check(coord: _Coordinator, ctx: Context, name: str) -> None:
     coord.enter(name, timeout)
     ctx.faults.check = name
     ctx.faults.before_arrival()
-    coord.arrive(store, f"arrive/{name}", f"every rank to arrive at {name}")
+    coord.arrive(store, f"arrive/{coord.key(name)}", f"every rank to arrive at {name}")
     coord.enter(name, timeout)  # a fresh bound for the work and the gather
     t = time.monotonic()
     try:

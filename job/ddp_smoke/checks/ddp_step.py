@@ -95,5 +95,6 @@ def judge(ev) -> CheckResult:
                f"{world} ranks and to the reference" if ok else f"{len(culprits)} culprit(s)")
     return CheckResult("ddp_step", PASS if ok else FAIL, summary=summary, culprits=culprits,
                        notes=notes, figures={"reference_params": reference,
+                                             "params": [o["params"] for o in obs],
                                              "expected_shards": shards,
                                              "losses": [o["loss"] for o in obs]})
