@@ -77,4 +77,8 @@ def dump(report_dir: str, rank: int) -> dict:
         out["flight_recorder"] = flight
     except Exception as e:  # noqa: BLE001 — no recorder in this build, or no process group
         out["flight_recorder_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    nccl_dump = f"{prefix}{rank}"
+    if prefix and os.path.exists(nccl_dump):  # NCCL's own watchdog dumped on its timeout
+        out["nccl_flight_recorder"] = nccl_dump
     return out
