@@ -20,7 +20,8 @@ import yaml
 
 BACKENDS = ("auto", "gloo", "nccl")
 _NULLABLE = {"report_dir": str, "storage_dir": str, "expect_nodes": int,
-             "expect_world_size": int, "fault": str, "profile": str}
+             "expect_world_size": int, "fault": str, "profile": str, "act": str,
+             "prometheus": str}
 
 
 class ConfigError(ValueError):
@@ -116,6 +117,9 @@ def _validate(cfg: dict[str, Any]) -> None:
         if cfg[key] is not None and cfg[key] < 1:
             raise ConfigError(f"key {key!r} = {cfg[key]!r}: expected an integer >= 1")
     parse_faults(cfg["fault"], checks)
+    from .triage import ACTS
+    if cfg["act"] is not None and cfg["act"] not in ACTS:
+        raise ConfigError(f"key 'act' = {cfg['act']!r}: expected one of {', '.join(ACTS)}")
     if cfg["profile"]:
         from . import profiles
         profiles.load(cfg["profile"])

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import __version__, checks, plot, runtime, summary
+from . import __version__, checks, metrics, plot, runtime, summary, triage
 from .config import ConfigError, report_dir as default_report_dir
 from .faults import Injector, parse_faults
 from .report import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict, write_report
@@ -157,6 +157,8 @@ class _Coordinator:
         path = write_report(report, self.report_dir)
         plot.write_busbw_png(report, self.report_dir)  # only with matplotlib installed
         summary.print_report(report, path)
+        triage.finish(report, self.report_dir, self.env.run_id)  # host lists, next steps, --act
+        metrics.write(report, self.env.run_id)  # --prometheus FILE, when set
         try:
             store.set("final", report.verdict)
         except Exception:  # noqa: BLE001
