@@ -140,7 +140,7 @@ def drain_reason(host: dict, run_id: str) -> str:
     first = reasons[0] if reasons else {"check": "?", "reason": "named by ddp-smoke"}
     more = f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
     text = f"ddp-smoke {run_id}: {first['check']}: {first['reason']}"
-    text = _UNSAFE.sub(" ", " ".join(text.split()))
+    text = " ".join(_UNSAFE.sub(" ", text).split())
     if len(text) + len(more) > REASON_CHARS:
         text = text[:REASON_CHARS - len(more) - 3].rstrip() + "..."
     return text + more
