@@ -56,8 +56,10 @@ def test_throttled_node_is_the_one_bad_host(box, tmp_path):
     report = json.loads((report_dir / "report.json").read_text())
     print("\nhosts section:\n" + json.dumps(report["hosts"], indent=2))
     print("bad_hosts.txt:\n" + (report_dir / "bad_hosts.txt").read_text())
-    print(f"wall {nodes.elapsed():.1f} s; node1 output tail:\n"
-          + "\n".join(nodes.log(hosts[0].name).splitlines()[-12:]))
+    log = nodes.log(hosts[0].name)
+    tail = log[log.find("verdict: "):log.find("ddp-smoke/result=fail --overwrite")]
+    print(f"wall {nodes.elapsed():.1f} s; rank 0 printed:\n{tail}ddp-smoke/result=fail "
+          "--overwrite")
     assert codes[hosts[0].name] != 0  # verdict fail
     verdicts = {h["host"]: h["verdict"] for h in report["hosts"]}
     assert verdicts == {hosts[0].name: "good", slow.name: "bad", hosts[2].name: "good"}, \
@@ -68,7 +70,6 @@ def test_throttled_node_is_the_one_bad_host(box, tmp_path):
                                                     "partner")
     assert (report_dir / "bad_hosts.txt").read_text() == f"{slow.name}\n"
     assert (report_dir / "good_hosts.txt").read_text() == f"{hosts[0].name}\n{hosts[2].name}\n"
-    log = nodes.log(hosts[0].name)
     assert f"sbatch --exclude={slow.name} slurm/ddp_smoke.sbatch" in log
     assert f"kubectl label node {slow.name} ddp-smoke/result=fail --overwrite" in log
 
