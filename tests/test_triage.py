@@ -101,7 +101,7 @@ def test_host_lists_and_next_commands():
     lines = triage.next_commands(hosts, "job 42")
     assert lines == [
         'scontrol update NodeName=gpu02 State=DRAIN Reason="ddp-smoke job 42: compute: '
-        'slow (rm)"',
+        'slow (rm) (+1 more)"',
         "sbatch --exclude=gpu02 slurm/ddp_smoke.sbatch",
         # node2's link to node3 needs no re-test of its own: node2 is drained anyway
         "sbatch --nodes=2 --nodelist=gpu01,gpu04 slurm/ddp_smoke.sbatch --checks bandwidth"
@@ -127,6 +127,33 @@ def test_drain_outside_slurm_or_without_node_names_drains_nothing():
     assert triage.drain(bad, "1", environ={"SLURM_JOB_ID": "5"}) == [
         "--act slurm-drain: node2 not drained: its ranks recorded no SLURMD_NODENAME"]
     assert triage.drain([{**bad[0], "verdict": "good"}], "1", environ={"SLURM_JOB_ID": "5"}) == []
+
+
+def _program(directory, name: str, body: str) -> None:
+    path = directory / name
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+
+
+@pytest.mark.timeout(60)
+def test_drain_reports_a_refusing_or_silent_scontrol_and_the_command_to_run(tmp_path):
+    """Real processes standing in for scontrol: one that refuses (as for a user without the
+    privilege), one that never answers (a stuck slurmctld): named, bounded, with the command."""
+    bad = [{"host": f"node{i}", "slurm_node": f"gpu0{i}", "verdict": "bad",
+            "reasons": [{"check": "compute", "reason": "slow", "rank": i}]} for i in (1, 2)]
+    refuses, silent = tmp_path / "refuses", tmp_path / "silent"
+    refuses.mkdir()
+    silent.mkdir()
+    _program(refuses, "scontrol", 'echo "slurm_update error: Invalid user id" >&2; exit 1')
+    _program(silent, "scontrol", "exec /bin/sleep 60")
+    env = {"SLURM_JOB_ID": "9"}
+    assert triage.drain(bad[:1], "9", {**env, "PATH": str(refuses)}) == [
+        "--act slurm-drain: gpu01 NOT drained (slurm_update error: Invalid user id); run by "
+        "hand: scontrol update NodeName=gpu01 State=DRAIN 'Reason=ddp-smoke 9: compute: slow'"]
+    lines = triage.drain(bad, "9", {**env, "PATH": str(silent)})
+    assert [line.split(" (")[0] for line in lines] == [
+        "--act slurm-drain: gpu01 NOT drained", "--act slurm-drain: gpu02 NOT drained"]
+    assert all(f"no answer within {triage.DRAIN_BUDGET_S} s" in line for line in lines)
 
 
 # -- real runs ---------------------------------------------------------------------------------

@@ -33,13 +33,14 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
 GOOD, SUSPECT, BAD = "good", "suspect", "bad"
 VERDICTS = (GOOD, SUSPECT, BAD)
 ACTS = ("slurm-drain",)
 LISTS = {BAD: "bad_hosts.txt", SUSPECT: "suspect_hosts.txt", GOOD: "good_hosts.txt"}
 REASON_CHARS = 160      # a Slurm node reason is one line in sinfo -R: keep it readable
-SCONTROL_TIMEOUT_S = 30  # slurmctld answers in well under a second; a stuck one must not hold us
+DRAIN_BUDGET_S = 5.0    # slurmctld answers in milliseconds; a stuck one must not hold the exit
 _UNSAFE = re.compile(r"[^A-Za-z0-9 _.,:;=+/@%()<>\[\]{}#~^*|'-]")  # nothing a shell expands
 
 
@@ -136,14 +137,19 @@ def host_lists(hosts: list[dict]) -> dict[str, str]:
 
 def drain_reason(host: dict, run_id: str) -> str:
     """``ddp-smoke <run id>: <check>: <first conviction>``, one shell-safe line, bounded."""
-    reasons = [r for r in host["reasons"] if "link" not in r] or host["reasons"]
-    first = reasons[0] if reasons else {"check": "?", "reason": "named by ddp-smoke"}
-    more = f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
+    first, more = _lead(host)
     text = f"ddp-smoke {run_id}: {first['check']}: {first['reason']}"
     text = " ".join(_UNSAFE.sub(" ", text).split())
     if len(text) + len(more) > REASON_CHARS:
         text = text[:REASON_CHARS - len(more) - 3].rstrip() + "..."
     return text + more
+
+
+def _lead(host: dict) -> tuple[dict, str]:
+    """The reason to show first (a conviction before a link) and "(+N more)" for the rest."""
+    reasons = sorted(host["reasons"], key=lambda r: "link" in r)
+    first = reasons[0] if reasons else {"check": "?", "reason": "named by ddp-smoke"}
+    return first, f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
 
 
 def drain_argv(host: dict, run_id: str) -> list[str]:
@@ -193,9 +199,9 @@ def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None) -> 
     lists = ", ".join(LISTS.values())
     lines = [f"# hosts: {counts}; lists ({lists}) in {report_dir}"]
     for h in split[BAD] + split[SUSPECT]:
-        first = h["reasons"][0]
-        lines.append(f"#   {h['verdict']:<7} {h['host']:<20} {first['check']}: {first['reason']}"
-                     + (f" (+{len(h['reasons']) - 1} more)" if len(h["reasons"]) > 1 else ""))
+        first, more = _lead(h)
+        lines.append(f"#   {h['verdict']:<7} {h['host']:<20} {first['check']}: "
+                     f"{first['reason']}{more}")
     ran = " (--act slurm-drain ran the scontrol lines)" if act == "slurm-drain" else \
         "; --act slurm-drain runs the scontrol lines"
     lines.append(f"# next steps, not run{ran}:")
@@ -208,30 +214,49 @@ def drain(hosts: list[dict], run_id: str, environ=os.environ) -> list[str]:
     """``--act slurm-drain``: run scontrol for each bad host; return one line per outcome.
 
     Only under Slurm (``SLURM_JOB_ID`` set) and only for hosts whose ranks recorded their Slurm
-    node name: a host name guessed into a NodeName could drain another machine.
+    node name: a host name guessed into a NodeName could drain another machine. The calls run
+    side by side under one deadline, DRAIN_BUDGET_S: the other ranks are waiting for rank 0's
+    verdict meanwhile (10 s at most after an abort), and must not be told rank 0 is gone.
     """
     bad = by_verdict(hosts)[BAD]
     if not bad:
         return []
     if not environ.get("SLURM_JOB_ID"):
         return ["--act slurm-drain: not inside a Slurm job (no SLURM_JOB_ID); nothing drained"]
-    out = []
-    for h in bad:
-        if not h.get("slurm_node"):
-            out.append(f"--act slurm-drain: {h['host']} not drained: its ranks recorded no "
-                       "SLURMD_NODENAME")
-            continue
-        argv = drain_argv(h, run_id)
-        try:
-            p = subprocess.run(argv, capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S,
-                               stdin=subprocess.DEVNULL)
-            ok, why = p.returncode == 0, (p.stderr or p.stdout).strip().splitlines()[-1:]
-        except (OSError, subprocess.TimeoutExpired) as e:
-            ok, why = False, [f"{type(e).__name__}: {e}"]
+    out = [f"--act slurm-drain: {h['host']} not drained: its ranks recorded no SLURMD_NODENAME"
+           for h in bad if not h.get("slurm_node")]
+    started = [(h, drain_argv(h, run_id)) for h in bad if h.get("slurm_node")]
+    procs = [(h, argv, _start(argv, dict(environ))) for h, argv in started]
+    deadline = time.monotonic() + DRAIN_BUDGET_S
+    for h, argv, proc in procs:
+        why = _finish(proc, deadline)
         out.append(f"--act slurm-drain: {h['slurm_node']} " + (
-            "drained" if ok else f"NOT drained ({'; '.join(why) or 'scontrol failed'}); run "
-                                 f"by hand: {shlex.join(argv)}"))
+            "drained" if why is None else f"NOT drained ({why}); run by hand: "
+                                          f"{shlex.join(argv)}"))
     return out
+
+
+def _start(argv: list[str], env):
+    try:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+    except OSError as e:  # no scontrol on this node
+        return e
+
+
+def _finish(proc, deadline: float) -> str | None:
+    """None when scontrol succeeded, else why not (its last line, or the deadline)."""
+    if isinstance(proc, OSError):
+        return f"{type(proc).__name__}: {proc}"
+    try:
+        output, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return f"scontrol gave no answer within {DRAIN_BUDGET_S} s"
+    if proc.returncode == 0:
+        return None
+    return (output.strip().splitlines() or [f"scontrol exit {proc.returncode}"])[-1]
 
 
 def finish(report, report_dir: str, run_id: str) -> None:
