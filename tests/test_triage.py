@@ -105,11 +105,22 @@ def test_host_lists_and_next_commands():
         "sbatch --exclude=gpu02 slurm/ddp_smoke.sbatch",
         # node2's link to node3 needs no re-test of its own: node2 is drained anyway
         "sbatch --nodes=2 --nodelist=gpu01,gpu04 slurm/ddp_smoke.sbatch --checks bandwidth"
-        "   # re-test the link",
+        "   # re-test the link",  # no good host left to take along as a reference
         "kubectl cordon node2",
         "kubectl label node node2 ddp-smoke/result=fail --overwrite"]
     # The printed drain line is one shell word per argument: what --act runs, exactly.
     assert shlex.split(lines[0]) == triage.drain_argv(hosts[1], "job 42")
+
+
+def test_a_suspect_link_is_re_tested_with_a_good_host_as_reference():
+    hosts = triage.hosts_section(_report(CheckResult("bandwidth", FAIL, culprits=[_link(0, 3)])))
+    assert triage.next_commands(hosts, "1") == [
+        "sbatch --nodes=3 --nodelist=gpu01,gpu04,gpu02 slurm/ddp_smoke.sbatch --checks "
+        "bandwidth   # re-test the link"]
+    printed = triage.render(hosts, "1", "/r", None)
+    assert printed[0] == ("# hosts: 0 bad, 2 suspect, 2 good; lists (bad_hosts.txt, "
+                          "suspect_hosts.txt, good_hosts.txt) in /r")
+    assert printed[3] == "# next steps, not run:"  # nothing to drain: --act would do nothing
 
 
 def test_drain_reason_is_one_bounded_shell_safe_line():

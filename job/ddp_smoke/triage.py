@@ -178,11 +178,15 @@ def next_commands(hosts: list[dict], run_id: str) -> list[str]:
     slurm = {h["host"]: h.get("slurm_node") or h["host"] for h in hosts}
     convicted = {h["host"] for h in bad}
     links = dict.fromkeys(tuple(r["link"]) for h in suspect for r in h["reasons"] if "link" in r)
+    # A pair is judged against the others: a re-test of a link alone has no reference, so it
+    # takes a good host along.
+    witness = [h["host"] for h in split[GOOD]][:1]
     for link in links:
         if convicted.isdisjoint(link):  # with a bad end, draining that end is the re-test
-            nodes = ",".join(slurm.get(end, end) for end in link)
-            lines.append(f"sbatch --nodes={len(link)} --nodelist={shlex.quote(nodes)} "
-                         "slurm/ddp_smoke.sbatch --checks bandwidth   # re-test the link")
+            nodes = ",".join(slurm.get(end, end) for end in [*link, *witness])
+            lines.append(f"sbatch --nodes={len(link) + len(witness)} "
+                         f"--nodelist={shlex.quote(nodes)} slurm/ddp_smoke.sbatch "
+                         "--checks bandwidth   # re-test the link")
     for h in bad:
         node = shlex.quote(h.get("k8s_node") or h["host"])
         lines += [f"kubectl cordon {node}",
@@ -202,8 +206,8 @@ def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None) -> 
         first, more = _lead(h)
         lines.append(f"#   {h['verdict']:<7} {h['host']:<20} {first['check']}: "
                      f"{first['reason']}{more}")
-    ran = " (--act slurm-drain ran the scontrol lines)" if act == "slurm-drain" else \
-        "; --act slurm-drain runs the scontrol lines"
+    ran = "" if not split[BAD] else " (--act slurm-drain ran the scontrol lines)" \
+        if act == "slurm-drain" else "; --act slurm-drain runs the scontrol lines"
     lines.append(f"# next steps, not run{ran}:")
     return lines + [f"  {c}" for c in next_commands(hosts, run_id)]
 
