@@ -25,7 +25,8 @@ Report: rank 0 writes REPORT_DIR/report.json (atomically) and REPORT_DIR/junit.x
 
 Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by torchrun or
   submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,
-  SLURM_*; NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
+  SLURM_* (SLURMD_NODENAME names the node to drain), NODE_NAME in a pod (spec.nodeName, for
+  kubectl); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
 
 Exit status: 0 verdict pass · 1 verdict fail (the report says why) · 2 bad input (one line).
 
