@@ -18,11 +18,15 @@ Checks (in default order):
 Report: rank 0 writes REPORT_DIR/report.json (atomically) and REPORT_DIR/junit.xml. Keys:
   verdict "pass"|"fail", world_size, nodes, backend, ranks [{{rank, local_rank, host, …}}],
   checks [{{name, status "pass"|"fail"|"skip", culprits [{{rank, host, reason}}], figures, …}}],
-  timings {{connect_store_s, rendezvous_s, checks_s, total_s}}, error.
+  timings {{connect_store_s, rendezvous_s, checks_s, total_s}}, error,
+  hosts [{{host, verdict "good"|"suspect"|"bad", ranks, reasons}}]. Beside it: bad_hosts.txt,
+  suspect_hosts.txt, good_hosts.txt (one host a line); rank 0 prints the drain/exclude/cordon
+  commands for hosts that are not good, and runs the scontrol ones only with --act slurm-drain.
 
 Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by torchrun or
   submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,
-  SLURM_*; NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
+  SLURM_* (SLURMD_NODENAME names the node to drain), NODE_NAME in a pod (spec.nodeName, for
+  kubectl); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
 
 Repeat mode: --repeat N or --duration S runs the checks again and again; each check's result
   then holds every iteration's figures, failures per rank, busbw p50/p99 per size, and says
@@ -95,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
                         "iterations only is flagged intermittent (default 1)")
     p.add_argument("--duration", metavar="SECONDS", type=float,
                    help="instead of --repeat: keep starting iterations for this long")
+    p.add_argument("--act", metavar="slurm-drain",
+                   help="after the report, drain the bad hosts' Slurm nodes with scontrol "
+                        "(default: only print the commands)")
+    p.add_argument("--prometheus", metavar="FILE",
+                   help="also write the verdict and key figures as a node_exporter textfile")
     p.add_argument("--version", action="version", version=f"ddp-smoke {__version__}")
     return p
 

@@ -20,7 +20,8 @@ import yaml
 
 BACKENDS = ("auto", "gloo", "nccl")
 _NULLABLE = {"report_dir": str, "storage_dir": str, "expect_nodes": int,
-             "expect_world_size": int, "fault": str, "profile": str, "duration": float}
+             "expect_world_size": int, "fault": str, "profile": str, "duration": float,
+             "act": str, "prometheus": str}
 
 
 class ConfigError(ValueError):
@@ -124,6 +125,9 @@ def _validate(cfg: dict[str, Any]) -> None:
     if duration is not None and cfg["repeat"] != 1:
         raise ConfigError("keys 'repeat' and 'duration': give one, not both")
     parse_faults(cfg["fault"], checks)
+    from .triage import ACTS
+    if cfg["act"] is not None and cfg["act"] not in ACTS:
+        raise ConfigError(f"key 'act' = {cfg['act']!r}: expected one of {', '.join(ACTS)}")
     if cfg["profile"]:
         from . import profiles
         profiles.load(cfg["profile"])

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import __version__, blame, checks, comm, forensics, plot, repeat, runtime, summary
+from . import (__version__, blame, checks, comm, forensics, metrics, plot, repeat, runtime,
+               summary, triage)
 from .config import ConfigError, report_dir as default_report_dir
 from .faults import Injector, parse_faults
 from .report import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict, write_report
@@ -247,6 +248,8 @@ class _Coordinator:
                   f"{e.strerror or e}; the report follows as one JSON line", file=sys.stderr)
             print(json.dumps(report.to_dict(), separators=(",", ":")), file=sys.stderr)
         summary.print_report(report, path)
+        triage.finish(report, self.report_dir, self.env.run_id)  # host lists, next steps, --act
+        metrics.write(report, self.env.run_id)  # --prometheus FILE, when set
         try:  # always, so that the other ranks leave now with the verdict
             store.set("final", report.verdict)
         except Exception:  # noqa: BLE001

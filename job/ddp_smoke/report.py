@@ -17,8 +17,11 @@ fills these records and rank 0 writes them.
                   "figures": {...}, "notes": [str]}],
       "timings": {"<phase>_s": float, ...},
       "error": null | {"rank", "host", "type", "message"},
-      "forensics": [{"rank", "host", "where", "stacks": path, "flight_recorder": path}]
+      "forensics": [{"rank", "host", "where", "stacks": path, "flight_recorder": path}],
+      "hosts": [{"host", "verdict": "good"|"suspect"|"bad", "ranks", "reasons": [...]}]
     }
+
+``hosts`` is derived from ``ranks`` and the culprits on every write (``ddp_smoke.triage``).
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
+
+from . import triage
 
 PASS = "pass"
 FAIL = "fail"
@@ -108,7 +113,7 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         body = dataclasses.asdict(self)
         return {"verdict": self.verdict, "world_size": self.world_size, "nodes": self.nodes,
-                "backend": self.backend, **body}
+                "backend": self.backend, **body, "hosts": triage.hosts_section(self)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
@@ -127,7 +132,9 @@ def write_atomic(path: str, text: str) -> None:
     """
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    # The temp name must not end like the real one: node_exporter reads every *.prom in its
+    # directory, a half-written .tmp-…x.prom included.
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".tmp-{os.path.basename(path)}.")
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the report from the rest of the team
         with os.fdopen(fd, "w") as f:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import identity
 from .config import ConfigError
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -186,4 +187,14 @@ def rank_record(env: LaunchEnv, device: torch.device) -> dict:
             "host": host, "pid": os.getpid(), "device": str(device),
             "route_address": route_address(env.master_addr, env.master_port),
             "hostname_addresses": hostname_addresses(host),
-            "addresses": interface_addresses(), **gpu_facts(device)}
+            "addresses": interface_addresses(), **gpu_facts(device),
+            **launcher_node(), "identity": identity.collect(device)}
+
+
+def launcher_node(environ=os.environ) -> dict:
+    """The launcher's name for this node, where it differs from the hostname: Slurm's NodeName
+    (what scontrol drains) and, in a pod, the Kubernetes node (NODE_NAME from spec.nodeName)."""
+    in_pod = "KUBERNETES_SERVICE_HOST" in environ  # NODE_NAME alone is too common a name
+    names = {"slurm_node": environ.get("SLURMD_NODENAME"),
+             "k8s_node": environ.get("NODE_NAME") if in_pod else None}
+    return {k: v for k, v in names.items() if v}
