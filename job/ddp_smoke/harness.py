@@ -127,6 +127,7 @@ class _Coordinator:
         self.backend = "?"
         self.report_dir = ""
         self.finalized = False
+        self.report_lost = False  # the report could not be written (it went to stderr)
         self.leaving = False  # set once this rank has its verdict: store errors are expected now
         self.stop = threading.Event()  # ends the heartbeat and watchdog threads on a clean exit
         self.threads: list[threading.Thread] = []
@@ -243,15 +244,15 @@ class _Coordinator:
             path = write_report(report, self.report_dir)
             plot.write_busbw_png(report, self.report_dir)  # only with matplotlib installed
         except OSError as e:  # full, over quota, read-only, stale NFS handle: keep the report
-            path = f"(not written: {e})"
+            path, self.report_lost = f"(not written: {e})", True
             print(f"ddp-smoke: error: cannot write the report in {self.report_dir}: "
                   f"{e.strerror or e}; the report follows as one JSON line", file=sys.stderr)
             print(json.dumps(report.to_dict(), separators=(",", ":")), file=sys.stderr)
         summary.print_report(report, path)
         triage.finish(report, self.report_dir, self.env.run_id)  # host lists, next steps, --act
         metrics.write(report, self.env.run_id)  # --prometheus FILE, when set
-        try:  # always, so that the other ranks leave now with the verdict
-            store.set("final", report.verdict)
+        try:  # always, so that the other ranks leave now; a lost report is no pass
+            store.set("final", "fail" if self.report_lost else report.verdict)
         except Exception:  # noqa: BLE001
             pass
         return report
@@ -621,7 +622,7 @@ def run(cfg: dict[str, Any]) -> int:
     if not env.agent_store:  # rank 0 hosts the store: let the others read the verdict first
         _wait_counter(store, "bye", env.world_size - 1, 5.0)
     _shut_down(coord)
-    return 0 if report is not None and report.verdict == "pass" else 1
+    return 0 if report is not None and report.verdict == "pass" and not coord.report_lost else 1
 
 
 def _another_iteration(coord: _Coordinator, store, started: float) -> bool:

@@ -1,0 +1,44 @@
+"""The report's own failure on a real full filesystem: nothing lost, nobody left waiting."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.launch import torchrun
+
+
+@contextlib.contextmanager
+def _full_tmpfs(path, free_bytes: int):
+    """A 256 KiB tmpfs at ``path`` filled up to ``free_bytes`` (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], check=True)
+    try:
+        with open(path / "filler", "wb") as f:
+            f.write(b"\0" * (256 * 1024 - free_bytes))
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.timeout(180)
+def test_full_report_dir_keeps_the_report_on_stderr_and_releases_every_rank(tmp_path):
+    with _full_tmpfs(tmp_path / "full", 4096) as full:
+        run = torchrun(2, "--checks", "environment,ddp_step", "--timeout", "60",
+                       report_dir=full / "report")
+        left = sorted(os.listdir(full / "report"))
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if "cannot write the report" in line]
+    assert len(errors) == 1 and "No space left on device" in errors[0], run.stderr[-3000:]
+    lines = [json.loads(line) for line in run.stderr.splitlines() if line.startswith('{"verdict"')]
+    assert len(lines) == 1 and lines[0]["verdict"] == "pass"  # the checks passed; nothing lost
+    # torchrun prints its own traceback for a failed worker; none may come from the kit
+    assert not [line for line in run.stderr.splitlines()
+                if line.lstrip().startswith("File ") and "ddp_smoke" in line], run.stderr[-3000:]
+    assert run.wall_s < 60, run.wall_s  # rank 1 had the verdict at once, not after its timeout
+    assert "report.json" not in left and "junit.xml" not in left  # never one without the other
