@@ -8,6 +8,8 @@ PYTHON     ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PIP_EXTRA  ?=
 NPROC      ?= 2
+# quick: a verdict in about the time of the bare tutorial (README, "Measurement levels")
+LEVEL      ?= quick
 REPORT_DIR ?= reports/local-$(shell date +%Y%m%d-%H%M%S)
 ARGS       ?=
 PYTEST_ARGS ?=
@@ -41,9 +43,9 @@ $(VENV)/.test: $(VENV)/.runtime
 
 venv: $(VENV)/.runtime  ## create .venv/ (torch, numpy, pyyaml, submitit, this package)
 
-smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, ARGS=…)
+smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, LEVEL=quick, ARGS=…)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m ddp_smoke \
-	  --backend gloo --report-dir $(REPORT_DIR) $(ARGS)
+	  --backend gloo --level $(LEVEL) --report-dir $(REPORT_DIR) $(ARGS)
 
 test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docker, manifests)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -67,10 +67,26 @@ def sweep_sizes(min_bytes: int, max_bytes: int, factor: int, extra=()) -> list[i
     return sorted(sizes)
 
 
-def timed_iterations(warm_s: float, budget_s: float, least: int, most: int) -> int:
-    """Timed iterations for one size: as many as fit ``budget_s`` at ``warm_s`` each, clamped."""
-    fit = math.ceil(budget_s / warm_s) if warm_s > 0 else most
-    return max(least, min(most, fit))
+def relative_sem(times: list[float]) -> float:
+    """Standard error of the mean of ``times`` as a fraction of the mean (inf below 2)."""
+    if len(times) < 2 or not sum(times):
+        return math.inf
+    return statistics.stdev(times) / math.sqrt(len(times)) / statistics.fmean(times)
+
+
+def more_iterations(times: list[float], least: int, most: int, budget_s: float,
+                    stable_rel: float) -> bool:
+    """Whether one size wants another timed iteration, given the ones taken so far.
+
+    Never fewer than ``least`` nor more than ``most``; in between, stop once ``budget_s`` of
+    timed work is spent, or (``stable_rel`` > 0) once the mean is known to within
+    ``stable_rel`` of itself (one standard error): more iterations would not move it.
+    """
+    if len(times) < least:
+        return True
+    if len(times) >= most or sum(times) >= budget_s:
+        return False
+    return not (stable_rel > 0 and relative_sem(times) <= stable_rel)
 
 
 def matmul_tflops(n: int, iterations: int, time_s: float) -> float:

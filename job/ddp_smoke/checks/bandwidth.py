@@ -2,11 +2,12 @@
 
 Sweep: for each collective (``bandwidth.collectives``: all_reduce, all_gather; optionally
 reduce_scatter, broadcast, all_to_all) and each size from ``min_bytes`` to ``max_bytes_cpu`` /
-``max_bytes_gpu`` (× ``step_factor``), every rank runs warm-up iterations, then timed ones, each
-after a barrier (synchronised per iteration like all_reduce_bench); CUDA events time a GPU.
-Timed iterations stop at ``iters``, or earlier once ``time_per_size_s`` is spent, never below
-``min_iters``; the count is agreed across ranks. Then one run on known data counts wrong
-elements. Per size, as nccl-tests (its JSON name in brackets): size_bytes [size], count, type,
+``max_bytes_gpu`` (× ``step_factor``), every rank first runs the collective once on known data
+and counts wrong elements (which also warms the size up), then ``warmup_iters`` untimed runs,
+then timed ones, each after a barrier (synchronised per iteration like all_reduce_bench); CUDA
+events time a GPU. Timed iterations stop at ``iters``, or earlier once ``time_per_size_s`` is
+spent or (``stable_rel``) once the mean's standard error is that fraction of it, never below
+``min_iters``; the count is agreed across ranks. ``level`` (``ddp_smoke.levels``) sets these. Per size, as nccl-tests (its JSON name in brackets): size_bytes [size], count, type,
 time_us [time] = mean over ranks of each rank's mean (+ time_us_min/max across ranks),
 algbw_gbps [alg_bw] = S / time, busbw_gbps [bus_bw] = algbw × factor, nwrong; GB = 1e9 B.
 Definitions: ``ddp_smoke.perf``. A profile (``--profile``) may set busbw floors; the sweep then
@@ -70,6 +71,9 @@ def validate(cfg: dict) -> None:
     if cfg["step_factor"] < 2 or cfg["min_bytes"] < 1 or cfg["min_iters"] < 1:
         raise ConfigError("keys 'bandwidth.step_factor' >= 2, 'bandwidth.min_bytes' >= 1 and "
                           "'bandwidth.min_iters' >= 1 expected")
+    if not 0 <= cfg["stable_rel"] < 1:
+        raise ConfigError(f"key 'bandwidth.stable_rel' = {cfg['stable_rel']!r}: expected a "
+                          "fraction >= 0 and < 1 (0: no early stop)")
 
 
 def _sizes(ctx, cfg: dict, profile: dict, nodes: int) -> list[int]:
@@ -118,23 +122,36 @@ def _measure(ctx, cfg: dict, collective: str, size_bytes: int, count: int, pool,
     inp = pool[0][:in_len]
     out = inp if out_len is None else pool[1][:out_len]
     op = _operation(collective, inp, out)
-
-    def once() -> float:
-        dist.barrier()  # every iteration starts together, as in all_reduce_bench
-        return clock(op)
-
-    warm_s = max((once() for _ in range(cfg["warmup_iters"])), default=0.0)
-    agreed = torch.tensor([warm_s], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # one iteration count on every rank
-    iters = perf.timed_iterations(agreed.item(), cfg["time_per_size_s"], cfg["min_iters"],
-                                  cfg["iters"])
-    times = [once() for _ in range(iters)]
+    # The first run is on known data and checked; it also warms this size up (buffers,
+    # connections), so that a quick sweep needs no separate warm-up.
     nwrong, sources = _verify(ctx, collective, inp, out, op)
+    for _ in range(cfg["warmup_iters"]):
+        dist.barrier()
+        op()
+    times = _timed(ctx, cfg, op, clock)
     return {"collective": collective, "size_bytes": size_bytes, "count": count,
             "type": cfg["dtype"],
             "redop": "sum" if collective in ("all_reduce", "reduce_scatter") else "none",
-            "root": 0 if collective == "broadcast" else -1, "iterations": iters,
+            "root": 0 if collective == "broadcast" else -1, "iterations": len(times),
             "time_us": statistics.fmean(times) * 1e6, "nwrong": nwrong, "wrong_from": sources}
+
+
+def _timed(ctx, cfg: dict, op, clock: Clock) -> list[float]:
+    """Timed iterations until no rank wants another (``perf.more_iterations``).
+
+    Each iteration starts with a one-element all_reduce (MAX) of every rank's "one more?"
+    vote: it is the per-iteration barrier of all_reduce_bench, and it makes the count agreed
+    on every rank, as the collectives require, while each rank judges its own estimate.
+    """
+    vote = torch.zeros(1, device=ctx.device)
+    times: list[float] = []
+    while True:
+        vote.fill_(float(perf.more_iterations(times, cfg["min_iters"], cfg["iters"],
+                                              cfg["time_per_size_s"], cfg["stable_rel"])))
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        if not vote.item():  # on a GPU, .item() waits for the vote: every rank starts together
+            return times
+        times.append(clock(op))
 
 
 def _lengths(collective: str, count: int, n: int) -> tuple[int, int | None]:
