@@ -150,21 +150,21 @@ def second_pass(k: int, busbw: dict[tuple[int, int], float], margin: float,
         return []
     _, slow = slow_pairs(busbw, margin)
     suspects = sorted({n for p in slow for n in p})
-    good = [n for n in range(k) if n not in suspects and any(n in p for p in busbw)]
-    met = set(busbw)
-    pending = [s for s in suspects if not any(tuple(sorted((s, g))) in met for g in good)]
+    flagged = set(suspects)
+    seen = {n for p in busbw for n in p}
+    good = [n for n in range(k) if n in seen and n not in flagged]
+    met_good = {n for p in busbw for n, m in (p, p[::-1]) if m in seen and m not in flagged}
+    pending = [s for s in suspects if s not in met_good]
+    # Only suspects' partners are taken within a round and each pending suspect has met no
+    # known-good node yet, so round i pairs the next pending suspects with good[0], good[1] …
+    # in order: O(pairs) work, not O(suspects × good), which counts at thousands of nodes.
     plan = []
     for _ in range(rounds):
-        busy, this = set(), []
-        for s in list(pending):
-            g = next((g for g in good if g not in busy and s not in busy), None)
-            if g is not None:
-                this.append(tuple(sorted((s, g))))
-                busy |= {s, g}
-                pending.remove(s)
+        this = [tuple(sorted((s, g))) for s, g in zip(pending, good)]
         if not this:
             break
         plan.append(this)
+        pending = pending[len(this):]
     return plan
 
 
@@ -186,6 +186,7 @@ def attribute(busbw: dict[tuple[int, int], float], margin: float) -> dict:
     nodes = sorted({n for p in slow for n in p
                     if n not in healthy and any(m in healthy for m in p if m != n)})
     links = sorted(p for p in slow if p[0] in healthy and p[1] in healthy)
-    unresolved = sorted(p for p in slow if p not in links and not set(p) & set(nodes))
+    named, linked = set(nodes), set(links)  # sets: thousands of nodes, thousands of pairs
+    unresolved = sorted(p for p in slow if p not in linked and not set(p) & named)
     return {"reference": reference, "slow": sorted(slow), "nodes": nodes, "links": links,
             "unresolved": unresolved}
