@@ -14,6 +14,7 @@ launchers' default) and the tutorial's own two checks are timed alongside for sc
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -35,31 +36,44 @@ def commands(report_root: str) -> dict[str, list[str]]:
     }
 
 
-def measure(rounds: int) -> dict[str, list[float]]:
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall seconds and CPU seconds (user + system, all processes) per command and round."""
     with tempfile.TemporaryDirectory(prefix="ddp-smoke-bench-") as root:
         cmds = commands(root)
         names = list(cmds)
         times: dict[str, list[float]] = {name: [] for name in names}
+        cpu: dict[str, list[float]] = {name: [] for name in names}
         for i in range(rounds):
             for name in names[i % len(names):] + names[:i % len(names)]:  # rotate the order
-                t = time.monotonic()
+                t, c = time.monotonic(), _children_cpu_s()
                 subprocess.run(cmds[name], check=True, capture_output=True, timeout=300)
                 times[name].append(time.monotonic() - t)
-    return times
+                cpu[name].append(_children_cpu_s() - c)
+    return times, cpu
 
 
 def main(rounds: int) -> None:
     load_before = os.getloadavg()[0]
-    times = measure(rounds)
+    times, cpu = measure(rounds)
     base = times[next(iter(times))]
+    cpu_base = statistics.median(cpu[next(iter(cpu))])
     print(f"# time to verdict: {rounds} rotating rounds, 2 gloo ranks; load (1 min) "
           f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} CPUs")
-    print(f"# {'command':<34} {'median_s':>9} {'ratio':>6} {'paired':>7}   runs_s")
+    print("# ratio: median / the tutorial's median; paired: median of per-round ratios; cpu: "
+          "CPU seconds (user + system) of all its processes, less sensitive to load than wall")
+    print(f"# {'command':<34} {'median_s':>9} {'ratio':>6} {'paired':>7} {'cpu_s':>6} "
+          f"{'ratio':>6}   runs_s")
     for name, ts in times.items():
         med = statistics.median(ts)
         paired = statistics.median(t / b for t, b in zip(ts, base))
-        print(f"  {name:<34} {med:>9.2f} {med / statistics.median(base):>6.2f} {paired:>7.2f}   "
-              + " ".join(f"{t:.1f}" for t in ts))
+        c = statistics.median(cpu[name])
+        print(f"  {name:<34} {med:>9.2f} {med / statistics.median(base):>6.2f} {paired:>7.2f} "
+              f"{c:>6.2f} {c / cpu_base:>6.2f}   " + " ".join(f"{t:.1f}" for t in ts))
     quick = statistics.median(times["make smoke-local (quick)"]) / statistics.median(base)
     print(f"time-to-verdict ratio (make smoke-local / tutorial, medians): {quick:.2f} "
           f"(target <= {TARGET})")

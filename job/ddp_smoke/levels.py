@@ -7,10 +7,10 @@ levels do. A level is a set of config values laid over ``defaults.yaml``, under 
 ``--config`` file and flags (``config.resolve``), so any single key can still be set by hand.
 
 ``quick``
-    The local default (``make smoke-local``): a bandwidth sweep of four sizes (1 KiB, 32 KiB,
-    1 MiB, 32 MiB on CPU; up to 256 MiB on a GPU), each stopping as soon as its mean time is
-    known to ±3 % (standard error), or after 0.03 s of timed iterations; three short compute
-    blocks. About a second of checks on two CPU ranks.
+    The local default (``make smoke-local``): a bandwidth sweep of four sizes (512 B, 16 KiB,
+    512 KiB, 16 MiB on CPU; and 512 MiB on a GPU), each stopping as soon as its mean time is
+    known to ±3 % (standard error), after at least 3 and at most 10 timed iterations or 0.02 s
+    of them; three compute blocks of 0.02 s. Under a second of checks on two CPU ranks.
 ``standard``
     The worker's default, what the cluster launchers run: ``defaults.yaml`` as written — sizes
     1 KiB … 64 MiB (CPU) / 1 GiB (GPU) by ×4, up to 20 iterations or 0.25 s per size; five
@@ -30,11 +30,11 @@ DEFAULT = "standard"
 
 LEVELS: dict[str, dict[str, Any]] = {
     "quick": {
-        "bandwidth": {"min_bytes": 1024, "step_factor": 32, "max_bytes_cpu": 32 << 20,
-                      "max_bytes_gpu": 256 << 20, "warmup_iters": 0, "min_iters": 3,
-                      "iters": 20, "time_per_size_s": 0.03, "stable_rel": 0.03,
+        "bandwidth": {"min_bytes": 512, "step_factor": 32, "max_bytes_cpu": 16 << 20,
+                      "max_bytes_gpu": 512 << 20, "warmup_iters": 0, "min_iters": 3,
+                      "iters": 10, "time_per_size_s": 0.02, "stable_rel": 0.03,
                       "pair_iters": 3},
-        "compute": {"blocks": 3, "block_s": 0.03},
+        "compute": {"blocks": 3, "block_s": 0.02},
     },
     "standard": {},
     "long": {
