@@ -78,6 +78,12 @@ def test_sweep_sizes_and_iteration_budget():
     assert not more([0.01] * 3, 3, 20, 0.25, 0.03) and more([0.01] * 2, 3, 20, 0.25, 0.03)
     assert more([0.01, 0.02, 0.01, 0.02], 3, 20, 0.25, 0.03)  # ±17 % standard error
     assert perf.relative_sem([1.0, 3.0]) == pytest.approx(0.5)  # stdev √2, /√2, /mean 2
+    # batches between votes: the least first, then doubling, within the most and the budget
+    assert perf.next_batch([], 3, 10, 0.25) == 3
+    assert perf.next_batch([0.01] * 3, 3, 10, 0.25) == 3 and perf.next_batch([0.01] * 6, 3, 10,
+                                                                              0.25) == 4
+    assert perf.next_batch([0.05] * 3, 3, 20, 0.25) == 2  # 0.1 s left at 0.05 s each
+    assert perf.next_batch([0.2] * 3, 3, 20, 0.25) == 1   # over budget: the vote says stop
 
 
 def test_matmul_rate_stragglers_and_shortfall():

@@ -89,6 +89,16 @@ def more_iterations(times: list[float], least: int, most: int, budget_s: float,
     return not (stable_rel > 0 and relative_sem(times) <= stable_rel)
 
 
+def next_batch(times: list[float], least: int, most: int, budget_s: float) -> int:
+    """How many iterations to run before the next vote: ``least`` first, then as many again
+    as were taken (doubling), never past ``most`` nor, at the mean so far, past the budget."""
+    if not times:
+        return max(1, least)
+    left_s = budget_s - sum(times)
+    fit = math.ceil(left_s / statistics.fmean(times)) if left_s > 0 else 1
+    return max(1, min(len(times), most - len(times), fit))
+
+
 def matmul_tflops(n: int, iterations: int, time_s: float) -> float:
     """Dense n×n×n matrix products: 2n³ floating-point operations each, in TFLOP/s."""
     return 2 * n ** 3 * iterations / time_s / 1e12

@@ -137,21 +137,26 @@ def _measure(ctx, cfg: dict, collective: str, size_bytes: int, count: int, pool,
 
 
 def _timed(ctx, cfg: dict, op, clock: Clock) -> list[float]:
-    """Timed iterations until no rank wants another (``perf.more_iterations``).
+    """Timed iterations, each after a barrier, until no rank wants more.
 
-    Each iteration starts with a one-element all_reduce (MAX) of every rank's "one more?"
-    vote: it is the per-iteration barrier of all_reduce_bench, and it makes the count agreed
-    on every rank, as the collectives require, while each rank judges its own estimate.
+    The ranks must agree on the count (each iteration is a collective) while each judges its
+    own estimate: between batches, one all_reduce (MAX) of every rank's vote, the number of
+    iterations it wants next (0: enough; ``perf.more_iterations``, ``perf.next_batch``).
+    Batches double, so a size costs a few votes, and the barrier before every timed call
+    stays as in all_reduce_bench (and as in the independent loop of bench/).
     """
+    least, most, budget_s = cfg["min_iters"], cfg["iters"], cfg["time_per_size_s"]
     vote = torch.zeros(1, device=ctx.device)
     times: list[float] = []
     while True:
-        vote.fill_(float(perf.more_iterations(times, cfg["min_iters"], cfg["iters"],
-                                              cfg["time_per_size_s"], cfg["stable_rel"])))
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-        if not vote.item():  # on a GPU, .item() waits for the vote: every rank starts together
+        more = perf.more_iterations(times, least, most, budget_s, cfg["stable_rel"])
+        vote.fill_(perf.next_batch(times, least, most, budget_s) if more else 0)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)  # every rank runs the largest wish
+        if not vote.item():
             return times
-        times.append(clock(op))
+        for _ in range(int(vote.item())):
+            dist.barrier()  # every iteration starts together, as in all_reduce_bench
+            times.append(clock(op))
 
 
 def _lengths(collective: str, count: int, n: int) -> tuple[int, int | None]:
