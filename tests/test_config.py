@@ -75,7 +75,7 @@ def test_levels_lay_their_values_under_file_and_flags(tmp_path):
 
 
 def test_unknown_level_is_one_line():
-    with pytest.raises(ConfigError, match="'level' = 'fast': expected one of quick, standard, long"):
+    with pytest.raises(ConfigError, match="'level' = 'fast': expected one of quick, standard"):
         resolve({"level": "fast"}, {})
     with pytest.raises(ConfigError, match="--level"):
         parse_config(["--level", "fast"])

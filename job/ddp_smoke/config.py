@@ -56,7 +56,7 @@ def load_file(path: str) -> dict[str, Any]:
 
 def resolve(file_values: dict[str, Any], flag_values: dict[str, Any],
             source: str = "config") -> dict[str, Any]:
-    """Merge defaults < file < flags and validate every key; return the effective config."""
+    """Merge defaults < level < file < flags, validate every key; return the effective config."""
     merged = defaults()
     level = flag_values.get("level") or file_values.get("level") or merged["level"]
     if level not in levels.LEVELS:

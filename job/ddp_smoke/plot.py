@@ -2,7 +2,8 @@
 
 Rank 0 calls :func:`write_busbw_png` after writing ``report.json``. It needs matplotlib (the
 ``plot`` extra: ``pip install 'ddp-smoke[plot]'``); without it nothing is written and nothing is
-said. Not at the quick level (``ddp_smoke.levels``). A plot that fails for another reason costs one line on stderr, never the verdict.
+said. Not at the quick level (``ddp_smoke.levels``). A plot that fails for another reason
+costs one line on stderr, never the verdict.
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ and counts wrong elements (which also warms the size up), then ``warmup_iters`` 
 then timed ones, each after a barrier (synchronised per iteration like all_reduce_bench); CUDA
 events time a GPU. Timed iterations stop at ``iters``, or earlier once ``time_per_size_s`` is
 spent or (``stable_rel``) once the mean's standard error is that fraction of it, never below
-``min_iters``; the count is agreed across ranks. ``level`` (``ddp_smoke.levels``) sets these. Per size, as nccl-tests (its JSON name in brackets): size_bytes [size], count, type,
+``min_iters``; the count is agreed across ranks. ``level`` (``ddp_smoke.levels``) sets these.
+Per size, as nccl-tests (its JSON name in brackets): size_bytes [size], count, type,
 time_us [time] = mean over ranks of each rank's mean (+ time_us_min/max across ranks),
 algbw_gbps [alg_bw] = S / time, busbw_gbps [bus_bw] = algbw × factor, nwrong; GB = 1e9 B.
 Definitions: ``ddp_smoke.perf``. A profile (``--profile``) may set busbw floors; the sweep then
