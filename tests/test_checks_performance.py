@@ -69,21 +69,10 @@ def test_layout_counts_per_rank_for_whole_array_collectives():
 def test_sweep_sizes_and_iteration_budget():
     assert perf.sweep_sizes(1024, 65536, 4) == [1024, 4096, 16384, 65536]
     assert perf.sweep_sizes(1024, 4096, 2, extra=[3000, 4096]) == [1024, 2048, 3000, 4096]
-    more = perf.more_iterations
-    assert more([], 2, 20, 0.25, 0.0) and more([1.0], 2, 20, 0.25, 0.0)  # below the least
-    assert not more([0.1] * 3, 2, 20, 0.25, 0.0)          # 0.3 s spent of a 0.25 s budget
-    assert more([0.01] * 19, 2, 20, 0.25, 0.0)             # budget left, no early stop asked
-    assert not more([0.01] * 20, 2, 20, 0.25, 0.0)         # the most
-    # early stop: identical times are known exactly; noisy ones are not, yet
-    assert not more([0.01] * 3, 3, 20, 0.25, 0.03) and more([0.01] * 2, 3, 20, 0.25, 0.03)
-    assert more([0.01, 0.02, 0.01, 0.02], 3, 20, 0.25, 0.03)  # ±17 % standard error
-    assert perf.relative_sem([1.0, 3.0]) == pytest.approx(0.5)  # stdev √2, /√2, /mean 2
-    # batches between votes: the least first, then doubling, within the most and the budget
-    assert perf.next_batch([], 3, 10, 0.25) == 3
-    assert perf.next_batch([0.01] * 3, 3, 10, 0.25) == 3 and perf.next_batch([0.01] * 6, 3, 10,
-                                                                              0.25) == 4
-    assert perf.next_batch([0.05] * 3, 3, 20, 0.25) == 2  # 0.1 s left at 0.05 s each
-    assert perf.next_batch([0.2] * 3, 3, 20, 0.25) == 1   # over budget: the vote says stop
+    assert perf.timed_iterations(0.1, 0.25, 2, 20) == 3
+    assert perf.timed_iterations(1.0, 0.25, 2, 20) == 2
+    assert perf.timed_iterations(1e-6, 0.25, 2, 20) == 20
+    assert perf.timed_iterations(0.0, 0.25, 2, 20) == 20
 
 
 def test_matmul_rate_stragglers_and_shortfall():

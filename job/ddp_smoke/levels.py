@@ -8,9 +8,10 @@ levels do. A level is a set of config values laid over ``defaults.yaml``, under 
 
 ``quick``
     The local default (``make smoke-local``): a bandwidth sweep of four sizes (512 B, 16 KiB,
-    512 KiB, 16 MiB on CPU; and 512 MiB on a GPU), each stopping as soon as its mean time is
-    known to ±3 % (standard error), after at least 3 and at most 10 timed iterations or 0.02 s
-    of them; three compute blocks of 0.02 s. Under a second of checks on two CPU ranks.
+    512 KiB, 16 MiB on CPU; and 512 MiB on a GPU), each timed as many times as fit 0.02 s at
+    the pace of its checked first run, at least 3 and at most 10; no separate warm-up (the
+    checked run warms the size up); three compute blocks of 0.02 s; no busbw.png. Under a
+    second of checks on two CPU ranks.
 ``standard``
     The worker's default, what the cluster launchers run: ``defaults.yaml`` as written — sizes
     1 KiB … 64 MiB (CPU) / 1 GiB (GPU) by ×4, up to 20 iterations or 0.25 s per size; five
@@ -32,8 +33,7 @@ LEVELS: dict[str, dict[str, Any]] = {
     "quick": {
         "bandwidth": {"min_bytes": 512, "step_factor": 32, "max_bytes_cpu": 16 << 20,
                       "max_bytes_gpu": 512 << 20, "warmup_iters": 0, "min_iters": 3,
-                      "iters": 10, "time_per_size_s": 0.02, "stable_rel": 0.03,
-                      "pair_iters": 3},
+                      "iters": 10, "time_per_size_s": 0.02, "pair_iters": 3},
         "compute": {"blocks": 3, "block_s": 0.02},
     },
     "standard": {},

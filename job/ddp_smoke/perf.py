@@ -67,36 +67,16 @@ def sweep_sizes(min_bytes: int, max_bytes: int, factor: int, extra=()) -> list[i
     return sorted(sizes)
 
 
-def relative_sem(times: list[float]) -> float:
-    """Standard error of the mean of ``times`` as a fraction of the mean (inf below 2)."""
-    if len(times) < 2 or not sum(times):
-        return math.inf
-    return statistics.stdev(times) / math.sqrt(len(times)) / statistics.fmean(times)
+def timed_iterations(warm_s: float, budget_s: float, least: int, most: int) -> int:
+    """Timed iterations for one size: as many as fit ``budget_s`` at ``warm_s`` each, clamped.
 
-
-def more_iterations(times: list[float], least: int, most: int, budget_s: float,
-                    stable_rel: float) -> bool:
-    """Whether one size wants another timed iteration, given the ones taken so far.
-
-    Never fewer than ``least`` nor more than ``most``; in between, stop once ``budget_s`` of
-    timed work is spent, or (``stable_rel`` > 0) once the mean is known to within
-    ``stable_rel`` of itself (one standard error): more iterations would not move it.
+    Fixed before the first timed call, from an untimed one: a count that depended on the
+    timed samples themselves (stop once they agree, stop once the budget is spent) biases
+    their mean, because whether to go on then depends on whether a stall was just seen
+    (bench/bandwidth_vs_loop.py measured 1.5-2x too high a busbw at small sizes that way).
     """
-    if len(times) < least:
-        return True
-    if len(times) >= most or sum(times) >= budget_s:
-        return False
-    return not (stable_rel > 0 and relative_sem(times) <= stable_rel)
-
-
-def next_batch(times: list[float], least: int, most: int, budget_s: float) -> int:
-    """How many iterations to run before the next vote: ``least`` first, then as many again
-    as were taken (doubling), never past ``most`` nor, at the mean so far, past the budget."""
-    if not times:
-        return max(1, least)
-    left_s = budget_s - sum(times)
-    fit = math.ceil(left_s / statistics.fmean(times)) if left_s > 0 else 1
-    return max(1, min(len(times), most - len(times), fit))
+    fit = math.ceil(budget_s / warm_s) if warm_s > 0 else most
+    return max(least, min(most, fit))
 
 
 def matmul_tflops(n: int, iterations: int, time_s: float) -> float:

@@ -5,9 +5,10 @@ reduce_scatter, broadcast, all_to_all) and each size from ``min_bytes`` to ``max
 ``max_bytes_gpu`` (× ``step_factor``), every rank first runs the collective once on known data
 and counts wrong elements (which also warms the size up), then ``warmup_iters`` untimed runs,
 then timed ones, each after a barrier (synchronised per iteration like all_reduce_bench); CUDA
-events time a GPU. Timed iterations stop at ``iters``, or earlier once ``time_per_size_s`` is
-spent or (``stable_rel``) once the mean's standard error is that fraction of it, never below
-``min_iters``; the count is agreed across ranks. ``level`` (``ddp_smoke.levels``) sets these.
+events time a GPU. Timed iterations: as many as fit ``time_per_size_s`` at the slowest rank's
+untimed run (its slowest warm-up, else the checked run), within ``min_iters`` … ``iters``; fixed
+before the first timed call, and agreed across ranks. ``level`` (``ddp_smoke.levels``) sets
+these.
 Per size, as nccl-tests (its JSON name in brackets): size_bytes [size], count, type,
 time_us [time] = mean over ranks of each rank's mean (+ time_us_min/max across ranks),
 algbw_gbps [alg_bw] = S / time, busbw_gbps [bus_bw] = algbw × factor, nwrong; GB = 1e9 B.
@@ -72,9 +73,6 @@ def validate(cfg: dict) -> None:
     if cfg["step_factor"] < 2 or cfg["min_bytes"] < 1 or cfg["min_iters"] < 1:
         raise ConfigError("keys 'bandwidth.step_factor' >= 2, 'bandwidth.min_bytes' >= 1 and "
                           "'bandwidth.min_iters' >= 1 expected")
-    if not 0 <= cfg["stable_rel"] < 1:
-        raise ConfigError(f"key 'bandwidth.stable_rel' = {cfg['stable_rel']!r}: expected a "
-                          "fraction >= 0 and < 1 (0: no early stop)")
 
 
 def _sizes(ctx, cfg: dict, profile: dict, nodes: int) -> list[int]:
@@ -123,41 +121,26 @@ def _measure(ctx, cfg: dict, collective: str, size_bytes: int, count: int, pool,
     inp = pool[0][:in_len]
     out = inp if out_len is None else pool[1][:out_len]
     op = _operation(collective, inp, out)
+
+    def once() -> float:
+        dist.barrier()  # every iteration starts together, as in all_reduce_bench
+        return clock(op)
+
     # The first run is on known data and checked; it also warms this size up (buffers,
     # connections), so that a quick sweep needs no separate warm-up.
-    nwrong, sources = _verify(ctx, collective, inp, out, op)
-    for _ in range(cfg["warmup_iters"]):
-        dist.barrier()
-        op()
-    times = _timed(ctx, cfg, op, clock)
+    nwrong, sources, first_s = _verify(ctx, collective, inp, out, op, clock)
+    warm = [once() for _ in range(cfg["warmup_iters"])]
+    warm_s = max(warm) if warm else first_s
+    agreed = torch.tensor([warm_s], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # one iteration count on every rank
+    iters = perf.timed_iterations(agreed.item(), cfg["time_per_size_s"], cfg["min_iters"],
+                                  cfg["iters"])
+    times = [once() for _ in range(iters)]
     return {"collective": collective, "size_bytes": size_bytes, "count": count,
             "type": cfg["dtype"],
             "redop": "sum" if collective in ("all_reduce", "reduce_scatter") else "none",
-            "root": 0 if collective == "broadcast" else -1, "iterations": len(times),
+            "root": 0 if collective == "broadcast" else -1, "iterations": iters,
             "time_us": statistics.fmean(times) * 1e6, "nwrong": nwrong, "wrong_from": sources}
-
-
-def _timed(ctx, cfg: dict, op, clock: Clock) -> list[float]:
-    """Timed iterations, each after a barrier, until no rank wants more.
-
-    The ranks must agree on the count (each iteration is a collective) while each judges its
-    own estimate: between batches, one all_reduce (MAX) of every rank's vote, the number of
-    iterations it wants next (0: enough; ``perf.more_iterations``, ``perf.next_batch``).
-    Batches double, so a size costs a few votes, and the barrier before every timed call
-    stays as in all_reduce_bench (and as in the independent loop of bench/).
-    """
-    least, most, budget_s = cfg["min_iters"], cfg["iters"], cfg["time_per_size_s"]
-    vote = torch.zeros(1, device=ctx.device)
-    times: list[float] = []
-    while True:
-        more = perf.more_iterations(times, least, most, budget_s, cfg["stable_rel"])
-        vote.fill_(perf.next_batch(times, least, most, budget_s) if more else 0)
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX)  # every rank runs the largest wish
-        if not vote.item():
-            return times
-        for _ in range(int(vote.item())):
-            dist.barrier()  # every iteration starts together, as in all_reduce_bench
-            times.append(clock(op))
 
 
 def _lengths(collective: str, count: int, n: int) -> tuple[int, int | None]:
@@ -176,8 +159,9 @@ def _operation(collective: str, inp, out):
             "all_to_all": lambda: dist.all_to_all_single(out, inp)}[collective]
 
 
-def _verify(ctx, collective: str, inp, out, op) -> tuple[int, list[int]]:
-    """Run once on data whose answer is known; count wrong elements, and name their sources.
+def _verify(ctx, collective: str, inp, out, op, clock: Clock) -> tuple[int, list[int], float]:
+    """Run once on data whose answer is known; count wrong elements, name their sources, and
+    return the run's seconds too (it sizes the timed iterations when there is no warm-up).
 
     Rank r contributes r + 1 everywhere (small integers: exact in float32), so a sum is
     n(n + 1)/2, a broadcast from rank 0 is 1, and the chunk gathered from rank j is j + 1.
@@ -186,7 +170,7 @@ def _verify(ctx, collective: str, inp, out, op) -> tuple[int, list[int]]:
     inp.fill_(rank + 1)
     ctx.faults.corrupt(inp)  # a `corrupt` rank's contribution is wrong by one element
     dist.barrier()
-    op()
+    first_s = clock.measure(op)
     if collective in ("all_gather", "all_to_all"):
         expected = torch.arange(1, n + 1, device=out.device, dtype=out.dtype).view(n, 1)
         wrong = _mismatches(out.view(n, -1), expected, n).sum(dim=1)
@@ -194,8 +178,8 @@ def _verify(ctx, collective: str, inp, out, op) -> tuple[int, list[int]]:
     else:
         expected = 1.0 if collective == "broadcast" else n * (n + 1) / 2
         found = int(_mismatches(out, expected, n).sum()), []
-    inp.zero_()  # the next size times in place on this buffer: keep its sums from growing
-    return found
+    inp.zero_()  # the timed runs are in place on this buffer: keep its sums from growing
+    return (*found, first_s)
 
 
 def _mismatches(got, expected, n: int):
