@@ -2,8 +2,8 @@
 
 Every level runs every selected check, and every check proves the same things at every level
 (exact collectives, the DDP step, the sampler, storage, correct data at each swept size); the
-levels differ in how many sizes, iterations and blocks the measurements take, as DCGM's run
-levels do. A level is a set of config values laid over ``defaults.yaml``, under a user's
+levels differ in how many sizes, iterations and blocks the measurements take (DCGM's
+diagnostic levels, ``dcgmi diag -r 1..4``, trade depth for time too, by choosing tests). A level is a set of config values laid over ``defaults.yaml``, under a user's
 ``--config`` file and flags (``config.resolve``), so any single key can still be set by hand.
 
 ``quick``
@@ -26,8 +26,6 @@ A profile's floor sizes (``--profile``) are measured at every level.
 from __future__ import annotations
 
 from typing import Any
-
-DEFAULT = "standard"
 
 LEVELS: dict[str, dict[str, Any]] = {
     "quick": {
