@@ -8,9 +8,12 @@ PYTHON     ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PIP_EXTRA  ?=
 NPROC      ?= 2
+# quick: a verdict in about the time of the bare tutorial (README, "Measurement levels")
+LEVEL      ?= quick
 REPORT_DIR ?= reports/local-$(shell date +%Y%m%d-%H%M%S)
 ARGS       ?=
 PYTEST_ARGS ?=
+BENCH_ROUNDS ?= 5
 
 VENV := .venv
 PY   := $(VENV)/bin/python
@@ -41,9 +44,9 @@ $(VENV)/.test: $(VENV)/.runtime
 
 venv: $(VENV)/.runtime  ## create .venv/ (torch, numpy, pyyaml, submitit, this package)
 
-smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, ARGS=…)
+smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, LEVEL=quick, ARGS=…)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m ddp_smoke \
-	  --backend gloo --report-dir $(REPORT_DIR) $(ARGS)
+	  --backend gloo --level $(LEVEL) --report-dir $(REPORT_DIR) $(ARGS)
 
 test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docker, manifests)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -64,9 +67,16 @@ wheelhouse:  ## wheels for an offline `make image WHEELHOUSE=wheelhouse` (PY_VER
 image-test: $(VENV)/.test  ## build and run the image on a private Docker engine (root)
 	$(PY) -m pytest tests/test_docker.py $(PYTEST_ARGS)
 
-bench: $(VENV)/.runtime  ## timing benchmarks: smoke vs the bare tutorial, bandwidth vs an independent loop
-	$(PY) bench/smoke_vs_tutorial.py 5
-	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 bench/bandwidth_vs_loop.py --rounds 5
+bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs the tutorial, busbw vs a loop, phases, pair planner
+	@echo "# bench on $$(nproc) CPUs; load average now: $$(cut -d' ' -f1-3 /proc/loadavg)"
+	$(PY) bench/smoke_vs_tutorial.py $(BENCH_ROUNDS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 bench/bandwidth_vs_loop.py --rounds 7
+	$(PY) bench/phases.py 3
+	$(PY) bench/pairs_plan.py
+	@# The scale table (N, store ops per check, coordination s per check, abort judge s) of the
+	@# coordination bench (issue 15, section 2) plugs in here once it exists.
+	@if [ -f bench/coordination_scale.py ]; then $(PY) bench/coordination_scale.py; \
+	 else echo "# scale table: not measured yet (bench/coordination_scale.py comes with the store protocol rewrite)"; fi
 
 sandbox-up:  ## N network-namespace "nodes" (dsh-node1 …) on a private bridge, to try multi-node by hand (root)
 	$(PYTHON) -m tests.sandbox.hosts up $(N)

@@ -311,6 +311,13 @@ def test_plot_is_written_when_matplotlib_is_there(runs, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", data[16:24])[0] > 100
 
 
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_plot_is_not_drawn_at_the_quick_level(runs, tmp_path):
+    quick = {**runs["sweep"]["report"], "config": {**runs["sweep"]["report"]["config"],
+                                                   "level": "quick"}}
+    assert plot.write_busbw_png(quick, str(tmp_path)) is None and os.listdir(tmp_path) == []
+
+
 def test_plot_without_bandwidth_figures_writes_nothing(tmp_path):
     assert plot.write_busbw_png({"checks": [], "world_size": 1, "backend": "gloo"},
                                 str(tmp_path)) is None

@@ -56,3 +56,26 @@ def test_fault_spec_parses_and_must_name_a_selected_check():
         Fault(1, "hang", "ddp_step"), Fault(0, "slow", "ddp_step", 2.5)]
     with pytest.raises(ConfigError, match="not among the selected checks"):
         parse_faults("1:crash@ddp_step", ["environment"])
+
+
+def test_levels_lay_their_values_under_file_and_flags(tmp_path):
+    assert resolve({}, {})["level"] == "standard"  # the worker's (cluster) default: defaults.yaml
+    quick = parse_config(["--level", "quick"])
+    assert quick["bandwidth"]["step_factor"] == 32 and quick["bandwidth"]["warmup_iters"] == 0
+    assert quick["checks"] == list(REGISTRY)  # every level runs every check
+    long = parse_config(["--level", "long"])
+    assert long["bandwidth"]["step_factor"] == 2 and len(long["bandwidth"]["collectives"]) == 5
+    assert long["bandwidth"]["max_bytes_cpu"] >= resolve({}, {})["bandwidth"]["max_bytes_cpu"]
+    f = tmp_path / "c.yaml"
+    f.write_text("level: quick\nbandwidth: {step_factor: 8}\n")
+    cfg = parse_config(["--config", str(f)])
+    assert (cfg["level"], cfg["bandwidth"]["step_factor"]) == ("quick", 8)  # file beats level
+    assert cfg["compute"]["blocks"] == 3  # the level's other values stand
+    assert parse_config(["--config", str(f), "--level", "long"])["compute"]["blocks"] == 10
+
+
+def test_unknown_level_is_one_line():
+    with pytest.raises(ConfigError, match="'level' = 'fast': expected one of quick, standard"):
+        resolve({"level": "fast"}, {})
+    with pytest.raises(ConfigError, match="--level"):
+        parse_config(["--level", "fast"])

@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checks", metavar="A,B,…", help="checks to run, in order (default: all)")
     p.add_argument("--timeout", metavar="SECONDS", type=float,
                    help="bound on every wait: init, arrival, work, gather (default 90)")
+    p.add_argument("--level", choices=("quick", "standard", "long"),
+                   help="how much the performance checks measure: quick (make smoke-local), "
+                        "standard (default), long (full sweep); every level runs every check")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"),
                    help="auto = nccl when CUDA is usable, else gloo (default auto)")
     p.add_argument("--expect-nodes", metavar="N", type=int,

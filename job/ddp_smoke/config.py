@@ -1,7 +1,8 @@
 """The run's configuration: one schema, loud on mistakes.
 
 Precedence, written once: a flag given on the command line > the ``--config`` YAML file >
-the package's ``defaults.yaml``. ``defaults.yaml`` is the schema by example: every key a user
+the measurement level's values (``levels.py``; ``level``, itself set by flag, file or default)
+> the package's ``defaults.yaml``. ``defaults.yaml`` is the schema by example: every key a user
 may set is there with its default, and a user value must have the default's type (an int is
 accepted where a float is expected). Keys whose default is null take the type named in
 ``_NULLABLE``. Sections (mappings, e.g. one per check) are checked the same way, key by key.
@@ -17,6 +18,8 @@ from importlib import resources
 from typing import Any
 
 import yaml
+
+from . import levels
 
 BACKENDS = ("auto", "gloo", "nccl")
 _NULLABLE = {"report_dir": str, "storage_dir": str, "expect_nodes": int,
@@ -54,8 +57,12 @@ def load_file(path: str) -> dict[str, Any]:
 
 def resolve(file_values: dict[str, Any], flag_values: dict[str, Any],
             source: str = "config") -> dict[str, Any]:
-    """Merge defaults < file < flags and validate every key; return the effective config."""
+    """Merge defaults < level < file < flags, validate every key; return the effective config."""
     merged = defaults()
+    level = flag_values.get("level") or file_values.get("level") or merged["level"]
+    if level not in levels.LEVELS:
+        raise ConfigError(f"key 'level' = {level!r}: expected one of {', '.join(levels.LEVELS)}")
+    _merge(merged, levels.overlay(level), "level")
     _merge(merged, file_values, source)
     _merge(merged, {k: v for k, v in flag_values.items() if v is not None}, "flag")
     _validate(merged)

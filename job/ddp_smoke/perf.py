@@ -68,7 +68,13 @@ def sweep_sizes(min_bytes: int, max_bytes: int, factor: int, extra=()) -> list[i
 
 
 def timed_iterations(warm_s: float, budget_s: float, least: int, most: int) -> int:
-    """Timed iterations for one size: as many as fit ``budget_s`` at ``warm_s`` each, clamped."""
+    """Timed iterations for one size: as many as fit ``budget_s`` at ``warm_s`` each, clamped.
+
+    Fixed before the first timed call, from an untimed one: a count that depended on the
+    timed samples themselves (stop once they agree, stop once the budget is spent) biases
+    their mean, because whether to go on then depends on whether a stall was just seen
+    (bench/bandwidth_vs_loop.py measured 1.5-2x too high a busbw at small sizes that way).
+    """
     fit = math.ceil(budget_s / warm_s) if warm_s > 0 else most
     return max(least, min(most, fit))
 
@@ -136,21 +142,21 @@ def second_pass(k: int, busbw: dict[tuple[int, int], float], margin: float,
         return []
     _, slow = slow_pairs(busbw, margin)
     suspects = sorted({n for p in slow for n in p})
-    good = [n for n in range(k) if n not in suspects and any(n in p for p in busbw)]
-    met = set(busbw)
+    flagged = set(suspects)
+    seen = {n for p in busbw for n in p}
+    good = [n for n in range(k) if n in seen and n not in flagged]
+    met_good = {n for p in busbw for n, m in (p, p[::-1]) if m in seen and m not in flagged}
+    pending = [s for s in suspects if s not in met_good]
+    # Only suspects' partners are taken within a round and each pending suspect has met no
+    # known-good node yet, so round i pairs the next pending suspects with good[0], good[1] …
+    # in order: O(pairs) work, not O(suspects × good), which counts at thousands of nodes.
     fine = {n for p in busbw if p not in slow for n in p}
-    pending = [s for s in suspects if not any(tuple(sorted((s, g))) in met for g in good)]
     retest = sorted(p for p in slow if set(p) <= fine)
     plan = []
     for _ in range(rounds):
-        busy, this = set(), []
-        for s in list(pending):
-            g = next((g for g in good if g not in busy and s not in busy), None)
-            if g is not None:
-                this.append(tuple(sorted((s, g))))
-                busy |= {s, g}
-                pending.remove(s)
-        for p in list(retest):
+        this = [tuple(sorted((s, g))) for s, g in zip(pending, good)]
+        busy = {n for p in this for n in p}
+        for p in list(retest):  # link suspects, measured again where both ends are free
             if not set(p) & busy:
                 this.append(p)
                 busy |= set(p)
@@ -158,6 +164,7 @@ def second_pass(k: int, busbw: dict[tuple[int, int], float], margin: float,
         if not this:
             break
         plan.append(this)
+        pending = pending[len(this):]
     return plan
 
 
@@ -179,6 +186,7 @@ def attribute(busbw: dict[tuple[int, int], float], margin: float) -> dict:
     nodes = sorted({n for p in slow for n in p
                     if n not in healthy and any(m in healthy for m in p if m != n)})
     links = sorted(p for p in slow if p[0] in healthy and p[1] in healthy)
-    unresolved = sorted(p for p in slow if p not in links and not set(p) & set(nodes))
+    named, linked = set(nodes), set(links)  # sets: thousands of nodes, thousands of pairs
+    unresolved = sorted(p for p in slow if p not in linked and not set(p) & named)
     return {"reference": reference, "slow": sorted(slow), "nodes": nodes, "links": links,
             "unresolved": unresolved}

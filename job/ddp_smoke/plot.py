@@ -2,7 +2,8 @@
 
 Rank 0 calls :func:`write_busbw_png` after writing ``report.json``. It needs matplotlib (the
 ``plot`` extra: ``pip install 'ddp-smoke[plot]'``); without it nothing is written and nothing is
-said. A plot that fails for another reason costs one line on stderr, never the verdict.
+said. Not at the quick level (``ddp_smoke.levels``). A plot that fails for another reason
+costs one line on stderr, never the verdict.
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ def write_busbw_png(report, report_dir: str) -> str | None:
         The PNG's path, or None when there is nothing to plot or matplotlib is absent.
     """
     rows = _bandwidth_rows(report)
-    if not rows:
+    config = (report.get("config") if isinstance(report, dict) else report.config) or {}
+    if not rows or config.get("level") == "quick":
+        # quick: four sizes make a poor picture, and importing matplotlib and drawing cost
+        # 0.2-0.8 s before the verdict is printed, a large part of a quick run
         return None
     try:
         from matplotlib.figure import Figure  # no pyplot: no global state, no display needed

@@ -30,7 +30,7 @@ def measure(ctx, cfg: dict, nodes: list[int], clock) -> dict:
     size = cfg["pair_bytes_gpu" if ctx.device.type == "cuda" else "pair_bytes_cpu"]
     first = perf.round_robin(k, cfg["pair_rounds"])
     mine = _rounds(ctx, cfg, first, 1, leaders, me, size, clock)
-    busbw = _first_pass_table(ctx, k, size, mine)
+    busbw = _first_pass_table(ctx, [p for r in first for p in r], size, mine)
     second = perf.second_pass(k, busbw, margin(ctx.device.type, cfg), cfg["pair_rounds"])
     mine += _rounds(ctx, cfg, second, 2, leaders, me, size, clock)
     return {"leaders": leaders, "size_bytes": size, "device_type": ctx.device.type,
@@ -77,15 +77,20 @@ def _exchange(ctx, peer: int, size_bytes: int, iters: int, clock) -> float:
     return min(times)
 
 
-def _first_pass_table(ctx, k: int, size: int, mine: list[dict]) -> dict:
-    """Every first-pass pair's busbw from the slower side's time, identical on every rank."""
-    times = torch.zeros(k, k, dtype=torch.float64, device=ctx.device)
+def _first_pass_table(ctx, planned: list[tuple[int, int]], size: int,
+                      mine: list[dict]) -> dict:
+    """Every first-pass pair's busbw from the slower side's time, identical on every rank.
+
+    One slot per planned pair (O(nodes × pair_rounds)), not a nodes × nodes table: at
+    thousands of nodes that table is hundreds of MB to reduce and seconds to read back.
+    """
+    slot = {p: i for i, p in enumerate(planned)}
+    times = torch.zeros(max(1, len(planned)), dtype=torch.float64, device=ctx.device)
     for m in mine:
-        times[m["node"], m["peer_node"]] = times[m["peer_node"], m["node"]] = m["time_us"]
+        times[slot[tuple(sorted((m["node"], m["peer_node"])))]] = m["time_us"]
     comm.all_reduce(times, op=dist.ReduceOp.MAX)  # MAX copies a value: bit-identical everywhere
     table = times.tolist()
-    return {(a, b): perf.algbw_gbps(size, table[a][b] / 1e6)
-            for a in range(k) for b in range(a + 1, k) if table[a][b] > 0}
+    return {p: perf.algbw_gbps(size, table[i] / 1e6) for p, i in slot.items() if table[i] > 0}
 
 
 def judge(ev, cfg: dict) -> tuple[dict, list]:

@@ -2,11 +2,14 @@
 
 Sweep: for each collective (``bandwidth.collectives``: all_reduce, all_gather; optionally
 reduce_scatter, broadcast, all_to_all) and each size from ``min_bytes`` to ``max_bytes_cpu`` /
-``max_bytes_gpu`` (× ``step_factor``), every rank runs warm-up iterations, then timed ones, each
-after a barrier (synchronised per iteration like all_reduce_bench); CUDA events time a GPU.
-Timed iterations stop at ``iters``, or earlier once ``time_per_size_s`` is spent, never below
-``min_iters``; the count is agreed across ranks. Then one run on known data counts wrong
-elements. Per size, as nccl-tests (its JSON name in brackets): size_bytes [size], count, type,
+``max_bytes_gpu`` (× ``step_factor``), every rank first runs the collective once on known data
+and counts wrong elements (which also warms the size up), then ``warmup_iters`` untimed runs,
+then timed ones, each after a barrier (synchronised per iteration like all_reduce_bench); CUDA
+events time a GPU. Timed iterations: as many as fit ``time_per_size_s`` at the slowest rank's
+untimed run (its slowest warm-up, else the checked run), within ``min_iters`` … ``iters``; fixed
+before the first timed call, and agreed across ranks. ``level`` (``ddp_smoke.levels``) sets
+these.
+Per size, as nccl-tests (its JSON name in brackets): size_bytes [size], count, type,
 time_us [time] = mean over ranks of each rank's mean (+ time_us_min/max across ranks),
 algbw_gbps [alg_bw] = S / time, busbw_gbps [bus_bw] = algbw × factor, nwrong; GB = 1e9 B.
 Definitions: ``ddp_smoke.perf``. A profile (``--profile``) may set busbw floors; the sweep then
@@ -120,13 +123,16 @@ def _measure(ctx, cfg: dict, collective: str, size_bytes: int, count: int, pool,
         comm.barrier()  # every iteration starts together, as in all_reduce_bench
         return clock(op)
 
-    warm_s = max((once() for _ in range(cfg["warmup_iters"])), default=0.0)
+    # The first run is on known data and checked; it also warms this size up (buffers,
+    # connections), so that a quick sweep needs no separate warm-up.
+    nwrong, sources, first_s = _verify(ctx, collective, inp, out, op, clock)
+    warm = [once() for _ in range(cfg["warmup_iters"])]
+    warm_s = max(warm) if warm else first_s
     agreed = torch.tensor([warm_s], dtype=torch.float64, device=ctx.device)
     comm.all_reduce(agreed, op=dist.ReduceOp.MAX)  # one iteration count on every rank
     iters = perf.timed_iterations(agreed.item(), cfg["time_per_size_s"], cfg["min_iters"],
                                   cfg["iters"])
     times = [once() for _ in range(iters)]
-    nwrong, sources = _verify(ctx, collective, inp, out, op)
     return {"collective": collective, "size_bytes": size_bytes, "count": count,
             "type": cfg["dtype"],
             "redop": "sum" if collective in ("all_reduce", "reduce_scatter") else "none",
@@ -150,8 +156,9 @@ def _operation(collective: str, inp, out):
             "all_to_all": lambda: comm.all_to_all_single(out, inp)}[collective]
 
 
-def _verify(ctx, collective: str, inp, out, op) -> tuple[int, list[int]]:
-    """Run once on data whose answer is known; count wrong elements, and name their sources.
+def _verify(ctx, collective: str, inp, out, op, clock: Clock) -> tuple[int, list[int], float]:
+    """Run once on data whose answer is known; count wrong elements, name their sources, and
+    return the run's seconds too (it sizes the timed iterations when there is no warm-up).
 
     Rank r contributes r + 1 everywhere (small integers: exact in float32), so a sum is
     n(n + 1)/2, a broadcast from rank 0 is 1, and the chunk gathered from rank j is j + 1.
@@ -160,7 +167,7 @@ def _verify(ctx, collective: str, inp, out, op) -> tuple[int, list[int]]:
     inp.fill_(rank + 1)
     ctx.faults.corrupt(inp)  # a `corrupt` rank's contribution is wrong by one element
     comm.barrier()
-    op()
+    first_s = clock.measure(op)
     if collective in ("all_gather", "all_to_all"):
         expected = torch.arange(1, n + 1, device=out.device, dtype=out.dtype).view(n, 1)
         wrong = _mismatches(out.view(n, -1), expected, n).sum(dim=1)
@@ -168,8 +175,8 @@ def _verify(ctx, collective: str, inp, out, op) -> tuple[int, list[int]]:
     else:
         expected = 1.0 if collective == "broadcast" else n * (n + 1) / 2
         found = int(_mismatches(out, expected, n).sum()), []
-    inp.zero_()  # the next size times in place on this buffer: keep its sums from growing
-    return found
+    inp.zero_()  # the timed runs are in place on this buffer: keep its sums from growing
+    return (*found, first_s)
 
 
 def _mismatches(got, expected, n: int):

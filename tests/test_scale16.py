@@ -1,0 +1,38 @@
+"""Moderate scale, for real: 16 ranks on this one machine pass the default suite.
+
+One ``torchrun --standalone --nproc-per-node=16`` at the quick level (what `make smoke-local`
+runs), every check selected, one thread per rank. Sixteen processes share the machine's cores
+(two in CI), so the bound is generous and nothing is timed: the test proves that nothing in
+the checks or the coordination breaks between 2-4 ranks and 16 (world-size arithmetic,
+shards with padding, exact sums over 16 contributions, 16 observations gathered and judged).
+Marked ``scale``: ``pytest -m 'not scale'`` leaves it out of a quick local round.
+"""
+from __future__ import annotations
+
+import pytest
+
+from ddp_smoke.checks import REGISTRY
+from tests.launch import torchrun
+
+RANKS = 16
+BOUND_S = 480  # the whole launch; each wait inside it is bounded by --timeout
+
+
+@pytest.mark.scale
+@pytest.mark.timeout(BOUND_S + 60)
+def test_sixteen_ranks_pass_every_check(tmp_path):
+    run = torchrun(RANKS, "--level", "quick", "--backend", "gloo", "--timeout", "240",
+                   report_dir=tmp_path / "report", timeout_s=BOUND_S,
+                   env={"OMP_NUM_THREADS": "1"})
+    report = run.report
+    assert report, f"no report (exit {run.returncode}); output:\n{run.stderr[-3000:]}"
+    failed = {c["name"]: c["culprits"] for c in report["checks"] if c["status"] != "pass"}
+    assert report["verdict"] == "pass" and run.returncode == 0, failed
+    assert report["world_size"] == RANKS and [r["rank"] for r in report["ranks"]] == list(range(16))
+    assert [c["name"] for c in report["checks"]] == list(REGISTRY)
+    # the tutorial's lines, one per rank, with 16 disjoint shards of the 4 samples (padded)
+    assert "rank=15 local_rank=15 world_size=16" in run.stdout
+    sampler = next(c for c in report["checks"] if c["name"] == "sampler_epochs")
+    assert sampler["figures"]["padding_samples"] == 5  # 11 samples over 16 ranks
+    coll = next(c for c in report["checks"] if c["name"] == "collectives")
+    assert coll["figures"]["cases_failed"] == 0 and coll["figures"]["cases_skipped"] == 0
