@@ -426,7 +426,7 @@ def ensure_debs(engine: Engine, base: str, path: Path = DEBS,
     """Fills path with the .debs of packages and of their dependencies the base lacks, once.
 
     The base here is Debian bookworm like this machine, so this machine's apt (its package
-    lists and mirror) provides them: `apt-cache depends --recurse` for the closure, the base's
+    lists and mirror) provides them: `apt-cache depends` for the closure, the base's
     `dpkg-query` for what it has, `apt-get download` for the rest.
     """
     stamp = path / ".packages"
@@ -435,22 +435,44 @@ def ensure_debs(engine: Engine, base: str, path: Path = DEBS,
         return path
     have = set(engine.docker("run", "--rm", "--network", "none", base, "dpkg-query", "-W",
                              "-f", "${Package}\n").stdout.split())
-    deps = _run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests",
-                 "--no-conflicts", "--no-breaks", "--no-replaces", "--no-enhances", *packages],
-                120).stdout
-    # Real packages start a line; virtual ones are <bracketed>, dependency lines are indented.
-    closure = {ln.strip() for ln in deps.splitlines() if ln and not ln[0].isspace()
-               and not ln.startswith("<")}
+    need = _missing_closure(packages, have)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     os.chmod(tmp, 0o777)  # apt-get download drops to the _apt user to write here
-    _run(["apt-get", "download", *sorted(closure - have)], APT_TIMEOUT_S, cwd=tmp)
+    _run(["apt-get", "download", *sorted(need)], APT_TIMEOUT_S, cwd=tmp)
     stamp_tmp = tmp / ".packages"
     stamp_tmp.write_text(key)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     return path
+
+
+def _missing_closure(packages: Sequence[str], have: set[str]) -> set[str]:
+    """packages and their Depends/PreDepends not in have, recursively; of alternatives
+    (``a | b``) the first, as apt itself prefers it, unless another one is already there."""
+    need, todo = set(), [p for p in packages if p not in have]
+    while todo:
+        pkg = todo.pop()
+        if pkg in need:
+            continue
+        need.add(pkg)
+        out = _run(["apt-cache", "depends", "--no-recommends", "--no-suggests", "--no-conflicts",
+                    "--no-breaks", "--no-replaces", "--no-enhances", pkg], 60).stdout
+        group: list[str] = []
+        for line in out.splitlines()[1:]:
+            match = re.match(r"^\s*(\|?)(?:Pre)?Depends: (\S+)", line)
+            if not match:
+                continue
+            group.append(match.group(2))
+            if match.group(1):  # "|": an alternative follows
+                continue
+            if not any(name in have or name in need for name in group):
+                first = group[0]
+                if not first.startswith("<"):  # virtual: provided by an installed package
+                    todo.append(first)
+            group = []
+    return need
 
 
 def _build_image(engine: Engine, tag: str) -> BuiltImage:
