@@ -283,6 +283,28 @@ def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] |
     return pods
 
 
+def on_pod_failure(job: Mapping[str, Any]) -> str:
+    """What the controller does to the job's other pods once one of them has failed.
+
+    Returns:
+        ``"continue"``: they run to their end and keep their logs (Indexed Job with
+        ``backoffLimitPerIndex``: the index fails, the Job fails once all have ended; PyTorchJob
+        with ``cleanPodPolicy: None``); ``"delete"``: the running pods are deleted, their logs
+        with them (Job with ``backoffLimit: 0`` and no per-index limit: the Job fails at once
+        and the Job controller removes its active pods; PyTorchJob with cleanPodPolicy All or
+        Running); ``"retry"``: the failed pod is replaced (a backoff limit above 0).
+    """
+    spec = job["spec"]
+    if job["kind"] == "PyTorchJob":
+        run = spec.get("runPolicy", {})
+        if run.get("backoffLimit", 0) > 0:
+            return "retry"
+        return "continue" if run.get("cleanPodPolicy", "None") == "None" else "delete"
+    if spec.get("backoffLimitPerIndex") is not None:
+        return "retry" if spec["backoffLimitPerIndex"] > 0 else "continue"
+    return "delete" if spec.get("backoffLimit", 6) == 0 else "retry"
+
+
 def dns_table(pods: Iterable[Pod]) -> dict[str, str]:
     """DNS name → name of the pod it must resolve to, for every pod (names are unique)."""
     table: dict[str, str] = {}

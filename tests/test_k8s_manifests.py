@@ -829,6 +829,18 @@ def test_indexed_job_pods_and_dns():
     assert ko.compute_pods(other, pod_ips=ips)[0].dns_names == []
 
 
+def test_failure_policy_of_the_controllers():
+    ij = ko.load_manifests(K8S / "indexed-job")[-1]
+    assert ko.on_pod_failure(ij) == "continue"  # what the manifest ships
+    del ij["spec"]["backoffLimitPerIndex"]
+    assert ko.on_pod_failure({**ij, "spec": {**ij["spec"], "backoffLimit": 0}}) == "delete"
+    assert ko.on_pod_failure(ij) == "retry"  # Kubernetes' default backoffLimit 6
+    (job,) = [d for d in ko.load_manifests(K8S) if d["kind"] == "PyTorchJob"]
+    assert ko.on_pod_failure(job) == "continue"
+    job["spec"]["runPolicy"]["cleanPodPolicy"] = "Running"
+    assert ko.on_pod_failure(job) == "delete"
+
+
 def test_trainjob_and_unknown_kinds_are_refused():
     with pytest.raises(NotImplementedError, match="TrainJob"):
         ko.compute_pods(ko.load_manifests(K8S / "trainer-v2"))
