@@ -20,7 +20,7 @@ import yaml
 
 BACKENDS = ("auto", "gloo", "nccl")
 _NULLABLE = {"report_dir": str, "storage_dir": str, "expect_nodes": int,
-             "expect_world_size": int, "fault": str, "profile": str}
+             "expect_world_size": int, "fault": str, "profile": str, "expect_transport": str}
 
 
 class ConfigError(ValueError):
@@ -115,6 +115,9 @@ def _validate(cfg: dict[str, Any]) -> None:
     for key in ("expect_nodes", "expect_world_size"):
         if cfg[key] is not None and cfg[key] < 1:
             raise ConfigError(f"key {key!r} = {cfg[key]!r}: expected an integer >= 1")
+    if cfg["expect_transport"] is not None and not cfg["expect_transport"].strip():
+        raise ConfigError("key 'expect_transport' = '': expected ib, socket or a net plugin's "
+                          "name (e.g. libfabric)")
     parse_faults(cfg["fault"], checks)
     if cfg["profile"]:
         from . import profiles

@@ -366,6 +366,7 @@ def run(cfg: dict[str, Any]) -> int:
     coord.timings["connect_store_s"] = round(time.monotonic() - coord_t0, 4)
     _start_threads(coord)
 
+    runtime.nccl_log_env(backend, rdir)  # before NCCL's first init: the transport check
     device = runtime.bind_device(backend, env.local_rank)
     store = coord.store
     store.set(f"rank/{env.rank}", json.dumps(runtime.rank_record(env, device)))

@@ -29,7 +29,7 @@ from ..config import ConfigError
 
 DEFAULT = "cpu"
 _TOP = {"description": str, "device_name": str, "bandwidth": dict, "compute": dict,
-        "sources": list}
+        "sources": list, "expect_transport": str, "multi_node": dict}
 
 
 def names() -> list[str]:
