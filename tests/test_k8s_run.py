@@ -284,8 +284,9 @@ def _assert_passing_report(runs: dict[str, Any], pods: list[ko.Pod],
     assert sorted(r["host"] for r in report["ranks"]) == sorted(p.hostname for p in pods), info
     assert sorted(r["rank"] for r in report["ranks"]) == list(range(NODES * NPROC))
     assert {r["local_rank"] for r in report["ranks"]} == {0}
+    # transport: no NCCL on these CPU pods, so it skips (with its reason).
     assert [(c["name"], c["status"]) for c in report["checks"]] == [
-        (name, "pass") for name in checks], info
+        (name, "skip" if name == "transport" else "pass") for name in checks], info
     return report
 
 
@@ -372,7 +373,9 @@ def test_indexed_job_pod_failure_keeps_rank_0s_report(k8s_net: PodNetwork,
         named.add(report["error"].get("rank"))
     assert 1 in named, info
     messages = [runs[p.name]["message"] for p in pods]
-    assert any(m.startswith("ddp-smoke FAIL · run ddp-smoke-indexed-") for m in messages), info
+    # The report's holder: its verdict in one line, naming the culprit, for `kubectl describe`.
+    assert any(m.startswith("ddp-smoke FAIL · run ") and "rank 1 ddp-smoke-indexed-" in m
+               for m in messages), messages
 
 
 def test_pod_deletion_reaches_the_workers(k8s_net: PodNetwork, worker_image: BuiltImage,
@@ -388,8 +391,11 @@ def test_pod_deletion_reaches_the_workers(k8s_net: PodNetwork, worker_image: Bui
     deadline = time.monotonic() + 120
 
     def workers_up(container: Container) -> bool:  # torchrun starts them as `python -u -m …`
-        top = k8s_net.engine.docker("top", container.name, "-eo", "args", check=False).stdout
-        return "-u -m ddp_smoke" in top
+        probe = ("import glob; print(any(b'-u\\0-m\\0ddp_smoke' in open(p, 'rb').read() "
+                 "for p in glob.glob('/proc/[0-9]*/cmdline')))")
+        out = k8s_net.engine.docker("exec", container.name, "python3", "-c", probe,
+                                    check=False).stdout
+        return out.strip() == "True"
 
     while not all(workers_up(c) for c in containers.values()):
         assert time.monotonic() < deadline, "\n".join(c.logs() for c in containers.values())
