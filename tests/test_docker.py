@@ -141,10 +141,10 @@ def test_docker_run_writes_a_passing_two_rank_report(docker_engine, worker_image
     # No torchrun option: the entrypoint's single-node defaults (standalone, 2 CPU ranks,
     # --report-dir /reports/<run id>); only the worker's checks are narrowed, after `--`.
     runs = []
-    for _ in range(2):  # the same folder twice: each run writes its own report
+    for checks in ("environment", QUICK_CHECKS):  # one folder, two runs: each its own report
         status, logs = _run(docker_engine, "dsd-single", "--network", "none", "--shm-size",
                             "256m", "--volume", f"{out}:/reports", worker_image.tag,
-                            "--", "--checks", QUICK_CHECKS, "--timeout", "60")
+                            "--", "--checks", checks, "--timeout", "60")
         assert status == 0, logs
         # The log says where the report is (the first lines of `docker logs`).
         found = re.search(r"^ddp-smoke: run (\S+), report /reports/(\S+)/report\.json$", logs,
