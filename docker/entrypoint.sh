@@ -13,9 +13,21 @@
 # Defaults added only when absent (so a launcher's own value always wins):
 #   --standalone --local-addr=127.0.0.1   when no torchrun option is given at all
 #   --nproc-per-node=gpu|2     unless given or PET_NPROC_PER_NODE is set (torchrun reads it)
-#   --report-dir $DDP_SMOKE_REPORT_DIR   (image default /reports; set it empty to leave the
-#                              worker's own default or a --config file's value alone)
+#   --report-dir $DDP_SMOKE_REPORT_DIR, else $DDP_SMOKE_REPORT_ROOT/<run id> (image default
+#                              /reports/<run id>: one folder per run, never a previous run's
+#                              report.json; set both empty to leave the worker's own default or a
+#                              --config file's value alone)
+# The run id (exported as DDP_SMOKE_RUN_ID, which the worker reports as its run_id): the given
+# DDP_SMOKE_RUN_ID, else torchrun's --rdzv-id (shared by every node), else one made here.
+#
+# Runtime defaults, set here and not as image ENV: under pyxis/enroot and Apptainer an image's
+# ENV wins over the job's own environment, so `NCCL_DEBUG=INFO sbatch …` would silently lose.
 set -euo pipefail
+
+# 1: an NCCL error or timeout aborts the rank (and so the job) instead of leaving it hanging.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+# NCCL_DEBUG stays unset: the worker then logs NCCL at INFO into REPORT_DIR/nccl/ to prove which
+# transport NCCL used (see the transport check); a value given here is used as it is.
 
 # A command, not options: run it as is (shells, debugging, Kubernetes `command:` overrides).
 if [[ $# -gt 0 && "$1" != -* ]]; then
@@ -62,10 +74,31 @@ if ! has_option nproc-per-node "${torchrun_args[@]}" \
     fi
 fi
 
-if [[ -n "${DDP_SMOKE_REPORT_DIR:-}" ]] \
+option_value() {  # option_value NAME ARGS…: the value of --NAME=V or --NAME V, else nothing
+    local name="$1"
+    shift
+    while [[ $# -gt 0 ]]; do
+        case "$1" in
+            "--$name="*) echo "${1#*=}"; return 0 ;;
+            "--$name") echo "${2:-}"; return 0 ;;
+        esac
+        shift
+    done
+}
+
+run_id="${DDP_SMOKE_RUN_ID:-$(option_value rdzv-id "${torchrun_args[@]}")}"
+run_id="${run_id:-$(option_value rdzv_id "${torchrun_args[@]}")}"
+export DDP_SMOKE_RUN_ID="${run_id:-$(date -u +%Y%m%dT%H%M%SZ)-${HOSTNAME:-host}-$$}"
+
+report_dir="${DDP_SMOKE_REPORT_DIR:-}"
+if [[ -z "$report_dir" && -n "${DDP_SMOKE_REPORT_ROOT:-}" ]]; then
+    report_dir="$DDP_SMOKE_REPORT_ROOT/$DDP_SMOKE_RUN_ID"
+fi
+if [[ -n "$report_dir" ]] \
         && ! has_option report-dir "${worker_args[@]}" \
         && ! has_option report_dir "${worker_args[@]}"; then
-    worker_args+=(--report-dir "$DDP_SMOKE_REPORT_DIR")
+    worker_args+=(--report-dir "$report_dir")
+    echo "ddp-smoke: run $DDP_SMOKE_RUN_ID, report $report_dir/report.json" >&2
 fi
 
 # Printed so that a pod or job log shows exactly what ran.

@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+import uuid
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -243,7 +244,8 @@ def pod_names(docs: Iterable[Mapping[str, Any]]) -> list[str]:
 
 
 def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] | None = None,
-                 namespace: str = "default", cluster_domain: str = "cluster.local") -> list[Pod]:
+                 namespace: str = "default", cluster_domain: str = "cluster.local",
+                 job_uid: str | None = None) -> list[Pod]:
     """Every pod the manifests would create, as the controllers and the kubelet would run it.
 
     Args:
@@ -253,6 +255,8 @@ def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] |
             reads ``status.podIP``.
         namespace: the namespace the job is applied to.
         cluster_domain: the cluster's DNS domain.
+        job_uid: the uid the API server gives the Job object (labels of its pods); None: a new
+            random one, as every creation gets.
 
     Returns:
         The pods, PyTorchJob Master then Workers by index, Indexed Job pods by index.
@@ -263,7 +267,8 @@ def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] |
         NotImplementedError: a kind or feature this emulation does not cover.
     """
     docs = [copy.deepcopy(dict(d)) for d in docs]
-    ctx = _Context(docs, dict(pod_ips or {}), namespace, cluster_domain)
+    ctx = _Context(docs, dict(pod_ips or {}), namespace, cluster_domain,
+                   job_uid or str(uuid.uuid4()))
     pods: list[Pod] = []
     for doc in docs:
         kind = doc.get("kind")
@@ -276,6 +281,28 @@ def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] |
                 f"{kind} {doc.get('metadata', {}).get('name')!r}: its pods are not emulated "
                 "(TrainJob pods come from the cluster's ClusterTrainingRuntime)")
     return pods
+
+
+def on_pod_failure(job: Mapping[str, Any]) -> str:
+    """What the controller does to the job's other pods once one of them has failed.
+
+    Returns:
+        ``"continue"``: they run to their end and keep their logs (Indexed Job with
+        ``backoffLimitPerIndex``: the index fails, the Job fails once all have ended; PyTorchJob
+        with ``cleanPodPolicy: None``); ``"delete"``: the running pods are deleted, their logs
+        with them (Job with ``backoffLimit: 0`` and no per-index limit: the Job fails at once
+        and the Job controller removes its active pods; PyTorchJob with cleanPodPolicy All or
+        Running); ``"retry"``: the failed pod is replaced (a backoff limit above 0).
+    """
+    spec = job["spec"]
+    if job["kind"] == "PyTorchJob":
+        run = spec.get("runPolicy", {})
+        if run.get("backoffLimit", 0) > 0:
+            return "retry"
+        return "continue" if run.get("cleanPodPolicy", "None") == "None" else "delete"
+    if spec.get("backoffLimitPerIndex") is not None:
+        return "retry" if spec["backoffLimitPerIndex"] > 0 else "continue"
+    return "delete" if spec.get("backoffLimit", 6) == 0 else "retry"
 
 
 def dns_table(pods: Iterable[Pod]) -> dict[str, str]:
@@ -353,6 +380,7 @@ class _Context:
     pod_ips: dict[str, str]
     namespace: str
     domain: str
+    job_uid: str
 
 
 def _replica_counts(job: Mapping[str, Any]) -> list[tuple[str, int]]:
@@ -483,8 +511,10 @@ def _indexed_job_pods(job: dict[str, Any], ctx: _Context) -> list[Pod]:
     for index in range(_completions(job)):
         template = copy.deepcopy(job["spec"]["template"])
         meta = template.get("metadata", {})
+        # The Job controller's labels: name and uid of the Job (new and shared per Job object).
         labels = {**meta.get("labels", {}), "batch.kubernetes.io/job-name": name,
-                  "job-name": name, INDEX_ANNOTATION: str(index)}
+                  "job-name": name, "batch.kubernetes.io/controller-uid": ctx.job_uid,
+                  "controller-uid": ctx.job_uid, INDEX_ANNOTATION: str(index)}
         annotations = {**meta.get("annotations", {}), INDEX_ANNOTATION: str(index)}
         pod_spec = template["spec"]
         pod_spec["hostname"] = f"{name}-{index}"  # the Job controller overrides any template value

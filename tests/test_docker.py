@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox.docker import (REPO, BuiltImage, Engine, PodNetwork, docker_engine,  # noqa: F401
-                                  pod_network, wait_all, worker_image)
+from tests.sandbox.docker import (REPO, RDMA_PACKAGES, BuiltImage, Engine,  # noqa: F401
+                                  PodNetwork, docker_engine, pod_network, wait_all, worker_image)
 
 # Generous for the first test: it pays for the cold build (installs, debootstrap, base, build).
 pytestmark = pytest.mark.timeout(900)
@@ -89,9 +89,11 @@ def _report_dir(tmp_path: Path, uid: int) -> Path:
 def test_image_is_non_root_lean_and_offline_built(docker_engine, worker_image: BuiltImage):
     uid = _image_user(docker_engine, worker_image.tag)
     assert uid != 0
-    env = docker_engine.docker("image", "inspect", "-f", "{{json .Config.Env}}",
-                               worker_image.tag).stdout
-    assert "PYTHONUNBUFFERED=1" in env and "NCCL_DEBUG=WARN" in env
+    env = json.loads(docker_engine.docker("image", "inspect", "-f", "{{json .Config.Env}}",
+                                          worker_image.tag).stdout)
+    assert "PYTHONUNBUFFERED=1" in env and "DDP_SMOKE_REPORT_ROOT=/reports" in env, env
+    # Under pyxis and Apptainer an image's ENV beats the job's: the image sets none of these.
+    assert not [e for e in env if re.match(r"(NCCL|TORCH|GLOO)_", e)], env
     probe = ("id -u; command -v torchrun; "
              "command -v gcc cc g++ || echo no-compiler; "
              "find / -xdev \\( -name '*.whl' -o -path '*/.cache/pip' \\) -print 2>/dev/null "
@@ -104,25 +106,62 @@ def test_image_is_non_root_lean_and_offline_built(docker_engine, worker_image: B
     assert lines == [str(uid), "/opt/ddp-smoke/venv/bin/torchrun", "no-compiler", "end"], out
 
 
+def test_image_has_the_rdma_user_space(docker_engine, worker_image: BuiltImage):
+    """NCCL dlopens libibverbs.so.1; without it, it silently runs over TCP sockets."""
+    probe = ("dpkg-query -W -f '${Package} ${Status}\\n' " + " ".join(RDMA_PACKAGES) + "; "
+             "for lib in libibverbs.so.1 librdmacm.so.1; do "
+             "python -c \"import ctypes, sys; ctypes.CDLL(sys.argv[1]); print(sys.argv[1])\" "
+             "$lib; done; ls /usr/lib/*/libibverbs/ | grep -c -- '-rdmav[0-9]*\\.so$'; "
+             "command -v ibv_devinfo")
+    status, out = _run(docker_engine, "dsd-rdma", "--network", "none", worker_image.tag,
+                       "bash", "-c", probe, timeout_s=60)
+    lines = [ln for ln in out.splitlines() if not ln.startswith("WARNING")]
+    assert status == 0, out
+    assert lines[:4] == sorted(f"{p} install ok installed" for p in RDMA_PACKAGES), out
+    assert lines[4:6] == ["libibverbs.so.1", "librdmacm.so.1"], out  # the image's user loads them
+    assert int(lines[6]) >= 5, out  # providers: mlx4, mlx5, efa, … (drivers for each fabric)
+    assert lines[7].endswith("/ibv_devinfo"), out
+
+
+def test_entrypoint_defaults_yield_to_the_job_environment(docker_engine,
+                                                          worker_image: BuiltImage):
+    show = "echo ${TORCH_NCCL_ASYNC_ERROR_HANDLING}-${NCCL_DEBUG:-unset}"
+    _, default = _run(docker_engine, "dsd-env", "--network", "none", worker_image.tag,
+                      "bash", "-c", show, timeout_s=60)
+    _, given = _run(docker_engine, "dsd-env", "--network", "none", "-e", "NCCL_DEBUG=TRACE",
+                    "-e", "TORCH_NCCL_ASYNC_ERROR_HANDLING=3", worker_image.tag,
+                    "bash", "-c", show, timeout_s=60)
+    assert (default.split()[-1], given.split()[-1]) == ("1-unset", "3-TRACE")
+
+
 def test_docker_run_writes_a_passing_two_rank_report(docker_engine, worker_image: BuiltImage,
                                                      tmp_path):
     uid = _image_user(docker_engine, worker_image.tag)
     out = _report_dir(tmp_path, uid)
     # No torchrun option: the entrypoint's single-node defaults (standalone, 2 CPU ranks,
-    # --report-dir /reports); only the worker's checks are narrowed, after `--`.
-    status, logs = _run(docker_engine, "dsd-single", "--network", "none", "--shm-size", "256m",
-                        "--volume", f"{out}:/reports", worker_image.tag,
-                        "--", "--checks", QUICK_CHECKS, "--timeout", "60")
-    assert status == 0, logs
+    # --report-dir /reports/<run id>); only the worker's checks are narrowed, after `--`.
+    runs = []
+    for checks in ("environment", QUICK_CHECKS):  # one folder, two runs: each its own report
+        status, logs = _run(docker_engine, "dsd-single", "--network", "none", "--shm-size",
+                            "256m", "--volume", f"{out}:/reports", worker_image.tag,
+                            "--", "--checks", checks, "--timeout", "60")
+        assert status == 0, logs
+        # The log says where the report is (the first lines of `docker logs`).
+        found = re.search(r"^ddp-smoke: run (\S+), report /reports/(\S+)/report\.json$", logs,
+                          re.M)
+        assert found and found.group(1) == found.group(2), logs
+        runs.append(found.group(1))
+    assert runs[0] != runs[1] and sorted(p.name for p in out.iterdir()) == sorted(runs)
     for line in TUTORIAL:
         assert line in logs.splitlines(), logs
-    report = json.loads((out / "report.json").read_text())
+    report = json.loads((out / runs[1] / "report.json").read_text())
     assert (report["verdict"], report["world_size"], report["nodes"], report["backend"]) == (
         "pass", 2, 1, "gloo"), report
     assert sorted(r["local_rank"] for r in report["ranks"]) == [0, 1]
     assert [(c["name"], c["status"]) for c in report["checks"]] == [
         (name, "pass") for name in QUICK_CHECKS.split(",")]
-    assert (out / "report.json").stat().st_uid == uid  # written by the image's non-root user
+    assert report.get("run_id", runs[1]) == runs[1]
+    assert (out / runs[1] / "report.json").stat().st_uid == uid  # the image's non-root user
 
 
 def test_two_containers_as_two_nodes_rendezvous_with_c10d(

@@ -10,7 +10,9 @@ Layer 2, schema, unknown fields rejected everywhere:
 * the PyTorchJob against the real CRD of Training Operator v1.9.4 (``tests/data``), converted as
   the API server's strict field validation reads it, plus the operator's webhook rules; its pod
   templates also against core PodSpec at :data:`K8S_VERSIONS`;
-* the TrainJob against a minimal strict schema written by hand (``tests/data``; no CRD here);
+* the TrainJob and its TrainingRuntime against the real CRDs of Kubeflow Trainer v2.3.0
+  (``tests/data``), converted the same way (their CEL rules are not evaluated);
+* the operator's init-container template (``k8s/operator``) against core Container;
 * any other kind is a failure, never a silent pass.
 
 Then the issue's requirements (c10d, /dev/shm, GPUs, Istio, securityContext, deadlines, restart
@@ -39,20 +41,31 @@ from tests import k8s_operator as ko
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"
-FOLDERS = {"pytorchjob": K8S, "indexed-job": K8S / "indexed-job", "trainer-v2": K8S / "trainer-v2"}
+FOLDERS = {"pytorchjob": K8S, "indexed-job": K8S / "indexed-job", "trainer-v2": K8S / "trainer-v2",
+           "operator": K8S / "operator"}
 DATA = Path(__file__).resolve().parent / "data"
 CRD = DATA / "kubeflow.org_pytorchjobs.yaml"
 CRD_SHA256 = "8b8a8a719cc94173169290251e817f7ac2bb425c20b6c2fa813397bcf4e932ed"
-TRAINJOB_SCHEMA = DATA / "trainjob.v1alpha1.schema.json"
+# Kubeflow Trainer v2.3.0 CRDs: file -> (bytes, sha256); see tests/data/PROVENANCE.md.
+TRAINER_CRDS = {
+    "trainer.kubeflow.org_trainjobs.yaml": (
+        554665, "a742cafc5b5582640c7e0b7467c024fc237256fbca5ba0a9f0531dfb66d64416"),
+    "trainer.kubeflow.org_trainingruntimes.yaml": (
+        926556, "69b8dbdf60a18e28cddcc2b8dfc4ce72a943e14b531b9389d593118faee4919f"),
+}
+CRD_OF = {("kubeflow.org/v1", "PyTorchJob"): CRD.name,
+          ("trainer.kubeflow.org/v1alpha1", "TrainJob"): "trainer.kubeflow.org_trainjobs.yaml",
+          ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"):
+              "trainer.kubeflow.org_trainingruntimes.yaml"}
 # 1.31: the oldest Kubernetes all three variants run on (Kubeflow Trainer v2 needs >= 1.31;
 # Training Operator v1.9 runs there too), so a field newer than the floor fails here. 1.37: the
 # newest kubernetes-validate 1.37.0 ships, so a field removed since fails too.
 K8S_VERSIONS = ("1.31", "1.37")
 # From the worker's contract (.notes/CONTRACT.md): config keys and registered checks.
 CONFIG_KEYS = {"report_dir", "checks", "timeout", "backend", "expect_nodes", "expect_world_size",
-               "storage_dir", "fault"}
+               "storage_dir", "fault", "expect_transport"}
 CHECKS = {"environment", "ddp_step", "sampler_epochs", "collectives", "storage", "bandwidth",
-          "compute"}
+          "transport", "compute"}
 # Names the operator appends after the user's env: a user value would be silently overridden.
 OPERATOR_ENV = re.compile(r"^(PET_.*|MASTER_ADDR|MASTER_PORT|WORLD_SIZE|RANK|PYTHONUNBUFFERED)$")
 GPU = "nvidia.com/gpu"
@@ -101,13 +114,13 @@ def _validator(schema_json: str, version: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _crd_schema() -> str:
-    """The CRD's storage version as strict JSON Schema text (see tests/data/PROVENANCE.md)."""
-    crd = yaml.load(CRD.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+def _crd_schema(api_version: str = "kubeflow.org/v1", kind: str = "PyTorchJob") -> str:
+    """A CRD's storage version as strict JSON Schema text (see tests/data/PROVENANCE.md)."""
+    crd = yaml.load((DATA / CRD_OF[api_version, kind]).read_text(),
+                    Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     schema = next(v for v in crd["spec"]["versions"] if v.get("storage"))["schema"]
     schema = _strict(schema["openAPIV3Schema"])
-    schema["properties"].update(apiVersion={"const": "kubeflow.org/v1"},
-                                kind={"const": "PyTorchJob"},
+    schema["properties"].update(apiVersion={"const": api_version}, kind={"const": kind},
                                 metadata={"$ref": _DEF + "io.k8s.apimachinery.pkg.apis.meta.v1."
                                           "ObjectMeta"})
     schema["required"] = ["apiVersion", "kind", "metadata", "spec"]
@@ -157,8 +170,9 @@ def validate(doc: dict) -> list[str]:
                 errors += [f"[{version} {rtype} pod] {e}" for e in
                            _errors(pod, (rspec or {}).get("template", {}).get("spec", {}))]
         return sorted(set(errors)) + ko.pytorchjob_webhook_errors(doc)
-    if kind == ("trainer.kubeflow.org/v1alpha1", "TrainJob"):
-        schema = TRAINJOB_SCHEMA.read_text()
+    if kind in {("trainer.kubeflow.org/v1alpha1", "TrainJob"),
+                ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime")}:
+        schema = _crd_schema(*kind)
         errors = [e for v in K8S_VERSIONS for e in _errors(_validator(schema, v), doc)]
         name = doc.get("metadata", {}).get("name", "")
         if not re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", name) or len(name) > 63:
@@ -209,7 +223,8 @@ def test_kubectl_refuses_a_non_manifest(tmp_path):
 def test_k8s_holds_only_manifests_and_the_known_variants():
     files = sorted(p.relative_to(K8S) for p in K8S.rglob("*") if p.is_file())
     assert files and all(p.suffix == ".yaml" for p in files), files
-    assert {p.parent for p in files} == {Path("."), Path("indexed-job"), Path("trainer-v2")}
+    assert {p.parent for p in files} == {Path("."), Path("indexed-job"), Path("trainer-v2"),
+                                         Path("operator")}
 
 
 @pytest.mark.parametrize("variant", FOLDERS)
@@ -230,6 +245,10 @@ def test_crd_copy_is_the_pinned_upstream_file():
     data = CRD.read_bytes()
     assert (len(data), hashlib.sha256(data).hexdigest()) == (644522, CRD_SHA256), \
         "tests/data/kubeflow.org_pytorchjobs.yaml changed: see tests/data/PROVENANCE.md"
+    for name, pinned in TRAINER_CRDS.items():
+        data = (DATA / name).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == pinned, \
+            f"tests/data/{name} changed: see tests/data/PROVENANCE.md"
 
 
 @pytest.mark.parametrize("variant", FOLDERS)
@@ -267,7 +286,9 @@ def _edited(path: Path, old: str, new: str) -> tuple[list[dict], dict]:
 
 JOB = K8S / "10-ddp-smoke-pytorchjob.yaml"
 IJ = K8S / "indexed-job" / "20-ddp-smoke-job.yaml"
-TJ = K8S / "trainer-v2" / "ddp-smoke-trainjob.yaml"
+TJ = K8S / "trainer-v2" / "10-ddp-smoke-trainjob.yaml"
+TR = K8S / "trainer-v2" / "00-ddp-smoke-runtime.yaml"
+OP = K8S / "operator" / "pytorch-init-container.yaml"
 MISTAKES = {
     "unquoted-nprocPerNode": (JOB, 'nprocPerNode: "8"', "nprocPerNode: 8", "nprocPerNode"),
     "missing-Master-replicas": (JOB, "      # Must be written, and must be 1: the webhook rejects "
@@ -289,6 +310,11 @@ MISTAKES = {
                          "completionmode"),
     "trainjob-typo": (TJ, "numProcPerNode: 8", "numProcsPerNode: 8", "numProcsPerNode"),
     "trainjob-string-nproc": (TJ, "numProcPerNode: 8", 'numProcPerNode: "8"', "numProcPerNode"),
+    "trainjob-unknown-trainer-field": (TJ, "    numNodes: 2\n", "    numNode: 2\n", "numNode"),
+    "runtime-typo": (TR, "backoffLimitPerIndex: 0", "backoffLimitsPerIndex: 0",
+                     "backoffLimitsPerIndex"),
+    "runtime-typo-in-pod": (TR, "restartPolicy: Never", "restartpolicy: Never", "restartpolicy"),
+    "runtime-jobset-typo": (TR, "        maxRestarts: 0", "        maxRestart: 0", "maxRestart"),
 }
 
 
@@ -315,7 +341,11 @@ def requirement_errors(docs: list[dict]) -> list[str]:
         elif kind == "Job":
             errors += _job_requirements(doc, docs)
         elif kind == "TrainJob":
-            errors += _trainjob_requirements(doc)
+            errors += _trainjob_requirements(doc, docs)
+        elif kind == "TrainingRuntime":
+            errors += _runtime_requirements(doc)
+        elif kind == "ConfigMap" and "initContainer.yaml" in doc["data"]:
+            errors += _init_template_requirements(doc)
         elif kind == "ConfigMap":
             errors += _config_requirements(doc, docs)
     return errors
@@ -350,8 +380,11 @@ def _job_requirements(job: dict, docs: list[dict]) -> list[str]:
     if not (spec.get("completionMode") == "Indexed"
             and spec.get("completions") == spec.get("parallelism") == int(env["NNODES"])):
         errors.append("Indexed, with completions = parallelism = NNODES (all pods at once)")
-    if not spec.get("activeDeadlineSeconds") or spec.get("backoffLimit") != 0:
-        errors.append("activeDeadlineSeconds and backoffLimit: 0 are required")
+    if not spec.get("activeDeadlineSeconds"):
+        errors.append("activeDeadlineSeconds is required")
+    if spec.get("backoffLimitPerIndex") != 0 or "backoffLimit" in spec:
+        errors.append("backoffLimitPerIndex: 0 and no backoffLimit: backoffLimit 0 fails the Job "
+                      "at the first failed pod and deletes the others, rank 0's report with them")
     if spec["template"]["spec"].get("restartPolicy") != "Never":
         errors.append("template restartPolicy must be Never")
     sub = spec["template"]["spec"].get("subdomain")
@@ -365,18 +398,81 @@ def _job_requirements(job: dict, docs: list[dict]) -> list[str]:
     return errors
 
 
-def _trainjob_requirements(job: dict) -> list[str]:
+def _trainjob_requirements(job: dict, docs: list[dict]) -> list[str]:
     trainer, name = job["spec"]["trainer"], job["metadata"]["name"]
     script = trainer["args"][0]
     errors = _torchrun_errors(script)
-    if f"--rdzv-id={name} " not in script:
-        errors.append(f"--rdzv-id must be the TrainJob's name {name}")
+    env = {e["name"]: e for e in trainer.get("env", [])}
+    run_id = env.get("DDP_SMOKE_RUN_ID", {}).get("value", "")
+    if not (run_id.startswith(name) and "$(JOB_UID)" in run_id
+            and "controller-uid" in str(env.get("JOB_UID"))):
+        errors.append(f"DDP_SMOKE_RUN_ID {run_id!r}: the TrainJob's name and its Job's uid")
     if trainer["resourcesPerNode"]["limits"].get(GPU) != trainer["numProcPerNode"]:
         errors.append("numProcPerNode must equal the nvidia.com/gpu limit")
     if not job["spec"].get("activeDeadlineSeconds"):
         errors.append("activeDeadlineSeconds is required")
-    if "storage" in script:
+    if "storage" in script.replace("--storage", ""):
         errors.append("storage check without a shared directory")
+    ref = job["spec"]["runtimeRef"]
+    runtimes = [d for d in docs if d["kind"] == ref.get("kind")
+                and d["metadata"]["name"] == ref["name"]]
+    if ref.get("kind") != "TrainingRuntime" or not runtimes:
+        errors.append(f"runtimeRef {ref}: must name this folder's TrainingRuntime (the stock "
+                      "torch-distributed retries failures and has no /dev/shm)")
+    return errors
+
+
+def _runtime_requirements(runtime: dict) -> list[str]:
+    """The TrainingRuntime: nothing retried, /dev/shm in memory, the restricted PSS."""
+    jobset = runtime["spec"]["template"]["spec"]
+    errors = [] if (jobset.get("failurePolicy") or {}).get("maxRestarts") == 0 else [
+        "JobSet failurePolicy.maxRestarts: 0"]
+    (rjob,) = jobset["replicatedJobs"]
+    job = rjob["template"]["spec"]
+    if rjob["name"] != "node" or rjob["template"].get("metadata", {}).get("labels", {}).get(
+            "trainer.kubeflow.org/trainjob-ancestor-step") != "trainer":
+        errors.append("replicated job `node` labelled trainjob-ancestor-step: trainer")
+    if not (job.get("completionMode") == "Indexed" and job.get("backoffLimitPerIndex") == 0
+            and "backoffLimit" not in job):
+        errors.append("Job: Indexed, backoffLimitPerIndex: 0, no backoffLimit")
+    pod, meta = job["template"]["spec"], job["template"].get("metadata", {})
+    if pod.get("restartPolicy") != "Never":
+        errors.append("pod restartPolicy must be Never (JobSet's default is OnFailure)")
+    (container,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    shm = [m for m in container.get("volumeMounts", []) if m["mountPath"] == "/dev/shm"]
+    if not shm or (volumes[shm[0]["name"]].get("emptyDir") or {}).get("medium") != "Memory":
+        errors.append("/dev/shm must be an emptyDir of medium Memory")
+    if not (meta.get("labels", {}).get("sidecar.istio.io/inject")
+            == meta.get("annotations", {}).get("sidecar.istio.io/inject") == "false"):
+        errors.append("sidecar.istio.io/inject: \"false\" as label and annotation")
+    return errors + _security_errors(pod.get("securityContext", {}),
+                                     container.get("securityContext", {}))
+
+
+def render_init_template(text: str, image: str = "alpine:3.10", master: str = "j-master-0",
+                         tries: int = 900) -> list[dict]:
+    """The operator's init-container template filled in as the operator does (Go template
+    fields .InitContainerImage, .MasterAddr, .MaxTries), parsed as its YAML list."""
+    for field, value in (("InitContainerImage", image), ("MasterAddr", master),
+                         ("MaxTries", tries)):
+        text = text.replace("{{." + field + "}}", str(value))
+    assert "{{" not in text, f"template uses fields the operator does not fill: {text}"
+    return yaml.safe_load(text)
+
+
+def _init_template_requirements(cm: dict) -> list[str]:
+    containers = render_init_template(cm["data"]["initContainer.yaml"])
+    errors = []
+    for version in K8S_VERSIONS:
+        container = _validator(json.dumps({"$ref": _DEF + "io.k8s.api.core.v1.Container"}),
+                               version)
+        errors += [f"[{version} init container] {e}" for c in containers
+                   for e in _errors(container, c)]
+    for c in containers:
+        errors += _security_errors({}, c.get("securityContext", {}))
+        if "seq 900" not in " ".join(c.get("command", [])):
+            errors.append("the init container must use the operator's MaxTries")
     return errors
 
 
@@ -422,10 +518,15 @@ def _security_errors(pod_sc: dict, sc: dict) -> list[str]:
 
 
 def _torchrun_errors(script: str) -> list[str]:
-    flags = ("--rdzv-backend=c10d", "--rdzv-endpoint=", "--rdzv-id=", "--max-restarts=0",
+    flags = ("--rdzv-backend=c10d", "--rdzv-endpoint=", '--rdzv-id="${DDP_SMOKE_RUN_ID}"',
+             "--max-restarts=0", "read_timeout=600", "join_timeout=600",
              "--local-addr=", "-m ddp_smoke", "--expect-nodes=", "--expect-world-size=",
              "--report-dir=")
     errors = [f"torchrun needs {f}" for f in flags if f not in script]
+    if not re.search(r"^\s*trap '[^']*kill -TERM[^']*' TERM", script, re.M):
+        errors.append("sh is PID 1 and ignores SIGTERM: trap it and pass it on to torchrun")
+    if "python3 -m ddp_smoke.verdict" not in script or '"${msg_file}"' not in script:
+        errors.append("write the one-line verdict to the termination message file")
     launches = [ln for ln in script.splitlines() if ln.strip().startswith("torchrun")]
     if len(launches) != 1 or "--standalone" in script:
         errors.append("exactly one torchrun per pod, never --standalone")
@@ -459,7 +560,24 @@ TRAPS = {
     "standalone": (JOB, "  runPolicy:\n", "  elasticPolicy: {standalone: true}\n  runPolicy:\n",
                    "standalone"),
     "nproc-auto": (JOB, 'nprocPerNode: "8"', 'nprocPerNode: "auto"', "nprocPerNode"),
-    "operator-env-in-env": (JOB, "- name: NCCL_DEBUG\n", "- name: MASTER_ADDR\n", "MASTER_ADDR"),
+    "operator-env-in-env": (JOB, "- name: TORCH_NCCL_ASYNC_ERROR_HANDLING\n",
+                            "- name: MASTER_ADDR\n", "MASTER_ADDR"),
+    "no-read-timeout": (JOB, "join_timeout=600,read_timeout=600", "join_timeout=600",
+                        "read_timeout"),
+    "no-signal-forwarding": (IJ, "trap 'kill -TERM \"${pid}\" 2> /dev/null' TERM INT", ":",
+                             "SIGTERM"),
+    "ij-backoff-limit-0": (IJ, "backoffLimitPerIndex: 0", "backoffLimit: 0",
+                           "backoffLimitPerIndex"),
+    "trainjob-stock-runtime": (TJ, "kind: TrainingRuntime\n    name: ddp-smoke-torch",
+                               "kind: ClusterTrainingRuntime\n    name: torch-distributed",
+                               "runtimeRef"),
+    "runtime-on-failure": (TR, "restartPolicy: Never", "restartPolicy: OnFailure",
+                           "restartPolicy"),
+    "runtime-no-shm": (TR, "                      volumeMounts:\n                        - name: "
+                       "dshm\n                          mountPath: /dev/shm\n", "", "/dev/shm"),
+    "runtime-backoff": (TR, "backoffLimitPerIndex: 0", "backoffLimit: 6", "backoffLimitPerIndex"),
+    "init-container-privileged": (OP, "        allowPrivilegeEscalation: false\n", "",
+                                  "securityContext"),
     "restart-on-failure": (JOB, "      replicas: 1\n      restartPolicy: Never",
                            "      replicas: 1\n      restartPolicy: OnFailure", "restartPolicy"),
     "no-deadline": (JOB, "    activeDeadlineSeconds: 1800\n    # No", "    # No",
@@ -509,7 +627,7 @@ def _scripts() -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("variant", FOLDERS)
+@pytest.mark.parametrize("variant", ["pytorchjob", "indexed-job", "trainer-v2"])
 def test_scripts_are_posix_sh(variant, tmp_path):
     script = _scripts()[variant]
     assert "$(" not in script.replace("$((", ""), "kubelet would expand $(...) before sh runs"
@@ -540,8 +658,10 @@ def _run_pod(pod: ko.Pod, tmp_path: Path, rc: int = 1):
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
     (bin_dir / "torchrun").chmod(0o755)
-    env = {**pod.env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_RC": str(rc),
-           "FAKE_OUT": str(tmp_path / f"{pod.name}.json")}
+    # The venv's python3 first: the script runs `python3 -m ddp_smoke.verdict`.
+    env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "FAKE_RC": str(rc), "FAKE_OUT": str(tmp_path / f"{pod.name}.json"),
+           "TERMINATION_LOG": str(tmp_path / f"{pod.name}.termination-log")}
     if "REPORT_DIR" in env:
         env["REPORT_DIR"] = str(tmp_path / env["REPORT_DIR"].lstrip("/"))
     proc = subprocess.run(pod.argv, env=env, capture_output=True, text=True, timeout=60)
@@ -555,13 +675,37 @@ def test_pytorchjob_pods_run_c10d_torchrun_and_log_the_report(tmp_path):
     proc, argv = _run_pod(pods[1], tmp_path, rc=1)
     assert argv == ["--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
                     "--rdzv-endpoint=ddp-smoke-master-0:29400", "--rdzv-id=ddp-smoke",
-                    "--rdzv-conf=join_timeout=600", "--max-restarts=0", "--local-addr=10.9.0.3",
-                    "-m", "ddp_smoke", "--config=/etc/ddp-smoke/config.yaml",
+                    "--rdzv-conf=join_timeout=600,read_timeout=600", "--max-restarts=0",
+                    "--local-addr=10.9.0.3", "-m", "ddp_smoke",
+                    "--config=/etc/ddp-smoke/config.yaml",
                     f"--report-dir={tmp_path}/reports/ddp-smoke", "--expect-nodes=2",
                     "--expect-world-size=16"]
-    assert proc.returncode == 1  # torchrun's status, after the report was logged
+    assert proc.returncode == 1, proc.stderr  # torchrun's status, after the report was logged
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("ddp-smoke-report.json: ")]
     assert json.loads(line.split(": ", 1)[1])["verdict"] == "fail"
+    message = (tmp_path / f"{pods[1].name}.termination-log").read_text()
+    assert message.startswith("ddp-smoke FAIL · run ? · ") and "\n" not in message.strip()
+
+
+def test_a_stale_report_is_never_logged_as_this_runs(tmp_path):
+    """A report.json left on a shared volume by an earlier job of the same name is removed
+    before torchrun starts: a run whose rank 0 died early logs no report, not the old one."""
+    docs = ko.load_manifests(K8S)
+    pod = ko.compute_pods(docs, pod_ips={"ddp-smoke-master-0": "10.9.0.2",
+                                         "ddp-smoke-worker-0": "10.9.0.3"})[0]
+    stale = tmp_path / "reports" / "ddp-smoke" / "report.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps({"verdict": "pass"}))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text("#!/bin/sh\nexit 1\n")  # rank 0 dies before writing
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {**pod.env, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "REPORT_DIR": str(stale.parent), "TERMINATION_LOG": str(tmp_path / "msg")}
+    proc = subprocess.run(pod.argv, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "ddp-smoke-report.json" not in proc.stdout, proc.stdout
+    assert not stale.exists()
+    assert "no report in this pod" in (tmp_path / "msg").read_text()
 
 
 def test_indexed_job_pods_say_who_hosts_the_store(tmp_path):
@@ -571,9 +715,13 @@ def test_indexed_job_pods_say_who_hosts_the_store(tmp_path):
     for pod in pods:
         proc, argv = _run_pod(pod, tmp_path, rc=0)
         assert proc.returncode == 0, proc.stderr
-        assert f"--rdzv-conf=join_timeout=600,is_host={int(pod.index == 0)}" in argv
+        assert (f"--rdzv-conf=join_timeout=600,read_timeout=600,is_host={int(pod.index == 0)}"
+                in argv)
         assert "--rdzv-endpoint=ddp-smoke-indexed-0.ddp-smoke-indexed:29400" in argv
-        assert "--expect-world-size=16" in argv and "--rdzv-id=ddp-smoke-indexed" in argv
+        # The run id: the Job's name and uid, the same in every pod of the Job.
+        run_id = f"ddp-smoke-indexed-{pods[0].labels['batch.kubernetes.io/controller-uid']}"
+        assert "--expect-world-size=16" in argv and f"--rdzv-id={run_id}" in argv
+        assert f"--report-dir={tmp_path}/reports/{run_id}" in argv
 
 
 # -- tests/k8s_operator.py ------------------------------------------------------------------------
@@ -679,6 +827,18 @@ def test_indexed_job_pods_and_dns():
     assert ko.dns_table([p0, p1])["ddp-smoke-indexed-0.ddp-smoke-indexed"] == p0.name
     other = [d for d in docs if d["kind"] != "Service"]  # no Service: no names at all
     assert ko.compute_pods(other, pod_ips=ips)[0].dns_names == []
+
+
+def test_failure_policy_of_the_controllers():
+    ij = ko.load_manifests(K8S / "indexed-job")[-1]
+    assert ko.on_pod_failure(ij) == "continue"  # what the manifest ships
+    del ij["spec"]["backoffLimitPerIndex"]
+    assert ko.on_pod_failure({**ij, "spec": {**ij["spec"], "backoffLimit": 0}}) == "delete"
+    assert ko.on_pod_failure(ij) == "retry"  # Kubernetes' default backoffLimit 6
+    (job,) = [d for d in ko.load_manifests(K8S) if d["kind"] == "PyTorchJob"]
+    assert ko.on_pod_failure(job) == "continue"
+    job["spec"]["runPolicy"]["cleanPodPolicy"] = "Running"
+    assert ko.on_pod_failure(job) == "delete"
 
 
 def test_trainjob_and_unknown_kinds_are_refused():

@@ -16,6 +16,11 @@ in its own network namespace on a private bridge, with exactly that and nothing 
   as the kubelet writes them);
 * emptyDir volumes: a host folder per pod, mode 2777 group fsGroup (the kubelet's emptyDir with
   an ``fsGroup``); the memory emptyDir at /dev/shm: ``--shm-size`` of its ``sizeLimit``;
+* the termination message: a host file (mode 0666) mounted at /dev/termination-log, as the
+  kubelet mounts one at terminationMessagePath;
+* pod deletion and activeDeadlineSeconds: SIGTERM to the container's PID 1, as the kubelet sends;
+* a failed pod: what its controller does to the others (``k8s_operator.on_pod_failure``): let
+  them run (their logs stay) or delete them (their logs go);
 * securityContext: ``--user runAsUser:runAsGroup``, ``--group-add fsGroup``, capabilities
   dropped/added as written, ``no-new-privileges`` for ``allowPrivilegeEscalation: false``,
   Docker's default seccomp profile for ``RuntimeDefault``; ``runAsNonRoot`` checked as the
@@ -177,30 +182,68 @@ def _config_checks(docs: list[dict[str, Any]]) -> list[str]:
     return yaml.safe_load(config["data"]["config.yaml"])["checks"]
 
 
-def _run_job(net: PodNetwork, docs: list[dict[str, Any]], pods: list[ko.Pod],
-             ips: dict[str, str], start_order: list[ko.Pod], tmp_path: Path) -> dict[str, Any]:
-    """Runs every pod, waits, and returns {name: {status, logs, host_of, pod}} per pod."""
+def _start_job(net: PodNetwork, docs: list[dict[str, Any]], pods: list[ko.Pod],
+               ips: dict[str, str], start_order: list[ko.Pod],
+               tmp_path: Path) -> tuple[dict[str, Any], dict[str, Container]]:
+    """Starts every pod; returns {name: {pod, host_of, message}} and the containers by name."""
     runs: dict[str, dict[str, Any]] = {}
     for pod in pods:
         spec = _pod_spec(docs, pod)
         user, security = _security_options(spec, pod)
         binds, shm_size, host_of = _volumes(pod, spec, tmp_path / pod.name)
+        message = tmp_path / pod.name / "termination-log"  # the kubelet's terminationMessagePath
+        message.touch(mode=0o666)
+        message.chmod(0o666)
+        binds.append(f"{message}:/dev/termination-log")
         net_pod = net.add_pod(pod.hostname, ips[pod.name],
                               etc_hosts=ko.etc_hosts(pod, pods, ips))
-        runs[pod.name] = dict(pod=pod, net_pod=net_pod, host_of=host_of, opts=dict(
-            command=pod.argv, env=pod.env, volumes=binds, user=user, shm_size=shm_size,
-            extra=security))
+        runs[pod.name] = dict(pod=pod, net_pod=net_pod, host_of=host_of, message=message,
+                              opts=dict(command=pod.argv, env=pod.env, volumes=binds, user=user,
+                                        shm_size=shm_size, extra=security))
     containers: dict[str, Container] = {}
-    start = time.monotonic()
+    runs["_start"] = time.monotonic()
     for pod in start_order:
         run = runs[pod.name]
         containers[pod.name] = net.run(run["net_pod"], pod.image, **run["opts"])
+    return runs, containers
+
+
+def _run_job(net: PodNetwork, docs: list[dict[str, Any]], pods: list[ko.Pod],
+             ips: dict[str, str], start_order: list[ko.Pod], tmp_path: Path) -> dict[str, Any]:
+    """Runs every pod, waits, and returns {name: {status, logs, host_of, pod, message}} per pod.
+
+    Once a pod has failed, the others are treated as their controller treats them: left to
+    finish (bounded), or deleted, their logs lost with them.
+    """
+    runs, containers = _start_job(net, docs, pods, ips, start_order, tmp_path)
     statuses = wait_all([containers[p.name] for p in pods], RUN_TIMEOUT_S)
-    elapsed = time.monotonic() - start
+    job = next(d for d in docs if d["kind"] in ("PyTorchJob", "Job"))
+    if any(s not in (None, 0) for s in statuses) and None in statuses:
+        if ko.on_pod_failure(job) == "continue":
+            statuses = wait_all_ended([containers[p.name] for p in pods], RUN_TIMEOUT_S)
+        else:
+            for pod, status in zip(pods, statuses):
+                if status is None:  # deleted: no exit status, no log, no message
+                    net.engine.docker("rm", "-f", containers[pod.name].name, check=False)
+    elapsed = time.monotonic() - runs.pop("_start")
     for pod, status in zip(pods, statuses):
-        runs[pod.name].update(status=status, logs=containers[pod.name].logs())
+        logs = containers[pod.name].logs() if status is not None else ""
+        runs[pod.name].update(status=status, logs=logs,
+                              message=runs[pod.name]["message"].read_text())
     runs["_elapsed_s"] = elapsed
     return runs
+
+
+def wait_all_ended(containers: list[Container], timeout_s: float) -> list[int | None]:
+    """Exit statuses once every container has exited (None for one still running at timeout)."""
+    deadline = time.monotonic() + timeout_s
+    statuses: list[int | None] = []
+    for container in containers:
+        try:
+            statuses.append(container.wait(max(1.0, deadline - time.monotonic())))
+        except Exception:  # noqa: BLE001 — still running at the deadline
+            statuses.append(None)
+    return statuses
 
 
 def _describe(runs: dict[str, Any]) -> str:
@@ -232,13 +275,18 @@ def _assert_passing_report(runs: dict[str, Any], pods: list[ko.Pod],
         else:
             assert lines == [], info  # a pod without the report prints no report line
     assert len(holders) == 1, f"report.json in {[p.name for p in holders]}\n{info}"
+    for pod in pods:  # the one-line verdict as termination message; the others say where it is
+        message = runs[pod.name]["message"]
+        assert message.startswith("ddp-smoke PASS · run ") if pod in holders else (
+            "no report in this pod" in message), (pod.name, message)
     assert (report["verdict"], report["world_size"], report["nodes"], report["backend"]) == (
         "pass", NODES * NPROC, NODES, "gloo"), info
     assert sorted(r["host"] for r in report["ranks"]) == sorted(p.hostname for p in pods), info
     assert sorted(r["rank"] for r in report["ranks"]) == list(range(NODES * NPROC))
     assert {r["local_rank"] for r in report["ranks"]} == {0}
+    # transport: no NCCL on these CPU pods, so it skips (with its reason).
     assert [(c["name"], c["status"]) for c in report["checks"]] == [
-        (name, "pass") for name in checks], info
+        (name, "skip" if name == "transport" else "pass") for name in checks], info
     return report
 
 
@@ -293,3 +341,73 @@ def test_indexed_job_pods_rendezvous_and_pass(k8s_net: PodNetwork, worker_image:
     # No order among an Indexed Job's pods: the store's host (index 0) starts last here.
     runs = _run_job(k8s_net, docs, pods, ips, start_order=pods[::-1], tmp_path=tmp_path)
     _assert_passing_report(runs, pods, _config_checks(docs))
+
+
+def _with_config(docs: list[dict[str, Any]], **extra: Any) -> list[dict[str, Any]]:
+    """The docs with keys added to the worker's ConfigMap (as a user would edit it)."""
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    values = {**yaml.safe_load(config["data"]["config.yaml"]), **extra}
+    config["data"]["config.yaml"] = yaml.safe_dump(values)
+    return docs
+
+
+def test_indexed_job_pod_failure_keeps_rank_0s_report(k8s_net: PodNetwork,
+                                                      worker_image: BuiltImage, tmp_path):
+    """Rank 1 dies: its pod fails first. backoffLimitPerIndex lets the pod that ran rank 0 run
+    on, write the failing report naming rank 1 and log it (backoffLimit: 0 would have deleted
+    that pod with its log)."""
+    docs = _with_config(_customized(REPO / "k8s" / "indexed-job", worker_image.tag),
+                        checks=["environment", "ddp_step"], fault="1:crash@ddp_step")
+    ips = _ips(docs)
+    pods = ko.compute_pods(docs, pod_ips=ips)
+    runs = _run_job(k8s_net, docs, pods, ips, start_order=pods, tmp_path=tmp_path)
+    info = _describe(runs)
+    assert sorted(runs[p.name]["status"] for p in pods) == [1, 1], info
+    lines = [ln for p in pods for ln in runs[p.name]["logs"].splitlines()
+             if ln.startswith(REPORT_LINE)]
+    assert len(lines) == 1, info
+    report = json.loads(lines[0][len(REPORT_LINE):])
+    assert report["verdict"] == "fail", info
+    named = {c["rank"] for check in report["checks"] for c in check["culprits"]}
+    if report.get("error"):
+        named.add(report["error"].get("rank"))
+    assert 1 in named, info
+    messages = [runs[p.name]["message"] for p in pods]
+    # The report's holder: its verdict in one line, naming the culprit, for `kubectl describe`.
+    assert any(m.startswith("ddp-smoke FAIL · run ") and "rank 1 ddp-smoke-indexed-" in m
+               for m in messages), messages
+
+
+def test_pod_deletion_reaches_the_workers(k8s_net: PodNetwork, worker_image: BuiltImage,
+                                          tmp_path):
+    """The kubelet stops a deleted pod (or one past activeDeadlineSeconds) with SIGTERM to the
+    container's PID 1, the manifest's sh. Passed on to torchrun, it stops the workers within
+    seconds; ignored, the pods would run on until the worker's own 90 s timeout."""
+    docs = _with_config(_customized(REPO / "k8s", worker_image.tag),
+                        checks=["environment", "ddp_step"], fault="0:hang@ddp_step")
+    ips = _ips(docs)
+    pods = ko.compute_pods(docs, pod_ips=ips)
+    runs, containers = _start_job(k8s_net, docs, pods, ips, pods, tmp_path)
+    deadline = time.monotonic() + 120
+
+    def workers_up(container: Container) -> bool:  # torchrun starts them as `python -u -m …`
+        probe = ("import glob; print(any(b'-u\\0-m\\0ddp_smoke' in open(p, 'rb').read() "
+                 "for p in glob.glob('/proc/[0-9]*/cmdline')))")
+        out = k8s_net.engine.docker("exec", container.name, "python3", "-c", probe,
+                                    check=False).stdout
+        return out.strip() == "True"
+
+    while not all(workers_up(c) for c in containers.values()):
+        assert time.monotonic() < deadline, "\n".join(c.logs() for c in containers.values())
+        time.sleep(0.5)
+    time.sleep(5)  # past the rendezvous: rank 0 now hangs before ddp_step
+    sent = time.monotonic()
+    for container in containers.values():
+        k8s_net.engine.docker("kill", "--signal=TERM", container.name)
+    statuses = wait_all_ended(list(containers.values()), 30)
+    stopped_s = time.monotonic() - sent
+    logs = "\n".join(f"--- {n}\n{c.logs()[-3000:]}" for n, c in containers.items())
+    assert None not in statuses, f"still running 30 s after SIGTERM\n{logs}"
+    assert 137 not in statuses, logs  # ended by the signal passed on, not by a SIGKILL
+    assert logs.count("death signal, shutting down workers") == len(pods), logs
+    print(f"\nSIGTERM -> every pod ended in {stopped_s:.1f} s; statuses {statuses}")

@@ -6,7 +6,8 @@ import time
 import pytest
 
 from ddp_smoke.config import ConfigError
-from ddp_smoke.submit import SmokeFailed, SmokeTimeout, plan, submit
+from ddp_smoke.submit import (GPU_CPUS_PER_PROC, IMAGE_PYTHON, SmokeFailed, SmokeTimeout,
+                              _task, plan, submit)
 from tests.launch import REPO
 
 QUICK = ["--checks", "environment,ddp_step", "--timeout", "20"]  # a later --timeout wins
@@ -42,6 +43,50 @@ def test_plan_renders_slurm_parameters_and_refuses_node_local_folders(tmp_path):
         plan("slurm", folder=tmp_path)
     with pytest.raises(ConfigError, match="nodes=2"):
         plan("local", nodes=2)
+
+
+def _sbatch_text(p) -> str:
+    """The batch script submitit would submit for plan p (its own renderer, nothing sent)."""
+    import submitit
+    executor = submitit.SlurmExecutor(folder=p.folder, python=p.python)
+    executor.update_parameters(**{k.removeprefix("slurm_"): v for k, v in p.parameters.items()
+                                  if k not in ("timeout_min", "name", "tasks_per_node")},
+                               time=p.parameters["timeout_min"], job_name="ddp-smoke",
+                               ntasks_per_node=p.parameters["tasks_per_node"])
+    return executor._make_submission_file_text(executor._submitit_command_str, "uid")
+
+
+def test_container_runs_the_images_python_and_checks_submitit(tmp_path):
+    """A pyxis task cannot run the login node's python path: it runs the image's."""
+    import submitit
+    p = plan("slurm", nodes=2, procs_per_node=8, gpus_per_node=8, container_image="img:1",
+             folder=REPO / ".sandbox" / "c", allow_local_folder=True)
+    assert p.python == IMAGE_PYTHON
+    assert p.worker_args[:2] == ["--submitit-version", submitit.__version__]
+    text = _sbatch_text(p)
+    assert "srun --unbuffered --output" in text and "--container-image=img:1" in text
+    assert f"{IMAGE_PYTHON} -u -m submitit.core._submit" in text
+    assert sys.executable not in text  # the login node's interpreter appears nowhere
+    with pytest.raises(RuntimeError, match=f"submitit {submitit.__version__} in the container, "
+                                           "0.0.1 on the submitting side"):
+        _task(["--submitit-version", "0.0.1", "--checks", "environment"], False)
+
+
+def test_gpu_runs_get_whole_nodes_memory_and_cpus(tmp_path):
+    gpu = plan("slurm", nodes=2, procs_per_node=8, gpus_per_node=8,
+               folder=REPO / ".sandbox" / "g", allow_local_folder=True)
+    assert (gpu.parameters["cpus_per_task"], gpu.parameters["slurm_exclusive"],
+            gpu.parameters["slurm_mem"]) == (GPU_CPUS_PER_PROC, True, "0")
+    text = _sbatch_text(gpu)
+    for line in ("#SBATCH --exclusive", "#SBATCH --mem=0", f"#SBATCH --cpus-per-task="
+                 f"{GPU_CPUS_PER_PROC}", "#SBATCH --gpus-per-node=8"):
+        assert line in text, text
+    cpu = plan("slurm", nodes=2, procs_per_node=2, folder=REPO / ".sandbox" / "g",
+               allow_local_folder=True)
+    assert cpu.parameters["cpus_per_task"] == 1 and "slurm_exclusive" not in cpu.parameters
+    mine = plan("slurm", gpus_per_node=8, cpus_per_proc=12, exclusive=False,
+                folder=REPO / ".sandbox" / "g", allow_local_folder=True)
+    assert mine.parameters["cpus_per_task"] == 12 and "slurm_mem" not in mine.parameters
 
 
 @pytest.mark.timeout(60)
@@ -108,3 +153,16 @@ def test_slurm_timeout_cancels_the_job_and_raises_within_the_bound(on_cluster, t
             break
         time.sleep(1)
     assert job_id not in queue.stdout, queue.stdout
+
+
+@pytest.mark.timeout(240)
+def test_slurm_tasks_run_the_given_interpreter(on_cluster, tmp_path):
+    """submitit's `python` reaches every task (as the image's interpreter does with pyxis)."""
+    marker = tmp_path / "used"
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f"#!/bin/sh\necho \"$SLURM_PROCID\" >> {marker}\n"
+                       f"exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    report = _slurm(tmp_path, [], wait_timeout_s=180, python=str(wrapper))
+    assert report["verdict"] == "pass"
+    assert sorted(marker.read_text().split()) == ["0", "1"]

@@ -93,7 +93,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="directory every node should share (default REPORT_DIR/storage)")
     p.add_argument("--profile", metavar="NAME|FILE.yaml",
                    help="pass floors for bandwidth and compute: cpu (default, figures only), "
-                        "a100-8gpu, h100-8gpu, h200-8gpu, b200-8gpu, or a profile file")
+                        "a100-8gpu, h100-8gpu, h200-8gpu, b200-8gpu, p5-h100-efa, or a "
+                        "profile file")
+    p.add_argument("--expect-transport", metavar="ib|socket|PLUGIN",
+                   help="fail a multi-node run whose NCCL used another network (transport "
+                        "check; default: the profile's, else any one network on every node)")
     p.add_argument("--fault", metavar="RANK:KIND@CHECK",
                    help="inject a fault (crash|raise|hang|slow|corrupt) to test alerting; "
                         "see ddp_smoke/faults.py")

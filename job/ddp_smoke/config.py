@@ -24,6 +24,7 @@ from . import levels
 BACKENDS = ("auto", "gloo", "nccl")
 _NULLABLE = {"report_dir": str, "storage_dir": str, "expect_nodes": int,
              "expect_world_size": int, "fault": str, "profile": str, "duration": float,
+             "expect_transport": str,
              "act": str, "prometheus": str}
 
 
@@ -131,6 +132,9 @@ def _validate(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"key 'duration' = {duration!r}: expected seconds > 0, at most a week")
     if duration is not None and cfg["repeat"] != 1:
         raise ConfigError("keys 'repeat' and 'duration': give one, not both")
+    if cfg["expect_transport"] is not None and not cfg["expect_transport"].strip():
+        raise ConfigError("key 'expect_transport' = '': expected ib, socket or a net plugin's "
+                          "name (e.g. libfabric)")
     parse_faults(cfg["fault"], checks)
     from .triage import ACTS
     if cfg["act"] is not None and cfg["act"] not in ACTS:

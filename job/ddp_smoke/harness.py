@@ -577,6 +577,7 @@ def run(cfg: dict[str, Any]) -> int:
             store.add("backend/nccl", 1)
         coord.arrive(store, "connect", "every rank to connect")
         coord.backend = _agree_backend(coord, store, cfg["backend"], pick)
+        runtime.nccl_log_env(coord.backend, rdir)  # before NCCL's first init: transport check
         if device_error:
             coord.abort(store, "error", {"type": "DeviceError", "message": device_error,
                                          "reason": device_error})

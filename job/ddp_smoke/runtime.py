@@ -130,6 +130,21 @@ def connect_store(env: LaunchEnv, timeout_s: float, may_host: bool = True) -> di
                          datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+def nccl_log_env(backend: str, report_dir: str, environ=os.environ) -> None:
+    """With nccl, NCCL's INFO log of its INIT and NET subsystems into REPORT_DIR/nccl/, one file
+    per process, for the transport check; each variable only where the user has not set it.
+
+    Must run before the first communicator exists: NCCL reads these once, at its first init.
+    """
+    if backend != "nccl":
+        return
+    folder = os.path.join(os.path.abspath(report_dir), "nccl")
+    os.makedirs(folder, exist_ok=True)  # per node: a report folder need not be shared
+    environ.setdefault("NCCL_DEBUG", "INFO")
+    environ.setdefault("NCCL_DEBUG_SUBSYS", "INIT,NET")
+    environ.setdefault("NCCL_DEBUG_FILE", os.path.join(folder, "%h.%p.log"))
+
+
 def init_process_group(env: LaunchEnv, backend: str, device: torch.device,
                        store: dist.Store, timeout_s: float) -> None:
     """Create the default group on a prefix of ``store`` with an explicit, short timeout."""

@@ -18,6 +18,17 @@ so a report written by a run that failed is returned inside the exception, never
 
 Waiting uses its own timeout: without Slurm accounting a cancelled job never finishes in
 submitit's eyes. On timeout the job is cancelled and SmokeTimeout raised.
+
+Containers (``container_image``, through pyxis): submitit starts each task as
+``<python> -u -m submitit.core._submit <folder>``, by default with *this* interpreter's path,
+which does not exist inside the image. With an image the tasks run the image's interpreter
+(``container_python``, default the image from docker/'s ``/opt/ddp-smoke/venv/bin/python``),
+and the image must hold the same submitit version as this side (it unpickles what this side
+pickled): a task whose submitit differs stops with a message naming both versions.
+
+GPU runs (``gpus_per_node`` > 0) get defaults fit for an acceptance test: whole nodes
+(``--exclusive``: a neighbour's job would skew every figure), all of each node's memory
+(``--mem=0``) and ``GPU_CPUS_PER_PROC`` CPUs per process unless ``cpus_per_proc`` is given.
 """
 from __future__ import annotations
 
@@ -34,6 +45,9 @@ from typing import Any
 from .config import ConfigError
 
 CLUSTERS = ("slurm", "local")
+IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image from docker/
+# 8 CPUs per GPU: data loading and NCCL's proxy threads per rank; 8-GPU nodes have >= 64 cores.
+GPU_CPUS_PER_PROC = 8
 _NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
 
@@ -70,6 +84,7 @@ class Plan:
     folder: Path
     parameters: dict[str, Any]
     worker_args: list[str] = field(default_factory=list)
+    python: str | None = None  # the tasks' interpreter; None: this one (submitit's default)
 
     @property
     def report_dir(self) -> Path:
@@ -77,15 +92,18 @@ class Plan:
 
     def __str__(self) -> str:
         params = " ".join(f"{k}={v!r}" for k, v in sorted(self.parameters.items()))
-        return (f"cluster={self.cluster} folder={self.folder}\n{params}\nworker: python -m "
+        python = self.python or "this python"
+        return (f"cluster={self.cluster} folder={self.folder}\n{params}\nworker: {python} -m "
                 f"ddp_smoke {shlex.join(self.worker_args)}")
 
 
 def plan(cluster: str = "local", nodes: int = 1, procs_per_node: int = 2,
          gpus_per_node: int = 0, partition: str | None = None, account: str | None = None,
-         qos: str | None = None, time_min: int = 10, cpus_per_proc: int = 1,
+         qos: str | None = None, time_min: int = 10, cpus_per_proc: int | None = None,
          container_image: str | None = None, folder: str | os.PathLike | None = None,
-         worker_args: list[str] | None = None, allow_local_folder: bool = False) -> Plan:
+         worker_args: list[str] | None = None, allow_local_folder: bool = False,
+         container_python: str = IMAGE_PYTHON, python: str | None = None,
+         exclusive: bool | None = None) -> Plan:
     """Render the submission without sending it (pure, apart from resolving the folder).
 
     Args:
@@ -95,9 +113,13 @@ def plan(cluster: str = "local", nodes: int = 1, procs_per_node: int = 2,
         gpus_per_node: GPUs to request per node; 0 on CPU clusters.
         partition, account, qos: Slurm placement, passed as given.
         time_min: the job's time limit in Slurm, in minutes.
-        cpus_per_proc: CPUs per task.
+        cpus_per_proc: CPUs per task; default 1, or GPU_CPUS_PER_PROC on GPU runs.
         container_image: run the tasks in this image through pyxis (``srun --container-image``);
-            the image must hold this package and submitit (the image from docker/ does).
+            the image must hold this package and this side's submitit version (the image from
+            docker/ does when built with the same version).
+        container_python: the image's interpreter, which the tasks then run.
+        python: the tasks' interpreter without a container (default: this one).
+        exclusive: whole nodes; default True on GPU runs (with all their memory), else False.
         folder: submitit's folder, shared with the nodes; default reports/submitit/<time>.
         worker_args: options for the worker (``--checks``, ``--timeout`` …).
         allow_local_folder: accept a node-local folder for Slurm (single-node clusters).
@@ -107,6 +129,8 @@ def plan(cluster: str = "local", nodes: int = 1, procs_per_node: int = 2,
     """
     if cluster not in CLUSTERS:
         raise ConfigError(f"cluster {cluster!r}: expected one of {', '.join(CLUSTERS)}")
+    if cpus_per_proc is None:
+        cpus_per_proc = GPU_CPUS_PER_PROC if gpus_per_node else 1
     for name, value in (("nodes", nodes), ("procs_per_node", procs_per_node),
                         ("time_min", time_min), ("cpus_per_proc", cpus_per_proc)):
         if not isinstance(value, int) or value < 1:
@@ -128,17 +152,35 @@ def plan(cluster: str = "local", nodes: int = 1, procs_per_node: int = 2,
         extra = {"slurm_partition": partition, "slurm_account": account,
                  "slurm_qos": qos}
         params.update({k: v for k, v in extra.items() if v})
+        if exclusive if exclusive is not None else bool(gpus_per_node):
+            # Whole nodes, and all their memory (Slurm's --mem=0): the default share of a
+            # node's memory per CPU is a site setting, often far below what 8 GPUs need.
+            params.update(slurm_exclusive=True, slurm_mem="0")
         if container_image:  # pyxis: the folder must be visible inside the container too
             params["slurm_srun_args"] = [f"--container-image={container_image}",
                                          f"--container-mounts={base}:{base}"]
+            python = container_python
     args = list(worker_args or [])
-    return Plan(cluster, base, params, args + ["--report-dir", str(base / "report")])
+    if container_image:  # the task checks that the image's submitit is this side's
+        args = ["--submitit-version", _submitit_version()] + args
+    return Plan(cluster, base, params, args + ["--report-dir", str(base / "report")], python)
+
+
+def _submitit_version() -> str:
+    import submitit
+    return submitit.__version__
 
 
 def _task(worker_args: list[str], gpus: bool) -> Any:
     """What each submitit task runs: export the env contract, then the worker, in-process."""
     import submitit
 
+    if worker_args[:1] == ["--submitit-version"]:
+        wanted, worker_args = worker_args[1], worker_args[2:]
+        if submitit.__version__ != wanted:
+            raise RuntimeError(f"submitit {submitit.__version__} in the container, {wanted} on "
+                               "the submitting side: install the same version in both (the "
+                               "image pickles and unpickles submitit's objects)")
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=gpus)
     from . import harness
     from .cli import parse_config
@@ -171,7 +213,8 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
 
     p = plan(cluster, **kwargs)
     p.folder.mkdir(parents=True, exist_ok=True)
-    executor = submitit.AutoExecutor(folder=p.folder / "%j", cluster=cluster)
+    extra = {"slurm_python": p.python} if p.python and cluster == "slurm" else {}
+    executor = submitit.AutoExecutor(folder=p.folder / "%j", cluster=cluster, **extra)
     executor.update_parameters(**p.parameters)
     job = executor.submit(_task, p.worker_args, bool(p.parameters.get("gpus_per_node")))
     say = _progress(sys.stderr.isatty() if progress is None else progress)
@@ -257,6 +300,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--qos")
     ap.add_argument("--time-min", type=int, default=10)
     ap.add_argument("--container-image")
+    ap.add_argument("--container-python", default=IMAGE_PYTHON,
+                    help=f"the image's interpreter (default {IMAGE_PYTHON})")
+    ap.add_argument("--cpus-per-proc", type=int, metavar="N",
+                    help=f"CPUs per process (default 1; {GPU_CPUS_PER_PROC} with GPUs)")
     ap.add_argument("--folder")
     ap.add_argument("--allow-local-folder", action="store_true")
     ap.add_argument("--wait-timeout", type=float, default=900, metavar="SECONDS")
@@ -266,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         kwargs = dict(nodes=a.nodes, procs_per_node=a.procs_per_node,
                       gpus_per_node=a.gpus_per_node, partition=a.partition, account=a.account,
                       qos=a.qos, time_min=a.time_min, container_image=a.container_image,
+                      container_python=a.container_python, cpus_per_proc=a.cpus_per_proc,
                       folder=a.folder, worker_args=worker, allow_local_folder=a.allow_local_folder)
         if a.dry_run:
             print(plan(a.cluster, **kwargs))

@@ -11,6 +11,8 @@ seconds::
     rootfs-bookworm-<hash>.tar   the debootstrap'd rootfs, re-imported if data/ is wiped
     wheels-base/                 torch==2.13.0 (+cpu) and its dependencies, for the base
     wheelhouse/                  numpy, pyyaml, submitit, setuptools: the build's only source
+    debs/                        the image's RDMA packages (+ what the base lacks of their
+                                 dependencies), from this machine's apt: the build's apt source
     build.log                    the last `docker build` output
 
 The daemon ALWAYS runs with ``--iptables=false --ip6tables=false --bridge=none
@@ -53,6 +55,9 @@ from tests.sandbox import hosts
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "docker"
 WHEELHOUSE = CACHE / "wheelhouse"  # the image build's only package source (in the context)
+DEBS = CACHE / "debs"  # .deb files for the Dockerfile's RDMA packages (in the context)
+# The Dockerfile's final stage installs exactly these (its RUN line says so too).
+RDMA_PACKAGES = ("libibverbs1", "ibverbs-providers", "librdmacm1", "ibverbs-utils")
 BASE_WHEELS = CACHE / "wheels-base"  # torch for the base; kept out of the build context
 APT_PACKAGES = {"dockerd": "docker.io", "debootstrap": "debootstrap", "ip": "iproute2"}
 # python3-pip but no python3-venv: like the real pytorch/pytorch base (pip, no ensurepip).
@@ -416,12 +421,68 @@ def build_image(engine: Engine, tag: str = IMAGE_TAG) -> BuiltImage:
         return _build_image(engine, tag)
 
 
+def ensure_debs(engine: Engine, base: str, path: Path = DEBS,
+                packages: Sequence[str] = RDMA_PACKAGES) -> Path:
+    """Fills path with the .debs of packages and of their dependencies the base lacks, once.
+
+    The base here is Debian bookworm like this machine, so this machine's apt (its package
+    lists and mirror) provides them: `apt-cache depends` for the closure, the base's
+    `dpkg-query` for what it has, `apt-get download` for the rest.
+    """
+    stamp = path / ".packages"
+    key = f"{base}\n" + "\n".join(packages)
+    if stamp.exists() and stamp.read_text() == key:
+        return path
+    have = set(engine.docker("run", "--rm", "--network", "none", base, "dpkg-query", "-W",
+                             "-f", "${Package}\n").stdout.split())
+    need = _missing_closure(packages, have)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    os.chmod(tmp, 0o777)  # apt-get download drops to the _apt user to write here
+    _run(["apt-get", "download", *sorted(need)], APT_TIMEOUT_S, cwd=tmp)
+    stamp_tmp = tmp / ".packages"
+    stamp_tmp.write_text(key)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+def _missing_closure(packages: Sequence[str], have: set[str]) -> set[str]:
+    """packages and their Depends/PreDepends not in have, recursively; of alternatives
+    (``a | b``) the first, as apt itself prefers it, unless another one is already there."""
+    need, todo = set(), [p for p in packages if p not in have]
+    while todo:
+        pkg = todo.pop()
+        if pkg in need:
+            continue
+        need.add(pkg)
+        out = _run(["apt-cache", "depends", "--no-recommends", "--no-suggests", "--no-conflicts",
+                    "--no-breaks", "--no-replaces", "--no-enhances", pkg], 60).stdout
+        group: list[str] = []
+        for line in out.splitlines()[1:]:
+            match = re.match(r"^\s*(\|?)(?:Pre)?Depends: (\S+)", line)
+            if not match:
+                continue
+            group.append(match.group(2))
+            if match.group(1):  # "|": an alternative follows
+                continue
+            if not any(name in have or name in need for name in group):
+                first = group[0]
+                if not first.startswith("<"):  # virtual: provided by an installed package
+                    todo.append(first)
+            group = []
+    return need
+
+
 def _build_image(engine: Engine, tag: str) -> BuiltImage:
     base, wheelhouse = ensure_base_image(engine), ensure_wheelhouse()
+    debs = ensure_debs(engine, base)
     start = time.monotonic()
     proc = engine.docker("build", "--network", BUILD_NETWORK, "-f", "docker/Dockerfile",
                          "--build-arg", f"BASE_IMAGE={base}",
                          "--build-arg", f"WHEELHOUSE={wheelhouse.relative_to(REPO)}",
+                         "--build-arg", f"RDMA_DEBS={debs.relative_to(REPO)}",
                          "-t", tag, ".", cwd=REPO, timeout_s=BUILD_TIMEOUT_S, check=False)
     (CACHE / "build.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:

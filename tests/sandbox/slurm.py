@@ -126,20 +126,33 @@ class SlurmSandbox:
         subnet: HostSandbox subnet.
         cpus: CPUs each node declares.
         keep_run_dir: leave the logs behind after teardown (for a person debugging).
+        node_name_prefix: when set, node i's Slurm NodeName is ``<node_name_prefix><i>``, a name
+            that resolves nowhere, while its NodeHostname stays its hostname and its NodeAddr
+            its address: three different things, as on sites whose NodeNames are inventory
+            labels. None: NodeName = hostname.
     """
 
     def __init__(self, nodes: int = 2, run_dir: str | None = None, prefix: str = PREFIX,
-                 subnet: str = SUBNET, cpus: int = 2, keep_run_dir: bool = False):
+                 subnet: str = SUBNET, cpus: int = 2, keep_run_dir: bool = False,
+                 node_name_prefix: str | None = None):
         self.run_dir = Path(run_dir or f"/tmp/ddp-smoke-slurm-{os.getpid()}").resolve()
         self.conf = self.run_dir / "slurm.conf"
         self.hosts = HostSandbox(prefix, subnet, nodes)
         self.cpus, self.keep_run_dir = cpus, keep_run_dir
+        self.node_name_prefix = node_name_prefix
         self.pids: dict[str, int] = {}
         self._started = False
 
     @property
     def node_names(self) -> list[str]:
-        """The compute nodes' names, which are also their hostnames."""
+        """The compute nodes' Slurm NodeNames (their hostnames unless node_name_prefix)."""
+        if self.node_name_prefix:
+            return [f"{self.node_name_prefix}{i}" for i in range(1, len(self.hosts.hosts) + 1)]
+        return self.hostnames
+
+    @property
+    def hostnames(self) -> list[str]:
+        """The compute nodes' hostnames (= NodeHostname), in node order."""
         return [h.name for h in self.hosts.hosts]
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -208,7 +221,8 @@ class SlurmSandbox:
         key = run / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o600)
-        nodes = "\n".join(f"NodeName={h.name} NodeAddr={h.addr}" for h in self.hosts.hosts)
+        nodes = "\n".join(f"NodeName={n} NodeHostname={h.name} NodeAddr={h.addr}"
+                          for n, h in zip(self.node_names, self.hosts.hosts))
         gw = self.hosts.gateway
         self.conf.write_text(_CONF.format(ctld=gw.name, ctld_addr=gw.addr, port=CTLD_PORT,
                                           run=run, cpus=self.cpus, nodes=nodes))
@@ -235,9 +249,8 @@ class SlurmSandbox:
         # slurmctld insists that its hostname is SlurmctldHost's ("not a valid controller").
         self._start("slurmctld", ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
                                   self.hosts.gateway.name, "slurmctld", "-D", "-f", conf])
-        for host in self.hosts.hosts:
-            self._start(f"slurmd.{host.name}", ["slurmd", "-D", "-f", conf, "-N", host.name],
-                        host=host)
+        for name, host in zip(self.node_names, self.hosts.hosts):
+            self._start(f"slurmd.{name}", ["slurmd", "-D", "-f", conf, "-N", name], host=host)
 
     def _wait_for(self, ready, what: str, log: str, timeout_s: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -268,7 +281,7 @@ class SlurmSandbox:
             raise SandboxError(f"probe job did not finish in {PROBE_TIMEOUT_S} s; read "
                                f"{self.run_dir}/log/slurmctld.log") from None
         seen = out.read_text().split() if out.exists() else []
-        if proc.returncode != 0 or sorted(seen) != sorted(self.node_names):
+        if proc.returncode != 0 or sorted(seen) != sorted(self.hostnames):
             raise SandboxError(f"probe job failed ({proc.returncode}: {proc.stderr.strip()}), "
                                f"ran on {seen}; read {self.run_dir}/log/")
 
@@ -288,7 +301,7 @@ def missing_for_tests() -> str | None:
     return None
 
 
-def slurm_fixture(nodes: int = 2, scope: str = "module"):
+def slurm_fixture(nodes: int = 2, scope: str = "module", node_name_prefix: str | None = None):
     """Returns a pytest fixture yielding a running SlurmSandbox, skipping without root."""
     import pytest
 
@@ -298,7 +311,7 @@ def slurm_fixture(nodes: int = 2, scope: str = "module"):
         if reason:
             pytest.skip(reason)
         run_dir = tmp_path_factory.mktemp("slurm") / "run"
-        with SlurmSandbox(nodes, str(run_dir)) as cluster:
+        with SlurmSandbox(nodes, str(run_dir), node_name_prefix=node_name_prefix) as cluster:
             yield cluster
 
     return _cluster

@@ -25,6 +25,7 @@ REGISTRY = {
     "collectives": "ddp_smoke.checks.collectives",
     "storage": "ddp_smoke.checks.storage",
     "bandwidth": "ddp_smoke.checks.bandwidth",
+    "transport": "ddp_smoke.checks.transport",
     "compute": "ddp_smoke.checks.compute",
 }
 

@@ -74,8 +74,7 @@ def validate(cfg: dict) -> None:
 
 def _sizes(ctx, cfg: dict, profile: dict, nodes: int) -> list[int]:
     top = cfg["max_bytes_gpu" if ctx.device.type == "cuda" else "max_bytes_cpu"]
-    extra = ([] if profiles.bandwidth_applies(profile, ctx.world_size, nodes)
-             else profiles.floor_sizes(profile, cfg["collectives"]))
+    extra = profiles.floor_sizes(profile, cfg["collectives"], ctx.world_size, nodes)
     return perf.sweep_sizes(cfg["min_bytes"], top, cfg["step_factor"], extra)
 
 
@@ -256,11 +255,15 @@ def _wrong(ev, rows: list[dict]) -> list:
 
 
 def _floors(ev, profile: dict, rows: list[dict], nodes: int) -> tuple[dict, list]:
-    reason = profiles.bandwidth_applies(profile, ev.world_size, nodes)
+    floors, reason = profiles.bandwidth_floors(profile, ev.world_size, nodes)
     if reason:
-        return {"applied": False, "reason": reason}, []
+        # A profile that gates bandwidth but has no floor for this shape: no data, no pass.
+        missing = [ev.culprit(None, f"{reason}: no floor to judge this run by; add a "
+                                    "multi_node (or matching) section to a profile file, or "
+                                    "run without --profile")]
+        return {"applied": False, "reason": reason}, missing if profiles.has_floors(profile) else []
     results, culprits = [], []
-    for f in profile["bandwidth"]["floors"]:
+    for f in floors:
         row = next((r for r in rows if (r["collective"], r["size_bytes"]) ==
                     (f["collective"], f["size_bytes"])), None)
         got = row["busbw_gbps"] if row else None

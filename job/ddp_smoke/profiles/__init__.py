@@ -11,12 +11,21 @@ profile file holds::
       nodes: 1
       floors:
         - {collective: all_reduce, size_bytes: 17179869184, min_busbw_gbps: 431.0}
+    multi_node:             # applied to runs of >= min_nodes nodes of ranks_per_node ranks each
+      fabric: "8x 400 Gb/s InfiniBand or RoCE, one NIC per GPU"
+      ranks_per_node: 8
+      min_nodes: 2
+      floors:               # busbw across the nodes, as nccl-tests defines it
+        - {collective: all_reduce, size_bytes: 17179869184, min_busbw_gbps: 333.0}
+    expect_transport: ib    # the network NCCL must use between nodes (transport check)
     compute:
       min_tflops: {bf16: 676.0}   # per rank and dtype (fp32 on CPU)
     sources: [where each number comes from]
 
 A run below a floor fails its check, and the check says by how much. The sweep always reaches
-the sizes the floors name, so a floor is measured where it was defined.
+the sizes the floors name, so a floor is measured where it was defined. A profile with floors
+that has none for the run's shape (another node count or ranks per node) fails the bandwidth
+check: a gate without data is not a pass.
 """
 from __future__ import annotations
 
@@ -29,7 +38,7 @@ from ..config import ConfigError
 
 DEFAULT = "cpu"
 _TOP = {"description": str, "device_name": str, "bandwidth": dict, "compute": dict,
-        "sources": list}
+        "sources": list, "expect_transport": str, "multi_node": dict}
 
 
 def names() -> list[str]:
@@ -83,7 +92,15 @@ def _validate(name: str, data: Any) -> None:
     for key in ("world_size", "nodes"):
         if bw.get("floors") and not (isinstance(bw.get(key), int) and bw[key] >= 1):
             fail(f"bandwidth.{key} must be an integer >= 1 when floors are set")
-    for floor in bw.get("floors", []):
+    multi = data.get("multi_node", {})
+    unknown = set(multi) - {"fabric", "ranks_per_node", "min_nodes", "floors"}
+    if unknown:
+        fail(f"multi_node: unknown key {sorted(unknown)[0]!r}; valid keys: fabric, "
+             "ranks_per_node, min_nodes, floors")
+    for key in ("ranks_per_node", "min_nodes"):
+        if multi and not (isinstance(multi.get(key), int) and multi[key] >= 1):
+            fail(f"multi_node.{key} must be an integer >= 1")
+    for floor in bw.get("floors", []) + multi.get("floors", []):
         if (not isinstance(floor, dict) or set(floor) != {"collective", "size_bytes",
                                                           "min_busbw_gbps"}
                 or not isinstance(floor["size_bytes"], int)
@@ -96,18 +113,47 @@ def _validate(name: str, data: Any) -> None:
         fail("compute.min_tflops must map dtype -> number")
 
 
-def floor_sizes(profile: dict[str, Any], collectives) -> list[int]:
-    """The sizes the profile's bandwidth floors name, for the collectives being swept."""
-    return [f["size_bytes"] for f in profile["bandwidth"].get("floors", [])
-            if f["collective"] in collectives]
+def floor_sizes(profile: dict[str, Any], collectives, world_size: int | None = None,
+                nodes: int | None = None) -> list[int]:
+    """The sizes the profile's bandwidth floors name, for the collectives being swept: those
+    for this run's shape when given, else all of them."""
+    floors = (bandwidth_floors(profile, world_size, nodes)[0] if nodes is not None
+              else profile["bandwidth"].get("floors", []) +
+              profile.get("multi_node", {}).get("floors", []))
+    return [f["size_bytes"] for f in floors if f["collective"] in collectives]
+
+
+def has_floors(profile: dict[str, Any]) -> bool:
+    """Whether the profile gates bandwidth at all (single node or multi-node)."""
+    return bool(profile["bandwidth"].get("floors")
+                or profile.get("multi_node", {}).get("floors"))
+
+
+def bandwidth_floors(profile: dict[str, Any], world_size: int,
+                     nodes: int) -> tuple[list[dict], str | None]:
+    """The floors that apply to a run of this shape, and why none do (None when some do).
+
+    Single-node floors apply to exactly their (world size, nodes); multi-node floors to any
+    run of at least ``min_nodes`` nodes with ``ranks_per_node`` ranks on each.
+    """
+    bw, multi, name = profile["bandwidth"], profile.get("multi_node", {}), profile["name"]
+    if bw.get("floors") and (bw["world_size"], bw["nodes"]) == (world_size, nodes):
+        return bw["floors"], None
+    if (multi.get("floors") and nodes >= multi["min_nodes"]
+            and world_size == nodes * multi["ranks_per_node"]):
+        return multi["floors"], None
+    if not has_floors(profile):
+        return [], f"profile {name} sets no bandwidth floors"
+    shapes = []
+    if bw.get("floors"):
+        shapes.append(f"{bw['world_size']} ranks on {bw['nodes']} node(s)")
+    if multi.get("floors"):
+        shapes.append(f">= {multi['min_nodes']} nodes of {multi['ranks_per_node']} ranks "
+                      f"({multi.get('fabric', 'its fabric')})")
+    return [], (f"profile {name} has floors for {' and '.join(shapes)}; this run has "
+                f"{world_size} ranks on {nodes} node(s)")
 
 
 def bandwidth_applies(profile: dict[str, Any], world_size: int, nodes: int) -> str | None:
-    """None when the bandwidth floors apply to this run, else the reason they do not."""
-    bw = profile["bandwidth"]
-    if not bw.get("floors"):
-        return f"profile {profile['name']} sets no bandwidth floors"
-    if (bw["world_size"], bw["nodes"]) != (world_size, nodes):
-        return (f"profile {profile['name']} floors are for {bw['world_size']} ranks on "
-                f"{bw['nodes']} node(s); this run has {world_size} on {nodes}")
-    return None
+    """None when some bandwidth floors apply to this run, else the reason none do."""
+    return bandwidth_floors(profile, world_size, nodes)[1]
