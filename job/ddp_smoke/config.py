@@ -100,6 +100,7 @@ def _typed(name: str, value: Any, default: Any, source: str) -> Any:
 def _validate(cfg: dict[str, Any]) -> None:
     from .checks import REGISTRY  # late: checks import config for their own sections
     from .faults import parse_faults
+    from .limits import check as check_ranges
 
     checks = cfg["checks"]
     unknown = [c for c in checks if c not in REGISTRY]
@@ -107,6 +108,7 @@ def _validate(cfg: dict[str, Any]) -> None:
         problem = f"unknown check {unknown[0]!r}" if unknown else "empty or repeated"
         raise ConfigError(f"key 'checks' = {','.join(checks)!r}: {problem}; "
                           f"registered checks: {', '.join(REGISTRY)}")
+    check_ranges(cfg)  # finite, inside bounds, known names: every key of defaults.yaml
     if not cfg["timeout"] > 0:
         raise ConfigError(f"key 'timeout' = {cfg['timeout']!r}: expected seconds > 0")
     if cfg["backend"] not in BACKENDS:

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from . import __version__, checks, plot, runtime, summary
 from .config import ConfigError, report_dir as default_report_dir
 from .faults import Injector, parse_faults
-from .report import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict, write_report
+from .report import (FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict, clear_stale,
+                     write_report)
 
 BEAT_S = 0.25          # heartbeat period; a rank silent for DEAD_AFTER_S is taken as dead
 DEAD_AFTER_S = 1.5
@@ -153,7 +154,8 @@ class _Coordinator:
         report = Report(version=__version__, started_at=self.started_at, backend=self.backend,
                         world_size=self.env.world_size, ranks=self._identities(store),
                         checks=self._with_unrun(), config=self.cfg, timings=self.timings,
-                        error=self._first_error(store) if aborted else None)
+                        error=self._first_error(store) if aborted else None,
+                        run_id=self.env.run_id)
         path = write_report(report, self.report_dir)
         plot.write_busbw_png(report, self.report_dir)  # only with matplotlib installed
         summary.print_report(report, path)
@@ -353,6 +355,7 @@ def run(cfg: dict[str, Any]) -> int:
     rdir = default_report_dir(cfg, env.run_id)
     if env.rank == 0:
         _check_writable(rdir)
+        clear_stale(rdir)  # a report left by another run must never read as this run's
 
     try:
         coord = _Coordinator(env, cfg, lambda may_host: _store(env, timeout, may_host),
@@ -376,6 +379,7 @@ def run(cfg: dict[str, Any]) -> int:
         t = time.monotonic()
         runtime.init_process_group(env, backend, device, store, timeout + 15)
         coord.wait_all(store, "rank", "every rank to connect")
+        _adopt_run_id(coord, ctx)
         coord.timings["rendezvous_s"] = round(time.monotonic() - t, 4)
         coord.ranks = [json.loads(store.get(f"rank/{r}")) for r in range(env.world_size)]
         t = time.monotonic()
@@ -402,6 +406,14 @@ def run(cfg: dict[str, Any]) -> int:
         _wait_counter(store, "bye", env.world_size - 1, 5.0)
     _shut_down(coord)
     return 0 if report is not None and report.verdict == "pass" else 1
+
+
+def _adopt_run_id(coord: _Coordinator, ctx: Context) -> None:
+    """Rank 0's run id on every rank (drawn there when the launcher gave none), and the
+    default folders named after it."""
+    ctx.env = coord.env = runtime.share_run_id(ctx.env, coord.store)
+    ctx.report_dir = default_report_dir(ctx.config, ctx.env.run_id)
+    ctx.storage_dir = ctx.config["storage_dir"] or os.path.join(ctx.report_dir, "storage")
 
 
 def _run_check(coord: _Coordinator, ctx: Context, name: str) -> None:
