@@ -18,13 +18,17 @@ Checks (in default order):
 Report: rank 0 writes REPORT_DIR/report.json (atomically) and REPORT_DIR/junit.xml. Keys:
   verdict "pass"|"fail", world_size, nodes, backend, ranks [{{rank, local_rank, host, …}}],
   checks [{{name, status "pass"|"fail"|"skip", culprits [{{rank, host, reason}}], figures, …}}],
-  timings {{connect_store_s, rendezvous_s, checks_s, total_s}}, error.
+  timings {{connect_store_s, rendezvous_s, checks_s, total_s}}, error, run_id. Strict JSON
+  (NaN/inf figures are null); secrets redacted by name and shape; files made with your umask.
 
 Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by torchrun or
   submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,
-  SLURM_*; NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
+  SLURM_*, DDP_SMOKE_RUN_ID (the run id, when the launcher knows one unique per run; see
+  ddp_smoke/launchenv.py); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
 
 Exit status: 0 verdict pass · 1 verdict fail (the report says why) · 2 bad input (one line).
+  Under torchrun the agent exits 1 whatever its workers' status (a worker's 2 shows only in
+  torchrun's failure block): read the verdict from report.json, whose run_id names its run.
 
 Failure modes: a rank that raises, dies, hangs or never arrives is named in the report; every
 wait is bounded by --timeout, after which each surviving rank exits 1 within a few seconds.
@@ -39,6 +43,7 @@ import sys
 
 from . import __version__, checks
 from .config import ConfigError, load_file, resolve
+from .launchenv import LaunchEnv
 
 
 def _manual() -> str:
@@ -104,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddp_smoke``; exits 0 (pass), 1 (fail) or 2 (bad input)."""
     try:
         cfg = parse_config(argv)  # before importing torch: bad input fails fast
+        LaunchEnv.from_environ()  # the launcher's variables too (the harness reads them again)
         from torch.distributed.elastic.multiprocessing.errors import record
 
         from . import harness

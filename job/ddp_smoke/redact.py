@@ -36,7 +36,8 @@ _SHAPES = [  # (pattern, replacement); order matters: whole tokens before key=va
      MARK),
     (re.compile(r"\b(Bearer|Basic|Token|Negotiate)(\s+)[A-Za-z0-9._~+/=-]{8,}", re.I),
      rf"\1\2{MARK}"),
-    (re.compile(r"([a-z][a-z0-9+.-]*://)([^/\s:@]*):([^/\s@]+)@", re.I), rf"\1\2:{MARK}@"),
+    # A password may hold an unescaped "/" (AWS secret keys do), so it runs to the last "@".
+    (re.compile(r"([a-z][a-z0-9+.-]*://)([^/\s:@]*):([^\s@]+)@", re.I), rf"\1\2:{MARK}@"),
     (re.compile(r"(\"(?:private_key|auth|password|secret|token|identitytoken)\"\s*:\s*\")"
                 r"[^\"]*(\")", re.I), rf"\1{MARK}\2"),
     (re.compile(rf"((?:{_WORD}*(?:password|passwd|secret|token|apikey|api_key|accesskey|"
