@@ -34,6 +34,7 @@ from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
 from . import redact
+from .config import ConfigError
 
 PASS = "pass"
 FAIL = "fail"
@@ -216,7 +217,8 @@ def clear_stale(report_dir: str) -> list[str]:
     this run dies before writing its own.
 
     Raises:
-        ReportWriteError: when a stale file cannot be removed (the run must not start then).
+        ConfigError: when a stale file cannot be removed (another user's, in a sticky
+            folder; a read-only one): the run must not start, exit 2 naming the folder.
     """
     gone = []
     for name in REPORT_FILES:
@@ -226,7 +228,8 @@ def clear_stale(report_dir: str) -> list[str]:
         except FileNotFoundError:
             continue
         except OSError as e:
-            raise ReportWriteError(path, e) from None
+            raise ConfigError(f"--report-dir {report_dir}: cannot remove {name} left by another "
+                              f"run ({e.strerror}); remove it or choose another folder") from None
         gone.append(path)
     return gone
 

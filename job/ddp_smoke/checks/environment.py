@@ -1,8 +1,8 @@
 """Every rank sees the same software, sits in its own slot, and the world is as promised.
 
 Per rank: torch / CUDA / NCCL / cuDNN / driver / Python versions, the device, and the launcher's
-environment (secrets redacted by name and by value shape, ``ddp_smoke.redact``). Asserted: versions agree across ranks, each
-(host, local_rank) slot and each GPU is used once, local ranks on a host are 0..n-1, the
+environment (secrets redacted by name and by value shape: ``ddp_smoke.redact``). Asserted:
+versions agree across ranks, each (host, local_rank) slot and each GPU is used once, local ranks on a host are 0..n-1, the
 world size and node count match what the launcher promised (--expect-world-size,
 --expect-nodes). Culprit: the odd rank out (the minority value, or both holders of a slot).
 """
