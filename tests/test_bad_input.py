@@ -186,7 +186,7 @@ def _assert_one_line_exit_2(p: subprocess.CompletedProcess, prog: str, words: li
         assert w in lines[0], f"{w!r} not in {lines[0]!r}"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("argv, env, config, profile, words",
                          [pytest.param(*row[1:], id=row[0]) for row in WORKER])
 def test_worker_bad_input(tmp_path, listener, argv, env, config, profile, words):
@@ -205,17 +205,17 @@ def test_worker_bad_input(tmp_path, listener, argv, env, config, profile, words)
         extra += ["--profile", str(tmp_path / "p.yaml")]
     p = subprocess.run([sys.executable, "-m", "ddp_smoke", "--report-dir",
                         str(tmp_path / "r"), *extra, *argv], capture_output=True, text=True,
-                       cwd=REPO, env=full, timeout=50, stdin=subprocess.DEVNULL)
+                       cwd=REPO, env=full, timeout=30, stdin=subprocess.DEVNULL)
     _assert_one_line_exit_2(p, "ddp-smoke", words)
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("argv, words", [pytest.param(*row[1:], id=row[0]) for row in SUBMIT])
 def test_submit_bad_input(tmp_path, argv, words):
     folder = tmp_path / "f"
     p = subprocess.run([str(BIN / "ddp-smoke-submit"), "--folder", str(folder), *argv],
-                       capture_output=True, text=True, cwd=REPO, timeout=50,
+                       capture_output=True, text=True, cwd=REPO, timeout=30,
                        stdin=subprocess.DEVNULL)
     _assert_one_line_exit_2(p, "ddp-smoke-submit", words)
     assert not folder.exists()  # nothing submitted
