@@ -234,3 +234,15 @@ def test_fault_rank_outside_the_world_exits_2_on_every_rank(tmp_path, listener):
                             "MASTER_ADDR": "127.0.0.1",
                             "MASTER_PORT": str(listener.getsockname()[1])})
     _assert_one_line_exit_2(p, "ddp-smoke", ["'fault'", "WORLD_SIZE=2"])
+
+
+def test_every_key_of_defaults_has_one_range_rule_and_the_names_match_the_checks():
+    from ddp_smoke import config, limits
+    from ddp_smoke.checks import bandwidth, collectives, compute
+
+    assert set(limits.flat(config.defaults())) == set(limits.RULES)
+    limits.check(config.defaults())  # the defaults are inside their own ranges
+    assert set(limits.COLLECTIVE_DTYPES) == set(collectives.EXACT_UP_TO)
+    assert set(limits.SWEPT) == set(bandwidth.SWEPT)
+    assert set(limits.BANDWIDTH_DTYPES) == set(bandwidth.DTYPES)
+    assert set(limits.GPU_MATMUL_DTYPES) == set(compute.GPU_DTYPES)
