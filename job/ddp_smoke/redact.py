@@ -15,6 +15,7 @@ variables (pyxis, enroot, Apptainer, Singularity).
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -52,6 +53,7 @@ def secret_name(name: str) -> bool:
     return bool(_SECRET_NAME.search(name))
 
 
+@functools.lru_cache(maxsize=1 << 16)  # reports repeat strings: every rank's env, op labels
 def scrub(text: str) -> str:
     """``text`` with every secret-shaped part replaced by ``<redacted>``."""
     for pattern, replacement in _SHAPES:
