@@ -33,8 +33,9 @@ def test_full_report_dir_keeps_the_report_on_stderr_and_releases_every_rank(tmp_
                        report_dir=full / "report")
         left = sorted(os.listdir(full / "report"))
     assert run.returncode != 0
-    errors = [line for line in run.stderr.splitlines() if "cannot write the report" in line]
-    assert len(errors) == 1 and "No space left on device" in errors[0], run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "ddp-smoke: error: cannot write" in line]
+    assert len(errors) == 1, run.stderr[-3000:]
+    assert "report.json: No space left on device (ENOSPC)" in errors[0]
     lines = [json.loads(line) for line in run.stderr.splitlines() if line.startswith('{"verdict"')]
     assert len(lines) == 1 and lines[0]["verdict"] == "pass"  # the checks passed; nothing lost
     # torchrun prints its own traceback for a failed worker; none may come from the kit

@@ -5,7 +5,6 @@ import json
 import os
 import shlex
 import socket
-from types import SimpleNamespace
 
 import pytest
 
@@ -21,11 +20,9 @@ def _report(*checks: CheckResult) -> Report:
     return Report("0", "t", "gloo", 4, RANKS, list(checks), {"timeout": 9, "checks": []})
 
 
-def _link(a: int, b: int, why: str = "slow link"):
-    """A link culprit as issue 12 shapes it: both ends, no single rank (fields read
-    defensively, so a plain object stands in for a Culprit that has them)."""
-    return SimpleNamespace(rank=None, host=None, reason=why, ranks=[a, b],
-                           hosts=[RANKS[a]["host"], RANKS[b]["host"]])
+def _link(a: int, b: int, why: str = "slow link") -> Culprit:
+    """A link culprit: both ends, no single rank."""
+    return Culprit(None, None, why, ranks=[a, b], hosts=[RANKS[a]["host"], RANKS[b]["host"]])
 
 
 def _verdicts(report) -> dict[str, str]:
@@ -63,15 +60,14 @@ def test_a_link_makes_both_ends_suspect_unless_other_evidence_convicts_one():
 
 
 def test_link_ends_given_as_ranks_only_are_found_through_the_rank_records():
-    culprit = {"rank": None, "host": None, "reason": "slow link", "ranks": [1, 2]}
+    culprit = Culprit(None, None, "slow link", ranks=[1, 2])
     report = _report(CheckResult("bandwidth", FAIL, culprits=[culprit]))
     assert _verdicts(report) == {"node1": "good", "node2": "suspect", "node3": "suspect",
                                  "node4": "good"}
 
 
 def test_a_link_inside_one_host_convicts_that_host():
-    culprit = SimpleNamespace(rank=None, host=None, reason="NVLink 0<->1 slow", ranks=[1, 1],
-                              hosts=["node2", "node2"])
+    culprit = Culprit(None, None, "NVLink 0<->1 slow", ranks=[1, 1], hosts=["node2", "node2"])
     assert _verdicts(_report(CheckResult("bandwidth", FAIL, culprits=[culprit])))["node2"] == \
         "bad"
 

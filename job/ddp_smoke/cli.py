@@ -18,21 +18,26 @@ Checks (in default order):
 Report: rank 0 writes REPORT_DIR/report.json (atomically) and REPORT_DIR/junit.xml. Keys:
   verdict "pass"|"fail", world_size, nodes, backend, ranks [{{rank, local_rank, host, …}}],
   checks [{{name, status "pass"|"fail"|"skip", culprits [{{rank, host, reason}}], figures, …}}],
-  timings {{connect_store_s, rendezvous_s, checks_s, total_s}}, error,
-  hosts [{{host, verdict "good"|"suspect"|"bad", ranks, reasons}}]. Beside it: bad_hosts.txt,
-  suspect_hosts.txt, good_hosts.txt (one host a line); rank 0 prints the drain/exclude/cordon
-  commands for hosts that are not good, and runs the scontrol ones only with --act slurm-drain.
+  timings {{connect_store_s, rendezvous_s, checks_s, total_s}}, error, run_id,
+  hosts [{{host, verdict "good"|"suspect"|"bad", ranks, reasons}}]. Strict JSON (NaN/inf
+  figures are null); secrets redacted by name and shape; files made with your umask. Beside
+  it: bad_hosts.txt, suspect_hosts.txt, good_hosts.txt (one host a line); rank 0 prints the
+  drain/exclude/cordon commands for hosts that are not good, and runs the scontrol ones only
+  with --act slurm-drain.
 
 Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by torchrun or
   submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,
   SLURM_* (SLURMD_NODENAME names the node to drain), NODE_NAME in a pod (spec.nodeName, for
-  kubectl); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
+  kubectl), DDP_SMOKE_RUN_ID (the run id, when the launcher knows one unique per run; see
+  ddp_smoke/launchenv.py); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
 
 Repeat mode: --repeat N or --duration S runs the checks again and again; each check's result
   then holds every iteration's figures, failures per rank, busbw p50/p99 per size, and says
   "intermittent: failed in 2 of 20 iterations" for a fault seen in some iterations only.
 
 Exit status: 0 verdict pass · 1 verdict fail (the report says why) · 2 bad input (one line).
+  Under torchrun the agent exits 1 whatever its workers' status (a worker's 2 shows only in
+  torchrun's failure block): read the verdict from report.json, whose run_id names its run.
 
 Failure modes: a rank that raises, dies, hangs or never arrives is named in the report; every
 wait is bounded by --timeout, after which each surviving rank exits 1 within a few seconds.
@@ -47,6 +52,7 @@ import sys
 
 from . import __version__, checks
 from .config import ConfigError, load_file, resolve
+from .launchenv import LaunchEnv
 
 
 def _manual() -> str:
@@ -129,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddp_smoke``; exits 0 (pass), 1 (fail) or 2 (bad input)."""
     try:
         cfg = parse_config(argv)  # before importing torch: bad input fails fast
+        LaunchEnv.from_environ()  # the launcher's variables too (the harness reads them again)
         from torch.distributed.elastic.multiprocessing.errors import record
 
         from . import harness

@@ -109,6 +109,7 @@ def _typed(name: str, value: Any, default: Any, source: str) -> Any:
 def _validate(cfg: dict[str, Any]) -> None:
     from .checks import REGISTRY  # late: checks import config for their own sections
     from .faults import parse_faults
+    from .limits import check as check_ranges
 
     checks = cfg["checks"]
     unknown = [c for c in checks if c not in REGISTRY]
@@ -116,21 +117,8 @@ def _validate(cfg: dict[str, Any]) -> None:
         problem = f"unknown check {unknown[0]!r}" if unknown else "empty or repeated"
         raise ConfigError(f"key 'checks' = {','.join(checks)!r}: {problem}; "
                           f"registered checks: {', '.join(REGISTRY)}")
-    if not cfg["timeout"] > 0:
-        raise ConfigError(f"key 'timeout' = {cfg['timeout']!r}: expected seconds > 0")
-    if cfg["backend"] not in BACKENDS:
-        raise ConfigError(f"key 'backend' = {cfg['backend']!r}: expected one of "
-                          f"{', '.join(BACKENDS)}")
-    for key in ("expect_nodes", "expect_world_size"):
-        if cfg[key] is not None and cfg[key] < 1:
-            raise ConfigError(f"key {key!r} = {cfg[key]!r}: expected an integer >= 1")
-    if not 1 <= cfg["repeat"] <= 100000:
-        raise ConfigError(f"key 'repeat' = {cfg['repeat']!r}: expected an integer from 1 to "
-                          "100000")
-    duration = cfg["duration"]
-    if duration is not None and not 0 < duration <= 7 * 86400:
-        raise ConfigError(f"key 'duration' = {duration!r}: expected seconds > 0, at most a week")
-    if duration is not None and cfg["repeat"] != 1:
+    check_ranges(cfg)  # finite, inside bounds, known names: every key of defaults.yaml
+    if cfg["duration"] is not None and cfg["repeat"] != 1:
         raise ConfigError("keys 'repeat' and 'duration': give one, not both")
     if cfg["expect_transport"] is not None and not cfg["expect_transport"].strip():
         raise ConfigError("key 'expect_transport' = '': expected ib, socket or a net plugin's "

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from .config import ConfigError
 
 KINDS = ("crash", "raise", "hang", "slow", "corrupt")
-_SPEC = re.compile(r"^(\d+):(crash|raise|hang|slow(?:=([0-9.]+))?|corrupt)@([a-z_]+)"
+_SPEC = re.compile(r"^(\d+):(crash|raise|hang|slow(?:=(\d+(?:\.\d+)?))?|corrupt)@([a-z_]+)"
                    r"(?:#(\d+)(?:-(\d+))?)?$")
+MAX_SLOWDOWN = 1000.0  # beyond this a "slow" rank is a hung one: use hang
 CRASH_EXIT_CODE = 13
 
 
@@ -41,7 +42,7 @@ class Fault:
 
 def parse_faults(spec: str | None, checks: list[str]) -> list[Fault]:
     """Parse ``RANK:KIND@CHECK[,…]``; the check must be one of those selected."""
-    faults = []
+    faults, seen = [], set()
     for part in (spec or "").split(","):
         if not part.strip():
             continue
@@ -54,8 +55,12 @@ def parse_faults(spec: str | None, checks: list[str]) -> list[Fault]:
             raise ConfigError(f"key 'fault' = {part!r}: check {check!r} is not among the "
                               f"selected checks ({', '.join(checks)})")
         slowdown = float(factor) if factor else 4.0
-        if slowdown < 1:
-            raise ConfigError(f"key 'fault' = {part!r}: slow factor must be >= 1")
+        if not 1 <= slowdown <= MAX_SLOWDOWN:
+            raise ConfigError(f"key 'fault' = {part!r}: slow factor must be in 1..{MAX_SLOWDOWN:g}")
+        if (int(rank), check) in seen:  # the injector keeps one fault per (rank, check)
+            raise ConfigError(f"key 'fault' = {spec!r}: two faults for rank {int(rank)} at "
+                              f"{check}; expected at most one per (rank, check)")
+        seen.add((int(rank), check))
         iterations = None
         if first:
             iterations = (int(first), int(last or first))

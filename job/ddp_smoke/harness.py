@@ -43,7 +43,8 @@ from . import (__version__, blame, checks, comm, forensics, metrics, plot, repea
                summary, triage)
 from .config import ConfigError, report_dir as default_report_dir
 from .faults import Injector, parse_faults
-from .report import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict, write_report
+from .report import (FAIL, SKIP, CheckResult, Culprit, Report, ReportWriteError,
+                     check_from_dict, clear_stale, write_report)
 
 BEAT_S = 0.25          # heartbeat period; a rank silent for DEAD_AFTER_S is taken as dead
 DEAD_AFTER_S = 1.5
@@ -239,15 +240,16 @@ class _Coordinator:
                         world_size=self.env.world_size, ranks=self._identities(store),
                         checks=self._with_unrun(), config=self.cfg, timings=self.timings,
                         error=self._first_error(store) if aborted else None,
-                        forensics=self._all_forensics(store) if aborted else [])
+                        forensics=self._all_forensics(store) if aborted else [],
+                        run_id=self.env.run_id)
         try:
             path = write_report(report, self.report_dir)
             plot.write_busbw_png(report, self.report_dir)  # only with matplotlib installed
-        except OSError as e:  # full, over quota, read-only, stale NFS handle: keep the report
+        except (ReportWriteError, OSError) as e:  # full, over quota, read-only, stale NFS
             path, self.report_lost = f"(not written: {e})", True
-            print(f"ddp-smoke: error: cannot write the report in {self.report_dir}: "
-                  f"{e.strerror or e}; the report follows as one JSON line", file=sys.stderr)
-            print(json.dumps(report.to_dict(), separators=(",", ":")), file=sys.stderr)
+            print(f"ddp-smoke: error: {e}; the report follows as one JSON line",
+                  file=sys.stderr)
+            print(report.to_json_line(), file=sys.stderr)
         summary.print_report(report, path)
         triage.finish(report, self.report_dir, self.env.run_id)  # host lists, next steps, --act
         metrics.write(report, self.env.run_id)  # --prometheus FILE, when set
@@ -525,7 +527,11 @@ def _next_waiting(store, rank: int, world: int) -> int:
 
 
 def _leave(message: str | None, code: int) -> None:
-    """Exit now, from any thread, after flushing; the main thread may be stuck in C++."""
+    """Exit now, from any thread, after flushing; the main thread may be stuck in C++.
+    What the storage check made on this rank goes first, on every way out."""
+    storage = sys.modules.get("ddp_smoke.checks.storage")
+    if storage is not None:
+        storage.cleanup()
     if message:
         print(f"ddp-smoke rank {os.environ.get('RANK', '?')}: {message}", file=sys.stderr)
     sys.stdout.flush()
@@ -551,7 +557,7 @@ def run(cfg: dict[str, Any]) -> int:
     rdir = default_report_dir(cfg, env.run_id)
     if env.rank == 0:
         _check_writable(rdir)
-    forensics.flight_recorder_env(rdir)
+        clear_stale(rdir)  # a report left by another run must never read as this run's
 
     try:
         coord = _Coordinator(env, cfg, lambda may_host: _store(env, timeout, may_host),
@@ -576,12 +582,14 @@ def run(cfg: dict[str, Any]) -> int:
         if pick == "nccl":
             store.add("backend/nccl", 1)
         coord.arrive(store, "connect", "every rank to connect")
+        rdir, env = _adopt_run_id(coord, store), coord.env
         coord.backend = _agree_backend(coord, store, cfg["backend"], pick)
         runtime.nccl_log_env(coord.backend, rdir)  # before NCCL's first init: transport check
         if device_error:
             coord.abort(store, "error", {"type": "DeviceError", "message": device_error,
                                          "reason": device_error})
             raise _Stop
+        forensics.flight_recorder_env(rdir)  # before the process group is created
         runtime.init_process_group(env, coord.backend, device, store, timeout + 15)
         coord.timings["rendezvous_s"] = round(time.monotonic() - t, 4)
         coord.ranks = [json.loads(v) for v in
@@ -660,6 +668,14 @@ def _agree_backend(coord: _Coordinator, store, requested: str, pick: str) -> str
     else:
         coord.abort(store, "stopped", {"why": "another rank cannot use the agreed backend"})
     raise _Stop
+
+
+def _adopt_run_id(coord: _Coordinator, store) -> str:
+    """Rank 0's run id on every rank (drawn there when the launcher gave none); returns the
+    report folder named after it (the default folder is, on ranks other than 0)."""
+    coord.env = runtime.share_run_id(coord.env, store)
+    coord.report_dir = default_report_dir(coord.cfg, coord.env.run_id)
+    return coord.report_dir
 
 
 def _run_check(coord: _Coordinator, ctx: Context, name: str) -> None:

@@ -6,69 +6,31 @@ contract, such as submitit's ``TorchDistributedEnvironment`` (rank 0 hosts the s
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import fcntl
 import os
 import socket
 import struct
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import identity
 from .config import ConfigError
-
-_REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-_HINT = "launch under torchrun, e.g. `torchrun --standalone --nproc-per-node=2 -m ddp_smoke`"
+from .launchenv import LaunchEnv  # noqa: F401 — the harness reads it from here
 
 
-@dataclass(frozen=True)
-class LaunchEnv:
-    """What the launcher told this process, read once from the environment."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    group_rank: int
-    master_addr: str
-    master_port: int
-    agent_store: bool
-    launcher: str
-    run_id: str
-
-    @classmethod
-    def from_environ(cls, environ=os.environ) -> "LaunchEnv":
-        """Read the env contract; a missing or malformed variable is a ConfigError (exit 2)."""
-        missing = [k for k in _REQUIRED if k not in environ]
-        if missing:
-            raise ConfigError(f"{', '.join(missing)} not set: not started by a launcher; {_HINT}")
-        try:
-            ints = {k: int(environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        except ValueError as e:
-            raise ConfigError(f"launcher env is malformed ({e}); {_HINT}") from None
-        rank, world = ints["RANK"], ints["WORLD_SIZE"]
-        if not 0 <= rank < world:
-            raise ConfigError(f"RANK={rank} is outside WORLD_SIZE={world}")
-        torchrun = "TORCHELASTIC_RUN_ID" in environ
-        return cls(
-            rank=rank, world_size=world, local_rank=ints["LOCAL_RANK"],
-            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", 1)),
-            group_rank=int(environ.get("GROUP_RANK", environ.get("SLURM_NODEID", 0))),
-            master_addr=environ["MASTER_ADDR"], master_port=ints["MASTER_PORT"],
-            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-            launcher="torchrun" if torchrun else ("submitit" if "SUBMITIT_FOLDER" in environ
-                                                  else "env"),
-            run_id=run_id(environ))
-
-
-def run_id(environ=os.environ) -> str:
-    """The id all ranks share: torchrun's run id, else the Slurm job id, else 'local'."""
-    rid = environ.get("TORCHELASTIC_RUN_ID", "")
-    if rid and rid != "none":
-        return rid
-    return environ.get("SLURM_JOB_ID") or "local"
+def share_run_id(env: LaunchEnv, store: dist.Store) -> LaunchEnv:
+    """Every rank's run id: rank 0 posts the one it drew, the others read it (see
+    :mod:`ddp_smoke.launchenv`). Call once every rank has connected; a launcher-given id
+    needs no round."""
+    if env.run_id_shared:
+        return env
+    if env.rank == 0:
+        store.set("run_id", env.run_id)
+        return env
+    return dataclasses.replace(env, run_id=store.get("run_id").decode())
 
 
 def pick_backend(requested: str) -> str:

@@ -16,6 +16,12 @@ shared home or project filesystem) and a node-local path (tmpfs, /tmp …) is re
 Rank 0 writes the report to ``<folder>/report/report.json``; this module reads it from there,
 so a report written by a run that failed is returned inside the exception, never lost.
 
+Each task sets ``DDP_SMOKE_RUN_ID=submitit-<job id>-<restart count>`` before the worker
+starts, so the report carries the job's id; a report in the folder whose run id is not the
+submitted job's (a second submission into the same ``--folder``, whose rank 0 then died) is
+never returned: ``TaskDied`` is raised instead. A requeued job writes under a higher restart
+count; any restart of the submitted job is its own.
+
 Waiting uses its own timeout: without Slurm accounting a cancelled job never finishes in
 submitit's eyes. On timeout the job is cancelled and SmokeTimeout raised.
 
@@ -48,6 +54,7 @@ CLUSTERS = ("slurm", "local")
 IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image from docker/
 # 8 CPUs per GPU: data loading and NCCL's proxy threads per rank; 8-GPU nodes have >= 64 cores.
 GPU_CPUS_PER_PROC = 8
+MAX_WAIT_S = 7 * 86400.0  # a week: longer is a typo, and time.monotonic arithmetic stays sane
 _NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
 
@@ -131,10 +138,11 @@ def plan(cluster: str = "local", nodes: int = 1, procs_per_node: int = 2,
         raise ConfigError(f"cluster {cluster!r}: expected one of {', '.join(CLUSTERS)}")
     if cpus_per_proc is None:
         cpus_per_proc = GPU_CPUS_PER_PROC if gpus_per_node else 1
-    for name, value in (("nodes", nodes), ("procs_per_node", procs_per_node),
-                        ("time_min", time_min), ("cpus_per_proc", cpus_per_proc)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r}: expected an integer >= 1")
+    for name, value, lo in (("nodes", nodes, 1), ("procs_per_node", procs_per_node, 1),
+                            ("time_min", time_min, 1), ("cpus_per_proc", cpus_per_proc, 1),
+                            ("gpus_per_node", gpus_per_node, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+            raise ConfigError(f"{name}={value!r}: expected an integer >= {lo}")
     if cluster == "local" and nodes != 1:
         raise ConfigError(f"nodes={nodes}: the local cluster has one node")
     base = Path(folder) if folder else Path("reports", "submitit", time.strftime("%Y%m%d-%H%M%S"))
@@ -182,11 +190,33 @@ def _task(worker_args: list[str], gpus: bool) -> Any:
                                "the submitting side: install the same version in both (the "
                                "image pickles and unpickles submitit's objects)")
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=gpus)
+    os.environ["DDP_SMOKE_RUN_ID"] = run_id_of(submitit.JobEnvironment().job_id,
+                                               os.environ.get("SLURM_RESTART_COUNT", "0"))
     from . import harness
     from .cli import parse_config
 
     code = harness.run(parse_config(worker_args))
     return code
+
+
+def run_id_of(job_id: str, restart: str | int = 0) -> str:
+    """The run id a task of submitit job ``job_id`` gives the worker."""
+    return f"submitit-{job_id}-{restart}"
+
+
+def owns(report: dict, job_id: str) -> bool:
+    """True when ``report`` was written by (any restart of) submitit job ``job_id``."""
+    rid, prefix = str(report.get("run_id", "")), run_id_of(job_id, "")
+    return rid.startswith(prefix) and rid[len(prefix):].isdigit()
+
+
+def check_wait_timeout(value: Any) -> float:
+    """The wait timeout in seconds: a finite number in (0, a week]; else ConfigError."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not 0 < value <= MAX_WAIT_S):  # NaN fails every comparison: refused too
+        raise ConfigError(f"wait_timeout_s (--wait-timeout) = {value!r}: expected seconds, "
+                          f"a finite number > 0 and <= {MAX_WAIT_S:g}")
+    return float(value)
 
 
 def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: bool | None = None,
@@ -211,6 +241,7 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     """
     import submitit
 
+    check_wait_timeout(wait_timeout_s)
     p = plan(cluster, **kwargs)
     p.folder.mkdir(parents=True, exist_ok=True)
     extra = {"slurm_python": p.python} if p.python and cluster == "slurm" else {}
@@ -221,10 +252,10 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     say(f"submitted job {job.job_id} ({cluster}, {p.parameters['nodes']} node(s) x "
         f"{p.parameters['tasks_per_node']}); folder {p.folder}")
     _wait(job, wait_timeout_s, say)
-    report_path = p.report_dir / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    report = _own_report(p.report_dir / "report.json", job.job_id)
     if report is None:
-        raise TaskDied(_death_notice(job), job_id=job.job_id)
+        raise TaskDied(_death_notice(job) + _foreign(p.report_dir / "report.json"),
+                       job_id=job.job_id)
     if report["verdict"] != "pass":
         failed = SmokeFailed("", report, job.job_id)
         lines = [f"rank {k['rank']} ({k['host']}) at {k['check']}: {k['reason']}"
@@ -232,6 +263,25 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
         failed.args = (f"ddp-smoke job {job.job_id}: verdict fail; " + "; ".join(lines),)
         raise failed
     return report
+
+
+def _own_report(path: Path, job_id: str) -> dict | None:
+    """The report at ``path`` when job ``job_id`` wrote it; None when absent, unreadable or
+    another run's (its verdict is not this job's)."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) and owns(report, job_id) else None
+
+
+def _foreign(path: Path) -> str:
+    """A note on a report that is there but not this job's."""
+    try:
+        rid = json.loads(path.read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f"\n{path} is another run's report (run id {rid!r}); not this job's verdict"
 
 
 def _wait(job, timeout_s: float, say) -> None:
@@ -315,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
                       qos=a.qos, time_min=a.time_min, container_image=a.container_image,
                       container_python=a.container_python, cpus_per_proc=a.cpus_per_proc,
                       folder=a.folder, worker_args=worker, allow_local_folder=a.allow_local_folder)
+        check_wait_timeout(a.wait_timeout)
         if a.dry_run:
             print(plan(a.cluster, **kwargs))
             sys.exit(0)

@@ -83,6 +83,10 @@ def judge(ev) -> CheckResult:
         culprits.append(ev.culprit(None, f"samples {sorted(unseen)} are on no rank"))
     reference = reference_params([o["samples"][:o["batch"]] for o in obs])
     for r, o in enumerate(obs):
+        if not all(math.isfinite(p) for p in o["params"]):  # NaN compares False with anything
+            culprits.append(ev.culprit(r, f"post-step weights are not finite: {o['params']} "
+                                          "(NaN/inf gradients or a corrupt all-reduce)"))
+            continue
         diff = max(abs(a - b) for a, b in zip(o["params"], reference))
         if diff > TOLERANCE:
             culprits.append(ev.culprit(r, f"post-step weights differ from the single-process "

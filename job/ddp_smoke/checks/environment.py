@@ -1,8 +1,8 @@
 """Every rank sees the same software, sits in its own slot, and the world is as promised.
 
 Per rank: torch / CUDA / NCCL / cuDNN / driver / Python versions, the device, and the launcher's
-environment (secret-looking values redacted). Asserted: versions agree across ranks, each
-(host, local_rank) slot and each GPU is used once, local ranks on a host are 0..n-1, the
+environment (secrets redacted by name and by value shape: ``ddp_smoke.redact``). Asserted:
+versions agree across ranks, each (host, local_rank) slot and each GPU is used once, local ranks on a host are 0..n-1, the
 world size and node count match what the launcher promised (--expect-world-size,
 --expect-nodes). Culprit: the odd rank out (the minority value, or both holders of a slot).
 """
@@ -15,17 +15,18 @@ import re
 
 import torch
 
+from .. import redact
 from ..report import FAIL, PASS, CheckResult
 
 _ENV_PREFIXES = ("MASTER_", "TORCHELASTIC_", "PET_", "SLURM_", "NCCL_", "GLOO_", "TORCH_",
-                 "CUDA_", "OMP_", "LOCAL_", "GROUP_", "ROLE_", "SUBMITIT_", "NVIDIA_")
+                 "CUDA_", "OMP_", "LOCAL_", "GROUP_", "ROLE_", "SUBMITIT_", "NVIDIA_",
+                 "ENROOT_", "PYXIS_", "APPTAINER_", "SINGULARITY_", "DDP_SMOKE_")
 _ENV_NAMES = ("RANK", "WORLD_SIZE", "JOB_COMPLETION_INDEX", "HOSTNAME", "KUBERNETES_SERVICE_HOST")
-_SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSW|CREDENTIAL|AUTH|COOKIE|PRIVATE", re.I)
 
 
 def launcher_env(environ=os.environ) -> dict[str, str]:
-    """The launcher-related variables, with secret-looking values redacted."""
-    return {k: ("<redacted>" if _SECRET.search(k) else v) for k, v in sorted(environ.items())
+    """The launcher-related variables, secrets redacted by name and by value shape."""
+    return {k: redact.env_value(k, v) for k, v in sorted(environ.items())
             if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES}
 
 

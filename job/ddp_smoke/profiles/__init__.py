@@ -29,11 +29,13 @@ check: a gate without data is not a pass.
 """
 from __future__ import annotations
 
+import math
 from importlib import resources
 from typing import Any
 
 import yaml
 
+from .. import limits
 from ..config import ConfigError
 
 DEFAULT = "cpu"
@@ -77,6 +79,10 @@ def _read_path(path: str) -> str:
         raise ConfigError(f"key 'profile' = {path!r}: {e.strerror}") from None
 
 
+_SECTIONS = {"bandwidth": ("world_size", "nodes", "floors"), "compute": ("min_tflops",)}
+_FLOOR = "{collective, size_bytes (int >= 1), min_busbw_gbps (finite number > 0)}"
+
+
 def _validate(name: str, data: Any) -> None:
     def fail(what: str):
         raise ConfigError(f"profile {name}: {what}")
@@ -88,9 +94,15 @@ def _validate(name: str, data: Any) -> None:
             fail(f"unknown key {key!r}; valid keys: {', '.join(_TOP)}")
         if not isinstance(value, _TOP[key]):
             fail(f"key {key!r} must be a {_TOP[key].__name__}")
+        for sub in value if key in _SECTIONS else ():
+            if sub not in _SECTIONS[key]:
+                fail(f"unknown key {key}.{sub!r}; valid keys: {', '.join(_SECTIONS[key])}")
     bw = data.get("bandwidth", {})
+    floors = bw.get("floors", [])
+    if not isinstance(floors, list):
+        fail(f"bandwidth.floors = {floors!r}: expected a list of {_FLOOR}")
     for key in ("world_size", "nodes"):
-        if bw.get("floors") and not (isinstance(bw.get(key), int) and bw[key] >= 1):
+        if floors and not (_integer(bw.get(key)) and bw[key] >= 1):
             fail(f"bandwidth.{key} must be an integer >= 1 when floors are set")
     multi = data.get("multi_node", {})
     unknown = set(multi) - {"fabric", "ranks_per_node", "min_nodes", "floors"}
@@ -98,19 +110,35 @@ def _validate(name: str, data: Any) -> None:
         fail(f"multi_node: unknown key {sorted(unknown)[0]!r}; valid keys: fabric, "
              "ranks_per_node, min_nodes, floors")
     for key in ("ranks_per_node", "min_nodes"):
-        if multi and not (isinstance(multi.get(key), int) and multi[key] >= 1):
+        if multi and not (_integer(multi.get(key)) and multi[key] >= 1):
             fail(f"multi_node.{key} must be an integer >= 1")
-    for floor in bw.get("floors", []) + multi.get("floors", []):
+    multi_floors = multi.get("floors", [])
+    if not isinstance(multi_floors, list):
+        fail(f"multi_node.floors = {multi_floors!r}: expected a list of {_FLOOR}")
+    for floor in floors + multi_floors:
         if (not isinstance(floor, dict) or set(floor) != {"collective", "size_bytes",
                                                           "min_busbw_gbps"}
-                or not isinstance(floor["size_bytes"], int)
-                or not isinstance(floor["min_busbw_gbps"], (int, float))):
-            fail(f"bandwidth floor {floor!r}: expected {{collective, size_bytes (int), "
-                 f"min_busbw_gbps (number)}}")
+                or floor["collective"] not in limits.SWEPT
+                or not (_integer(floor["size_bytes"]) and floor["size_bytes"] >= 1)
+                or not _positive(floor["min_busbw_gbps"])):
+            fail(f"bandwidth floor {floor!r}: expected {_FLOOR}, collective one of "
+                 f"{', '.join(limits.SWEPT)}")
     tflops = data.get("compute", {}).get("min_tflops", {})
-    if not isinstance(tflops, dict) or not all(isinstance(v, (int, float))
-                                               for v in tflops.values()):
-        fail("compute.min_tflops must map dtype -> number")
+    dtypes = limits.GPU_MATMUL_DTYPES  # fp32 is also the CPU's
+    if (not isinstance(tflops, dict) or not all(k in dtypes for k in tflops)
+            or not all(_positive(v) for v in tflops.values())):
+        fail(f"compute.min_tflops = {tflops!r}: must map dtype ({', '.join(dtypes)}) -> "
+             "a finite number > 0")
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive(v: Any) -> bool:
+    """A finite number > 0 (a NaN floor would compare False and pass every run)."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and v > 0)
 
 
 def floor_sizes(profile: dict[str, Any], collectives, world_size: int | None = None,
