@@ -129,9 +129,13 @@ def _run(kind: str, root: str, i: int) -> dict:
     args = [] if kind == "tutorial" else ["--", "--level", "quick", "--backend", "gloo",
                                           "--report-dir", rdir]
     launch = time.time()
-    subprocess.run(TORCHRUN + [__file__, f"--{kind}", *args], check=True, capture_output=True,
-                   timeout=300, env={**os.environ, "PHASES_TRACE": trace})
+    p = subprocess.run(TORCHRUN + [__file__, f"--{kind}", *args], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PHASES_TRACE": trace})
     done = time.time()
+    if p.returncode:  # a failed run is reported and left out, the others still count
+        tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+        print(f"# {kind} run {i} failed (exit {p.returncode}): {tail[:200]}", flush=True)
+        return None
     with open(trace) as f:
         ranks = [json.loads(line) for line in f]
     report = None
@@ -147,7 +151,9 @@ def main(rounds: int) -> None:
     with tempfile.TemporaryDirectory(prefix="ddp-smoke-phases-") as root:
         for i in range(rounds):
             for kind in (("tutorial", "worker") if i % 2 == 0 else ("worker", "tutorial")):
-                runs[kind].append(_run(kind, root, i))
+                got = _run(kind, root, i)
+                if got:
+                    runs[kind].append(got)
     print(f"# where the time goes (s, median of {rounds} alternating runs, rank 0; 2 gloo ranks; "
           f"worker at --level quick); load (1 min) {load:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after")

@@ -51,17 +51,29 @@ def measure(rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]
         for i in range(rounds):
             for name in names[i % len(names):] + names[:i % len(names)]:  # rotate the order
                 t, c = time.monotonic(), _children_cpu_s()
-                subprocess.run(cmds[name], check=True, capture_output=True, timeout=300)
+                p = subprocess.run(cmds[name], capture_output=True, text=True, timeout=300)
+                if p.returncode:  # said, and left out of the medians (and the round's pairs)
+                    tail = (p.stderr.strip().splitlines() or ["(no output)"])[-1]
+                    print(f"# {name.strip()} failed in round {i} (exit {p.returncode}): "
+                          f"{tail[:200]}", flush=True)
+                    times[name].append(float("nan"))
+                    cpu[name].append(float("nan"))
+                    continue
                 times[name].append(time.monotonic() - t)
                 cpu[name].append(_children_cpu_s() - c)
     return times, cpu
+
+
+def _median(values) -> float:
+    ok = [v for v in values if v == v]  # NaN marks a failed run
+    return statistics.median(ok) if ok else float("nan")
 
 
 def main(rounds: int) -> None:
     load_before = os.getloadavg()[0]
     times, cpu = measure(rounds)
     base = times[next(iter(times))]
-    cpu_base = statistics.median(cpu[next(iter(cpu))])
+    cpu_base = _median(cpu[next(iter(cpu))])
     print(f"# time to verdict: {rounds} rotating rounds, 2 gloo ranks; load (1 min) "
           f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} CPUs")
     print("# ratio: median / the tutorial's median; paired: median of per-round ratios; cpu: "
@@ -69,12 +81,12 @@ def main(rounds: int) -> None:
     print(f"# {'command':<34} {'median_s':>9} {'ratio':>6} {'paired':>7} {'cpu_s':>6} "
           f"{'ratio':>6}   runs_s")
     for name, ts in times.items():
-        med = statistics.median(ts)
-        paired = statistics.median(t / b for t, b in zip(ts, base))
-        c = statistics.median(cpu[name])
-        print(f"  {name:<34} {med:>9.2f} {med / statistics.median(base):>6.2f} {paired:>7.2f} "
+        med = _median(ts)
+        paired = _median([t / b for t, b in zip(ts, base)])
+        c = _median(cpu[name])
+        print(f"  {name:<34} {med:>9.2f} {med / _median(base):>6.2f} {paired:>7.2f} "
               f"{c:>6.2f} {c / cpu_base:>6.2f}   " + " ".join(f"{t:.1f}" for t in ts))
-    quick = statistics.median(times["make smoke-local (quick)"]) / statistics.median(base)
+    quick = _median(times["make smoke-local (quick)"]) / _median(base)
     print(f"time-to-verdict ratio (make smoke-local / tutorial, medians): {quick:.2f} "
           f"(target <= {TARGET})")
 
