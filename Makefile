@@ -67,6 +67,7 @@ image-test: $(VENV)/.test  ## build and run the image on a private Docker engine
 bench: $(VENV)/.runtime  ## timing benchmarks: smoke vs the bare tutorial, bandwidth vs an independent loop
 	$(PY) bench/smoke_vs_tutorial.py 5
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=2 bench/bandwidth_vs_loop.py --rounds 5
+	$(PY) bench/coordination_scale.py --quick
 
 sandbox-up:  ## N network-namespace "nodes" (dsh-node1 …) on a private bridge, to try multi-node by hand (root)
 	$(PYTHON) -m tests.sandbox.hosts up $(N)
