@@ -2,15 +2,17 @@
 
 Not a test: it prints numbers. Each simulated rank is a real ``harness._Coordinator`` with
 its own three store connections (main, watchdog, heartbeat, each a ``PrefixStore`` over a
-TCPStore client, as ``harness._store`` makes them), its real heartbeat thread
-(``harness._beat``) and its real watchdog (``harness._Watchdog``). No process group, no
-collective: only the store protocol. The store is one libuv TCPStore hosted by this process;
-the ranks live in ``--procs`` worker processes (one torch import each), threads inside.
+TCPStore client, as ``harness._store`` makes them) and its own main thread; its heartbeat
+(``harness._beat_once``) and watchdog (``harness._Watchdog.step``) run at the kit's periods,
+driven for all ranks of a worker by one thread each (12,288 threads on 2 cores would measure
+the scheduler, not the protocol). No process group, no collective: only the store protocol.
+The store is one libuv TCPStore hosted by this process; the ranks live in ``--procs`` worker
+processes (one torch import each), in a network namespace of their own where root may.
 
 Per world size N it measures, in one simulated run:
 
-* heartbeat load: store operations per second of the heartbeat and watchdog threads of all
-  ranks, with every main thread idle (steady state);
+* heartbeat load: store operations per second of the heartbeats and watchdogs of all ranks,
+  with every main thread idle (steady state);
 * per check: store operations of the main threads (counted by a proxy around each
   connection: one call, one operation) and rank 0's wall time for arrive → post a trivial
   observation → gather, which is pure coordination;
@@ -20,8 +22,13 @@ Per world size N it measures, in one simulated run:
   and main thread go through the real ``_exit_aborted`` and wait for the report. Process exit
   (``_leave``) and the stack files (``forensics.dump``) are replaced in the workers, nothing else.
 
-    .venv/bin/python bench/coordination_scale.py            # --quick: N = 64 … 4096
-    .venv/bin/python bench/coordination_scale.py --sizes 64,256 --checks 10
+    .venv/bin/python bench/coordination_scale.py            # --quick: N = 64 … 4096, ~1 min
+    .venv/bin/python bench/coordination_scale.py --full --json --sizes 64,256
+
+Columns: store calls per check (all ranks), per rank, per rank without polls (waits that
+timed out and the look at the abort counter after each: what depends on how long the check
+took), rank 0's median seconds per check, heartbeat + watchdog calls per second, seconds
+from rank 1's death to the abort, seconds and store calls of ``_judge_abort``, the culprits.
 
 Times are this machine's, under whatever else runs on it (the load average is printed): the
 simulated ranks share its cores, where a cluster gives each rank its own.
@@ -33,6 +40,7 @@ import datetime
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -333,7 +341,7 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
         # a poll, followed by one look at the abort counter
         "fixed_ops_per_check": sum(v.get("check_ops", 0) - 2 * v.get("check_polls", 0)
                                    for v in ranks.values()) / checks,
-        "coord_s_per_check": sorted(zero.get("check_s", [float("nan")]))[len(zero.get("check_s", [0])) // 2],
+        "coord_s_per_check": statistics.median(zero.get("check_s") or [float("nan")]),
         "heartbeat_ops_per_s": sum(v["side_ops"] / v["side_s"] for v in side),
         "detect_s": zero.get("detected_at", float("nan")) - ranks[1].get("died_at", float("nan")),
         "judge_s": zero.get("judge_s", float("nan")), "judge_ops": zero.get("judge_ops"),

@@ -5,8 +5,9 @@ works the same for gloo and NCCL and still works when a collective is stuck:
 
 * each rank posts its identity; the ranks agree on the backend; then for every check each
   rank arrives (a per-rank key plus one counter; the last to arrive raises a flag the others
-  poll — O(1) store work per poll), runs the check, posts its observation as JSON; rank 0
-  waits for the observation counter with a deadline, reads them in one call and judges;
+  wait on in the store — about 5 store calls per rank per check), runs the check, posts its
+  observation as JSON; rank 0 waits for the observation counter with a deadline, reads them
+  in one call and judges;
 * a heartbeat thread per rank publishes, on its own store connection, a beat counter, the
   stage and the rank's collective progress (:mod:`ddp_smoke.comm`);
 * a watchdog thread per rank, on its own connection, watches the deadline, the shared abort
@@ -172,9 +173,10 @@ class _Coordinator:
 
     def wait_flag(self, store, key: str, what: str, watch=None) -> None:
         """Wait for one key to exist; raise _Stop on abort or deadline. The store answers
-        the moment the key is set (no polling): every BEAT_S or so (longer in large worlds:
-        the watchdog looks at the abort counter too) the wait times out to look at it. ``watch()``, if given, runs about once a second and may raise
-        _Stop itself."""
+        the moment the key is set (no polling); every BEAT_S or so (longer in large worlds:
+        the watchdog looks at the abort counter too) the wait times out to look at the abort
+        counter and the deadline. ``watch()``, if given, runs about once a second and may
+        raise _Stop itself."""
         watched, slice_s = time.monotonic(), _period(self.env.world_size, 3)
         while not _wait_key(store, key, slice_s):
             if self.aborted(store):
