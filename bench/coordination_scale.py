@@ -138,7 +138,8 @@ def worker(args) -> None:
         t.join(args.timeout * 3)
     for c in coords.values():
         c.stop.set()
-    json.dump({"ranks": out, "alive": sum(t.is_alive() for t in mains)}, sys.stdout)
+    alive = sum(t.is_alive() for t in mains)  # a stuck rank may still write its dict: copy
+    json.dump({"ranks": {r: dict(v) for r, v in out.items()}, "alive": alive}, sys.stdout)
     sys.stdout.flush()
     os._exit(0)  # no interpreter teardown under threads still inside store calls
 

@@ -173,11 +173,13 @@ class _Coordinator:
 
     def wait_flag(self, store, key: str, what: str, watch=None) -> None:
         """Wait for one key to exist; raise _Stop on abort or deadline. The store answers
-        the moment the key is set (no polling); every BEAT_S or so (longer in large worlds:
-        the watchdog looks at the abort counter too) the wait times out to look at the abort
-        counter and the deadline. ``watch()``, if given, runs about once a second and may
-        raise _Stop itself."""
-        watched, slice_s = time.monotonic(), _period(self.env.world_size, 3)
+        the moment the key is set (no polling); every BEAT_S or so the wait times out to
+        look at the abort counter and the deadline — less often beyond 500 ranks (2 s at
+        4,096): the watchdog looks at both every period, this is a second look, and 3 calls
+        per look from every waiting rank would crowd the store. ``watch()``, if given, runs
+        about once a second (once a look, if looks are further apart) and may raise _Stop
+        itself."""
+        watched, slice_s = time.monotonic(), _period(self.env.world_size, 10)
         while not _wait_key(store, key, slice_s):
             if self.aborted(store):
                 raise _Stop
