@@ -237,6 +237,14 @@ def _rank_main(c, out, args, names, seen) -> None:
     except _Left:
         pass
     except harness._Stop:
+        if r == 0:  # an abort before the staged one: say whose, and let everyone leave
+            got = {i: harness._try_get(store, f"abort/{i}") for i in range(c.env.world_size)
+                   if store.check([f"abort/{i}"])}
+            out["error"] = "aborted before the staged fault: " + "; ".join(
+                f"rank {i}: {json.loads(v).get('kind')} {json.loads(v).get('silent', '')}"[:200]
+                for i, v in list(got.items())[:3])
+            store.set("final", "fail")
+            return
         try:
             harness._exit_aborted(c, store)
         except _Left:
@@ -335,7 +343,8 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
     ranks, alive, end = {}, 0, time.monotonic() + timeout * 3
     try:
         for p in workers:
-            got = json.loads(p.communicate(timeout=max(1.0, end - time.monotonic()))[0])
+            text = p.communicate(timeout=max(1.0, end - time.monotonic()))[0]
+            got = json.loads(text or "null") or {"ranks": {}, "alive": 0}
             ranks.update({int(r): v for r, v in got["ranks"].items()})
             alive += got["alive"]
     except (subprocess.TimeoutExpired, json.JSONDecodeError) as e:
@@ -351,7 +360,7 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
                          + "\n".join(tails)) from None
     wall = time.monotonic() - t
     del server
-    zero = ranks[0]
+    zero = ranks.get(0, {})
     side = [v for v in ranks.values() if "side_ops" in v]
     out = {
         "N": world, "wall_s": round(wall, 1), "stuck_threads": alive,
@@ -362,11 +371,14 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
                                    for v in ranks.values()) / checks,
         "coord_s_per_check": statistics.median(zero.get("check_s") or [float("nan")]),
         "heartbeat_ops_per_s": sum(v["side_ops"] / v["side_s"] for v in side),
-        "detect_s": zero.get("detected_at", float("nan")) - ranks[1].get("died_at", float("nan")),
+        "ranks_reported": len(ranks),
+        "detect_s": zero.get("detected_at", float("nan"))
+        - ranks.get(1, {}).get("died_at", float("nan")),
         "judge_s": zero.get("judge_s", float("nan")), "judge_ops": zero.get("judge_ops"),
         "culprits": zero.get("culprits"), "victims": zero.get("victims"),
         "error": zero.get("error"),
-        "ops_by_kind": {k: dict(sum((Counter(v["ops"][k]) for v in ranks.values()), Counter()))
+        "ops_by_kind": {k: dict(sum((Counter(v.get("ops", {}).get(k, {})) for v in ranks.values()),
+                                     Counter()))
                         for k in ("main", "watchdog", "beat")},
     }
     return out
