@@ -73,10 +73,7 @@ bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs t
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 bench/bandwidth_vs_loop.py --rounds 7
 	$(PY) bench/phases.py 3
 	$(PY) bench/pairs_plan.py
-	@# The scale table (N, store ops per check, coordination s per check, abort judge s) of the
-	@# coordination bench (issue 15, section 2) plugs in here once it exists.
-	@if [ -f bench/coordination_scale.py ]; then $(PY) bench/coordination_scale.py; \
-	 else echo "# scale table: not measured yet (bench/coordination_scale.py comes with the store protocol rewrite)"; fi
+	$(PY) bench/coordination_scale.py --quick
 
 sandbox-up:  ## N network-namespace "nodes" (dsh-node1 …) on a private bridge, to try multi-node by hand (root)
 	$(PYTHON) -m tests.sandbox.hosts up $(N)

@@ -5,8 +5,9 @@ works the same for gloo and NCCL and still works when a collective is stuck:
 
 * each rank posts its identity; the ranks agree on the backend; then for every check each
   rank arrives (a per-rank key plus one counter; the last to arrive raises a flag the others
-  poll — O(1) store work per poll), runs the check, posts its observation as JSON; rank 0
-  waits for the observation counter with a deadline, reads them in one call and judges;
+  wait on in the store — about 5 store calls per rank per check), runs the check, posts its
+  observation as JSON; rank 0 waits for the observation counter with a deadline, reads them
+  in one call and judges;
 * a heartbeat thread per rank publishes, on its own store connection, a beat counter, the
   stage and the rank's collective progress (:mod:`ddp_smoke.comm`);
 * a watchdog thread per rank, on its own connection, watches the deadline, the shared abort
@@ -50,7 +51,8 @@ BEAT_S = 0.25          # heartbeat period; a rank silent for DEAD_AFTER_S is tak
 DEAD_AFTER_S = 1.5
 FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
 TAKEOVER_S = 3 * DEAD_AFTER_S  # rank 0 silent this long, before writing: a survivor writes
-STORE_OPS_PER_S = 20000  # polling budget on the one store: pauses grow with the world size
+POLL_MAX_S = 0.05      # longest pause between two looks for a key a rank waits on ...
+STORE_OPS_PER_S = 20000  # ... within a budget on the one store: pauses grow with the world
 TERMINATING = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", signal.SIGUSR1: "SIGUSR1",
                signal.SIGUSR2: "SIGUSR2"}
 # Messages of backend errors seen by a rank whose peer vanished: the rank is a victim.
@@ -132,7 +134,7 @@ class _Coordinator:
         self.leaving = False  # set once this rank has its verdict: store errors are expected now
         self.stop = threading.Event()  # ends the heartbeat and watchdog threads on a clean exit
         self.threads: list[threading.Thread] = []
-        self.pause_max = max(0.05, min(BEAT_S, env.world_size / STORE_OPS_PER_S))
+        self.poll_max = max(POLL_MAX_S, env.world_size / STORE_OPS_PER_S)  # 0.2 s at 4,096
         self._forensics: dict | None = None
 
     # -- phase, read as one snapshot by the watchdog -------------------------------------
@@ -179,22 +181,22 @@ class _Coordinator:
         self.wait_flag(store, f"{prefix}/all", what)
 
     def wait_flag(self, store, key: str, what: str, watch=None) -> None:
-        """Poll one key, with backoff, until it exists; raise _Stop on abort or deadline.
-        ``watch()``, if given, runs about once a second and may raise _Stop itself."""
-        pause, checked, watched = 0.001, time.monotonic(), time.monotonic()
-        while not store.check([key]):
-            if time.monotonic() - checked > BEAT_S:
-                checked = time.monotonic()
-                if self.aborted(store):
-                    raise _Stop
+        """Wait for one key to exist (:func:`_wait_key`); raise _Stop on abort or deadline.
+        Every BEAT_S or so it looks at the abort counter and the deadline — less often
+        beyond 500 ranks (2 s at 4,096): the watchdog looks at both every period, this is a
+        second look, and 3 calls per look from every waiting rank would crowd the store.
+        ``watch()``, if given, runs about once a second (once a look, if looks are further
+        apart) and may raise _Stop itself."""
+        watched, slice_s = time.monotonic(), _period(self.env.world_size, 10)
+        while not _wait_key(store, key, slice_s, self.poll_max):
+            if self.aborted(store):
+                raise _Stop
             if watch and time.monotonic() - watched > 1.0:
                 watched = time.monotonic()
                 watch()
             if self.expired():
                 self.abort(store, "timeout", {"waiting_for": what})
                 raise _Stop
-            time.sleep(pause)
-            pause = min(pause * 2, self.pause_max)
 
     def gather(self, store, stage: str) -> list[dict]:
         """Rank 0: every rank's observation of ``name``, read in one call once all are in.
@@ -203,11 +205,12 @@ class _Coordinator:
         for DEAD_AFTER_S (killed, frozen, cut off) stops the run now, not at the deadline.
         """
         silence, key = _Silence(DEAD_AFTER_S), self.key(stage)
+        world = range(self.env.world_size)
 
-        def watch():
-            missing = [r for r in range(self.env.world_size)
-                       if not store.check([f"obs/{key}/{r}"])]
-            gone = silence.update({r: (_beat_of(store, r) or {}).get("n") for r in missing})
+        def watch():  # a few store calls whatever the world size: all beats in one read
+            beats = _beats(store, world)
+            silent = silence.update({r: (beats.get(r) or {}).get("n") for r in world})
+            gone = [r for r in silent if not store.check([f"obs/{key}/{r}"])]
             if gone:
                 self.abort(store, "lost", {"silent": gone, "waiting_for": f"{stage} results"})
                 raise _Stop
@@ -321,27 +324,26 @@ class _Coordinator:
         stage = self.stage
         world = range(self.env.world_size)
         ids = self._identities(store)
-        connected = {r for r in world if store.check([f"rank/{r}"])}
-        terminated = set()
-        reasons = {}
-        for r in world:
-            if got := _try_get(store, f"abort/{r}"):
-                reasons[r] = json.loads(got)
-                if reasons[r]["kind"] == "terminated":
-                    terminated.add(r)
+        # A few store calls per kind of key, not one per rank: thousands of ranks judge in
+        # about DEAD_AFTER_S (bench/coordination_scale.py).
+        connected = _ranks_with(store, "rank", world)
+        reasons = _reads(store, "abort", world, store.add("abort", 0))
+        terminated = {r for r, a in reasons.items() if a["kind"] == "terminated"}
         dead, beats = _dead_ranks(store, sorted(connected), exclude=terminated)
-        reasons.update({r: json.loads(g) for r in world if r not in reasons
-                        and (g := _try_get(store, f"abort/{r}"))})  # posted while we waited
+        reasons.update({r: a for r, a in _reads(store, "abort", world,
+                                                store.add("abort", 0)).items()
+                        if r not in reasons})  # posted while we waited
         arrive = "connect" if stage == "init" else f"arrive/{self.key(stage)}"
+        obs = f"obs/{self.key(stage)}"
         snap = blame.Snapshot(
             stage=stage, world_size=self.env.world_size, timeout_s=float(self.cfg["timeout"]),
             hosts=[i.get("host") for i in ids], connected=connected,
-            arrived={r for r in world if store.check([f"{arrive}/{r}"])},
-            finished={r for r in world if store.check([f"obs/{self.key(stage)}/{r}"])},
+            arrived=_ranks_with(store, arrive, world, store.add(arrive, 0)),
+            finished=_ranks_with(store, obs, world, store.add(obs, 0)),
             dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != "stopped"},
             progress=beats,
-            where={r: f["where"] for r in world if (g := _try_get(store, f"forensics/{r}"))
-                   and (f := json.loads(g)).get("where")},
+            where={r: f["where"] for r, f in _reads(store, "forensics", world).items()
+                   if f.get("where")},
             store=f"{self.env.master_addr}:{self.env.master_port}", dead_after_s=DEAD_AFTER_S)
         verdict = blame.judge(snap)
         figures = {"arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
@@ -397,28 +399,105 @@ class _Silence:
         return sorted(r for r in beats if now - self.last[r][1] > self.after_s)
 
 
+def _period(world: int, calls: float) -> float:
+    """Seconds between one rank's looks at the store, when each look costs ``calls`` store
+    calls and every rank looks: BEAT_S, or longer where the world would exceed the budget
+    (1,000 ranks stay at BEAT_S; 4,096 beat every 0.41 s)."""
+    return max(BEAT_S, calls * world / STORE_OPS_PER_S)
+
+
+def _wait_key(store, key: str, timeout_s: float, pause_max: float) -> bool:
+    """Whether ``key`` exists within ``timeout_s``: one ``check`` at a time, the pause
+    doubling from 1 ms to ``pause_max`` (a key set during a short wait is seen within a few
+    ms; a long one costs one call per ``pause_max``). Not the store's blocking ``wait``:
+    each time one times out c10d logs two warning lines, which flooded every rank's output
+    with a hundred of them in a short run with one slow rank."""
+    end, pause = time.monotonic() + timeout_s, 0.001
+    while not store.check([key]):
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, pause_max)
+    return True
+
+
+def _existing(store, keys: list[str]) -> list[str]:
+    """The keys that exist. One ``check`` answers for a whole group when all of it exists;
+    a group with a key missing is halved, so k missing keys among n cost about
+    2·k·log2(n/k) calls, and small groups are asked key by key."""
+    if not keys:
+        return []
+    if store.check(keys):
+        return keys
+    if len(keys) <= 4:
+        return [k for k in keys if store.check([k])]
+    half = len(keys) // 2
+    return _existing(store, keys[:half]) + _existing(store, keys[half:])
+
+
+def _ranks_with(store, prefix: str, ranks, count: int | None = None) -> set[int]:
+    """Ranks r in ``ranks`` for which ``prefix/r`` exists. ``count``, when known, is how
+    many were posted at most (the counter posted beside them): none, all, or few are found
+    without asking about every rank."""
+    ranks = list(ranks)
+    if count is not None and count <= 0:
+        return set()
+    if count is None or 2 * count >= len(ranks):  # most exist: halving finds the missing
+        keys = _existing(store, [f"{prefix}/{r}" for r in ranks])
+        return {int(k.rsplit("/", 1)[1]) for k in keys}
+    found = set()
+    for r in ranks:  # few exist: ask one by one, and stop once all of them were found
+        if store.check([f"{prefix}/{r}"]):
+            found.add(r)
+            if len(found) >= count:
+                break
+    return found
+
+
+def _reads(store, prefix: str, ranks, count: int | None = None) -> dict[int, dict]:
+    """The JSON posted at ``prefix/r`` by each rank in ``ranks`` that posted one, in one
+    read (evidence gathering never raises)."""
+    try:
+        have = sorted(_ranks_with(store, prefix, ranks, count))
+        got = store.multi_get([f"{prefix}/{r}" for r in have]) if have else []
+        return {r: json.loads(g) for r, g in zip(have, got)}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def _beats(store, ranks) -> dict[int, dict]:
+    return _reads(store, "beat", ranks)
+
+
 def _dead_ranks(store, ranks, exclude) -> tuple[list[int], dict[int, dict]]:
     """Ranks whose heartbeat did not move over DEAD_AFTER_S (``exclude``d ones left out), and
     every rank's last published progress."""
-    before = {r: _beat_of(store, r) for r in ranks}
+    before = _beats(store, ranks)
     time.sleep(DEAD_AFTER_S)
-    after = {r: _beat_of(store, r) or before[r] for r in ranks}
+    now = _beats(store, ranks)
+    after = {r: now.get(r) or before.get(r) for r in ranks}
     dead = [r for r in ranks if r not in exclude
-            and (after[r] or {}).get("n") == (before[r] or {}).get("n")]
+            and (after[r] or {}).get("n") == (before.get(r) or {}).get("n")]
     return dead, {r: p for r, p in after.items() if p}
 
 
 def _beat(c: _Coordinator) -> None:
-    """Heartbeat thread: proves this process is alive, and publishes where it is."""
-    store, n = c.beat_store, 0
+    """Heartbeat thread: proves this process is alive, and publishes where it is. Heartbeats
+    and the watchdog's polls, two calls per period per rank, stay within STORE_OPS_PER_S."""
+    store, n, period = c.beat_store, 0, _period(c.env.world_size, 2)
     try:
         while not c.stop.is_set():
             n += 1
-            store.set(f"beat/{c.env.rank}", json.dumps({"n": n, "t": time.time(),
-                                                         "stage": c.stage, **comm.progress()}))
-            c.stop.wait(BEAT_S)
+            _beat_once(c, store, n)
+            c.stop.wait(period)
     except Exception:  # noqa: BLE001 — the store is gone; the watchdog reports that
         return
+
+
+def _beat_once(c: _Coordinator, store, n: int) -> None:
+    store.set(f"beat/{c.env.rank}", json.dumps({"n": n, "t": time.time(), "stage": c.stage,
+                                                 **comm.progress()}))
 
 
 class _Watchdog(threading.Thread):
@@ -430,15 +509,10 @@ class _Watchdog(threading.Thread):
 
     def run(self) -> None:
         c, store = self.coord, self.coord.wd_store
+        period = _period(c.env.world_size, 2)
         try:
             while not c.stop.is_set():
-                if select.select([self.wakeup_fd], [], [], BEAT_S)[0]:
-                    got = [s for s in os.read(self.wakeup_fd, 64) if s in TERMINATING]
-                    if got:
-                        c.abort(store, "terminated", {"signal": TERMINATING[got[0]]})
-                if c.expired():
-                    c.abort(store, "timeout", {"waiting_for": c.stage})
-                if c.aborted(store):
+                if self.step(store, period):
                     break
             else:
                 return  # clean exit: the main thread stopped us
@@ -447,6 +521,18 @@ class _Watchdog(threading.Thread):
             if c.leaving:
                 return
             _give_up(c, e)
+
+    def step(self, store, wait_s: float) -> bool:
+        """One look: signals (waiting up to ``wait_s`` for one), the deadline, the abort
+        counter. True when the run is aborted."""
+        c = self.coord
+        if select.select([self.wakeup_fd], [], [], wait_s)[0]:
+            got = [s for s in os.read(self.wakeup_fd, 64) if s in TERMINATING]
+            if got:
+                c.abort(store, "terminated", {"signal": TERMINATING[got[0]]})
+        if c.expired():
+            c.abort(store, "timeout", {"waiting_for": c.stage})
+        return c.aborted(store)
 
 
 def _give_up(c: _Coordinator, e: BaseException) -> None:
@@ -494,9 +580,13 @@ def _await_report(c: _Coordinator, store, timeout_s: float) -> str | None:
     me = c.env.rank
     store.set(f"waiting/{me}", "1")  # alive and waiting: a candidate writer
     watch, seen, seen_at = 0, None, time.monotonic()
-    end, pause = seen_at + timeout_s, 0.01
+    end = seen_at + timeout_s
+    # The verdict is seen within poll_max of being set; the writer's heartbeat is looked at
+    # once a period: ~5 calls per period on each of up to 2 threads of every rank, within
+    # the store's budget at any world size, and still a few looks per TAKEOVER_S.
+    period = min(TAKEOVER_S / 3, _period(c.env.world_size, 10))
     while time.monotonic() < end:
-        if store.check(["final"]):
+        if _wait_key(store, "final", period, c.poll_max):
             store.add("bye", 1)
             return store.get("final").decode()
         writer = _try_get(store, "writer")
@@ -514,8 +604,6 @@ def _await_report(c: _Coordinator, store, timeout_s: float) -> str | None:
                 if claimed == str(me):
                     return "write"
                 watch = int(claimed)
-        time.sleep(pause)
-        pause = min(pause * 2, c.pause_max)
     _leave(f"run aborted at {c.stage}, and no rank wrote the report within {timeout_s} s of "
            f"rank {watch}'s last heartbeat", code=1)
     return None

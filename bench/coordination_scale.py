@@ -1,0 +1,427 @@
+"""Benchmark: the harness's store coordination with N simulated ranks on one TCPStore.
+
+Not a test: it prints numbers. Each simulated rank is a real ``harness._Coordinator`` with
+its own three store connections (main, watchdog, heartbeat, each a ``PrefixStore`` over a
+TCPStore client, as ``harness._store`` makes them) and its own main thread; its heartbeat
+(``harness._beat_once``) and watchdog (``harness._Watchdog.step``) run at the kit's periods,
+driven for all ranks of a worker by one thread each (12,288 threads on 2 cores would measure
+the scheduler, not the protocol). No process group, no collective: only the store protocol.
+The store is one libuv TCPStore hosted by this process; the ranks live in ``--procs`` worker
+processes (one torch import each), in a network namespace of their own where root may.
+
+Per world size N it measures, in one simulated run:
+
+* heartbeat load: store operations per second of the heartbeats and watchdogs of all ranks,
+  with every main thread idle (steady state);
+* per check: store operations of the main threads (counted by a proxy around each
+  connection: one call, one operation) and rank 0's wall time for arrive → post a trivial
+  observation → gather, which is pure coordination;
+* an abort: at one more check rank 1 dies (its heartbeat stops) and rank 2 stalls (alive,
+  never posts). Rank 0's gather notices the silent heartbeat and aborts ("detect"); then
+  ``_Coordinator._judge_abort`` names the culprits ("judge"), while every other rank's watchdog
+  and main thread go through the real ``_exit_aborted`` and wait for the report. Process exit
+  (``_leave``) and the stack files (``forensics.dump``) are replaced in the workers, nothing else.
+
+    .venv/bin/python bench/coordination_scale.py            # --quick: N = 64 … 4096, ~1 min
+    .venv/bin/python bench/coordination_scale.py --full --json --sizes 64,256
+
+Columns: store calls per check (all ranks), per rank, per rank without polls (waits that
+timed out and the look at the abort counter after each: what depends on how long the check
+took), rank 0's median seconds per check, heartbeat + watchdog calls per second, seconds
+from rank 1's death to the abort, seconds and store calls of ``_judge_abort``, the culprits.
+
+Times are this machine's, under whatever else runs on it (the load average is printed): the
+simulated ranks share its cores, where a cluster gives each rank its own.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Counted:
+    """A store connection that counts its calls (one call = one request to the store)."""
+
+    def __init__(self, store):
+        self._s, self.ops, self.timeouts = store, Counter(), 0
+
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+    def __getattr__(self, name):
+        attr = getattr(self._s, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.ops[name] += 1
+            try:
+                return attr(*args, **kwargs)
+            except RuntimeError as e:  # a blocking wait that timed out: one poll
+                if name == "wait" and "timeout" in str(e):
+                    self.timeouts += 1
+                raise
+        return call
+
+
+# -- one worker process: ranks [lo, hi) ------------------------------------------------------
+
+class _Left(BaseException):
+    """A simulated rank leaves (replaces os._exit); BaseException: nothing in the kit catches it."""
+
+
+def worker(args) -> None:
+    import torch.distributed as dist  # once per process, not per rank
+
+    from ddp_smoke import forensics, harness, runtime
+    _compat(harness)
+
+    # first, a low fd: the watchdogs select() on it, and select() takes fds below 1024 only
+    pipe_r, _pipe_w = os.pipe()  # never written: the watchdogs' select just times out
+    threading.stack_size(512 * 1024)
+    _raise_nofile()
+
+    def leave(message, code):
+        raise _Left(code)
+    harness._leave = leave
+    forensics.dump = lambda report_dir, rank: {"where": "bench: simulated rank"}
+    hook = threading.excepthook
+    threading.excepthook = lambda a: None if issubclass(a.exc_type, _Left) else hook(a)
+
+    world, timeout = args.world, datetime.timedelta(seconds=args.timeout)
+    names = [f"c{i}" for i in range(args.checks)] + ["abort_here"]
+    cfg = {"checks": names, "timeout": args.timeout}
+
+    def connect(rank):
+        def one(may_host):
+            raw = dist.TCPStore("127.0.0.1", args.port, world, False, timeout,
+                                wait_for_workers=False)
+            return Counted(dist.PrefixStore("ddp_smoke/0", raw))
+        return one
+
+    ranks = range(args.lo, args.hi)
+    coords = {}
+    for r in ranks:
+        env = runtime.LaunchEnv(rank=r, world_size=world, local_rank=r, local_world_size=world,
+                                group_rank=0, master_addr="127.0.0.1", master_port=args.port,
+                                agent_store=True, launcher="bench", run_id="bench")
+        coords[r] = harness._Coordinator(env, cfg, connect(r), "bench", time.monotonic())
+        coords[r].report_dir = "/nonexistent"
+    out = {r: {} for r in ranks}
+    seen = {r: threading.Event() for r in ranks}  # set when the rank's watchdog saw the abort
+    if 0 in coords:
+        coords[0].finalized = True  # the bench judges on rank 0 itself, below; no report file
+    drivers = [threading.Thread(target=_drive_beats, args=(coords,), daemon=True),
+               threading.Thread(target=_drive_watchdogs,
+                                args=({r: harness._Watchdog(c, pipe_r) for r, c in coords.items()},
+                                      seen), daemon=True)]
+    for t in drivers:
+        t.start()
+    mains = [threading.Thread(target=_rank_main, args=(coords[r], out[r], args, names, seen[r]),
+                              daemon=True) for r in ranks]
+    for t in mains:
+        t.start()
+    threading.Thread(target=_progress, args=(out, args.lo), daemon=True).start()
+    for t in mains:
+        t.join(args.timeout * 3)
+    for c in coords.values():
+        c.stop.set()
+    alive = sum(t.is_alive() for t in mains)  # a stuck rank may still write its dict: copy
+    json.dump({"ranks": {r: dict(v) for r, v in out.items()}, "alive": alive}, sys.stdout)
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown under threads still inside store calls
+
+
+def _compat(harness) -> None:
+    """Before the protocol at scale (to measure the old one): the same steps, spelled out."""
+    import select
+    if not hasattr(harness, "_period"):
+        harness._period = lambda world, calls: harness.BEAT_S
+    if not hasattr(harness, "_beat_once"):
+        harness._beat_once = lambda c, store, n: store.set(f"beat/{c.env.rank}", json.dumps(
+            {"n": n, "t": time.time(), "stage": c.stage, **harness.comm.progress()}))
+    if not hasattr(harness._Watchdog, "step"):
+        def step(self, store, wait_s):
+            select.select([self.wakeup_fd], [], [], wait_s)
+            if self.coord.expired():
+                self.coord.abort(store, "timeout", {"waiting_for": self.coord.stage})
+            return self.coord.aborted(store)
+        harness._Watchdog.step = step
+
+
+def _progress(out: dict, lo: int) -> None:
+    """Every 10 s on stderr: how many of this worker's ranks passed each phase (shown when
+    a simulation does not finish)."""
+    t = time.monotonic()
+    while True:
+        time.sleep(10)
+        passed = Counter(len(v.get("marks", ())) for v in out.values())
+        print(f"worker {lo} at {time.monotonic() - t:.0f} s: ranks by phases passed "
+              f"{dict(sorted(passed.items()))}", file=sys.stderr, flush=True)
+
+
+def _drive_beats(coords: dict) -> None:
+    """Every rank's heartbeat, one ``harness._beat_once`` per rank per period, from one
+    thread: a thread per rank and per role would measure this machine's scheduler."""
+    from ddp_smoke import harness
+    n = dict.fromkeys(coords, 0)
+    period = harness._period(next(iter(coords.values())).env.world_size, 2)
+    while True:
+        t = time.monotonic()
+        for r, c in coords.items():
+            if not c.stop.is_set():
+                n[r] += 1
+                harness._beat_once(c, c.beat_store, n[r])
+        time.sleep(max(0.0, period - (time.monotonic() - t)))
+
+
+def _drive_watchdogs(dogs: dict, seen: dict) -> None:
+    """Every rank's watchdog, one ``_Watchdog.step`` per rank per period, from one thread.
+    A rank whose watchdog saw the abort is told (``seen``) and looked at no more."""
+    from ddp_smoke import harness
+    period = harness._period(next(iter(dogs.values())).coord.env.world_size, 2)
+    while True:
+        t = time.monotonic()
+        for r, dog in dogs.items():
+            if not dog.coord.stop.is_set() and not seen[r].is_set():
+                if dog.step(dog.coord.wd_store, 0.0):
+                    seen[r].set()
+        time.sleep(max(0.0, period - (time.monotonic() - t)))
+
+
+def _rank_main(c, out, args, names, seen) -> None:
+    from ddp_smoke import harness
+    r, store = c.env.rank, c.store
+    side = lambda: c.beat_store.total() + c.wd_store.total()  # noqa: E731
+    out["marks"] = marks = [time.monotonic()]
+    try:
+        c.enter("init", args.timeout)
+        store.set(f"rank/{r}", json.dumps({"rank": r, "host": f"sim{r // 8}"}))
+        c.arrive(store, "connect", "every rank to connect")
+        if r == 0:
+            c.ranks = [json.loads(v) for v in
+                       store.multi_get([f"rank/{i}" for i in range(c.env.world_size)])]
+        marks.append(time.monotonic())
+        c.enter("steady", None)
+        t, n = time.monotonic(), side()
+        time.sleep(args.steady_s)
+        out["side_ops"], out["side_s"] = side() - n, time.monotonic() - t
+
+        marks.append(time.monotonic())
+        n, polls, per = store.total(), store.timeouts, []
+        for name in names[:-1]:
+            t = time.monotonic()
+            c.enter(name, args.timeout)
+            c.arrive(store, f"arrive/{c.key(name)}", f"every rank to arrive at {name}")
+            c.enter(name, args.timeout)
+            c.post_observation(store, name, {"ok": True, "data": {}, "duration_s": 0.0})
+            if r == 0:
+                c.gather(store, name)
+            per.append(time.monotonic() - t)
+        out["check_ops"], out["check_s"] = store.total() - n, per
+        out["check_polls"] = store.timeouts - polls
+        marks.append(time.monotonic())
+        _abort_scenario(c, out, args, names[-1], seen)
+    except _Left:
+        pass
+    except harness._Stop:
+        if r == 0:  # an abort before the staged one: say whose, and let everyone leave
+            got = {i: harness._try_get(store, f"abort/{i}") for i in range(c.env.world_size)
+                   if store.check([f"abort/{i}"])}
+            out["error"] = "aborted before the staged fault: " + "; ".join(
+                f"rank {i}: {json.loads(v).get('kind')} {json.loads(v).get('silent', '')}"[:200]
+                for i, v in list(got.items())[:3])
+            store.set("final", "fail")
+            return
+        try:
+            harness._exit_aborted(c, store)
+        except _Left:
+            pass
+    finally:
+        marks.append(time.monotonic())
+        out["ops"] = {k: dict(s.ops) for k, s in
+                      (("main", store), ("watchdog", c.wd_store), ("beat", c.beat_store))}
+
+
+def _abort_scenario(c, out, args, name, seen) -> None:
+    """Rank 1 dies after arriving, rank 2 stalls; the others finish and wait for the next."""
+    from ddp_smoke import harness
+    r, store = c.env.rank, c.store
+    c.enter(name, args.timeout)
+    c.arrive(store, f"arrive/{c.key(name)}", f"every rank to arrive at {name}")
+    c.enter(name, args.timeout)
+    if r == 1:
+        out["died_at"] = time.monotonic()
+        c.stop.set()  # heartbeat and watchdog stop: to the others this process is gone
+        return
+    if r == 2:
+        # alive, beating, never posts; its watchdog leaves as a watchdog does
+        if seen.wait(args.timeout):
+            harness._exit_aborted(c, c.wd_store)
+        return
+    c.post_observation(store, name, {"ok": True, "data": {}, "duration_s": 0.0})
+    if r != 0:
+        c.enter("after", args.timeout)
+        c.arrive(store, f"arrive/{c.key('after')}", "every rank to arrive after the abort")
+        return
+    n = store.total()
+    try:
+        c.gather(store, name)
+        out["error"] = "gather returned although rank 1 died"
+        return
+    except harness._Stop:
+        out["detected_at"] = time.monotonic()
+    t = time.monotonic()
+    c._judge_abort(store)
+    out["judge_s"] = time.monotonic() - t
+    out["judge_ops"] = store.total() - n
+    res = c.judged[-1][1]
+    out["culprits"] = [x.rank for x in res.culprits]
+    out["victims"] = len(res.figures["victims"])
+    store.set("final", "fail")
+
+
+def _private_loopback() -> str:
+    """Move this process (and the workers it starts) into a network namespace of its own with
+    only loopback up. Why: every store connection makes c10d look up the peer's name; this
+    machine's resolver answers ::ffff:127.0.0.1 by DNS and drops about one query in 25, a 5 s
+    stall per connection that has nothing to do with the protocol. With no route to any name
+    server the lookup fails at once. Needs root; without it the bench runs, slower to start."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x40000000) != 0:  # CLONE_NEWNET
+        return f"shared network namespace (unshare: {os.strerror(ctypes.get_errno())})"
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    return "private network namespace, loopback only"
+
+
+def _raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# -- the driver ------------------------------------------------------------------------------
+
+def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: float) -> dict:
+    """One simulated run of ``world`` ranks; returns the measured figures."""
+    import torch.distributed as dist
+
+    _raise_nofile()
+    need = 3 * world + 64
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < need:
+        raise SystemExit(f"coordination_scale: {world} ranks need {need} file descriptors for "
+                         f"the store's connections; the hard limit is "
+                         f"{resource.getrlimit(resource.RLIMIT_NOFILE)[1]}")
+    server = dist.TCPStore("127.0.0.1", 0, world, True, datetime.timedelta(seconds=timeout),
+                           wait_for_workers=False, use_libuv=True)
+    procs = max(1, min(procs, world // 4))
+    # Rank 0, which gathers and judges, has a process of its own, as it has a node of its
+    # own in a cluster: its timings are the store's, not those of a GIL shared with 1,000
+    # simulated ranks.
+    bounds = [0] + [1 + (world - 1) * i // procs for i in range(procs + 1)]
+    t = time.monotonic()
+    logs = [tempfile.TemporaryFile("w+") for _ in bounds[1:]]
+    workers = [subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--worker", "--port", str(server.port),
+         "--world", str(world), "--lo", str(lo), "--hi", str(hi), "--checks", str(checks),
+         "--steady-s", str(steady_s), "--timeout", str(timeout)],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+        env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
+        for (lo, hi), log in zip(zip(bounds, bounds[1:]), logs)]
+    ranks, alive, end = {}, 0, time.monotonic() + timeout * 3
+    try:
+        for p in workers:
+            text = p.communicate(timeout=max(1.0, end - time.monotonic()))[0]
+            got = json.loads(text or "null") or {"ranks": {}, "alive": 0}
+            ranks.update({int(r): v for r, v in got["ranks"].items()})
+            alive += got["alive"]
+    except (subprocess.TimeoutExpired, json.JSONDecodeError) as e:
+        for p in workers:
+            p.kill()
+            p.wait()
+        tails = []
+        for i, log in enumerate(logs):
+            log.seek(0)
+            tails.append(f"worker {i} (exit {workers[i].returncode}): {log.read()[-600:]}")
+        raise SystemExit(f"coordination_scale: the simulation of {world} ranks failed "
+                         f"({type(e).__name__}); the workers' stderr ends:\n"
+                         + "\n".join(tails)) from None
+    wall = time.monotonic() - t
+    del server
+    zero = ranks.get(0, {})
+    side = [v for v in ranks.values() if "side_ops" in v]
+    out = {
+        "N": world, "wall_s": round(wall, 1), "stuck_threads": alive,
+        "ops_per_check": sum(v.get("check_ops", 0) for v in ranks.values()) / checks,
+        # the part that does not depend on how long a check takes: every timed-out wait is
+        # a poll, followed by one look at the abort counter
+        "fixed_ops_per_check": sum(v.get("check_ops", 0) - 2 * v.get("check_polls", 0)
+                                   for v in ranks.values()) / checks,
+        "coord_s_per_check": statistics.median(zero.get("check_s") or [float("nan")]),
+        "heartbeat_ops_per_s": sum(v["side_ops"] / v["side_s"] for v in side),
+        "ranks_reported": len(ranks),
+        "detect_s": zero.get("detected_at", float("nan"))
+        - ranks.get(1, {}).get("died_at", float("nan")),
+        "judge_s": zero.get("judge_s", float("nan")), "judge_ops": zero.get("judge_ops"),
+        "culprits": zero.get("culprits"), "victims": zero.get("victims"),
+        "error": zero.get("error"),
+        "ops_by_kind": {k: dict(sum((Counter(v.get("ops", {}).get(k, {})) for v in ranks.values()),
+                                     Counter()))
+                        for k in ("main", "watchdog", "beat")},
+    }
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="the default: 3 checks and 2 s of steady state per size (~2 min)")
+    p.add_argument("--full", action="store_true", help="10 checks and 5 s per size")
+    p.add_argument("--sizes", default="64,256,1024,4096")
+    p.add_argument("--checks", type=int)
+    p.add_argument("--procs", type=int, default=4, help="worker processes hosting the ranks")
+    p.add_argument("--steady-s", type=float)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--json", action="store_true", help="one JSON line per size, too")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for k in ("port", "world", "lo", "hi"):
+        p.add_argument(f"--{k}", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    args.checks = args.checks or (10 if args.full else 3)
+    args.steady_s = args.steady_s or (5.0 if args.full else 2.0)
+    where = _private_loopback()  # before torch starts any thread
+    print(f"coordination at scale (simulated ranks, one libuv TCPStore, {where}); load: "
+          f"{os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "
+          f"on {os.cpu_count()} cores", flush=True)
+    print(f"{'N':>6} {'ops/check':>10} {'ops/check/N':>11} {'fixed/N':>7} {'coord s/check':>13} "
+          f"{'beat ops/s':>10} {'detect s':>8} {'judge s':>7} {'judge ops':>9}  culprits",
+          flush=True)
+    for n in [int(x) for x in args.sizes.split(",")]:
+        r = simulate(n, args.checks, args.procs, args.steady_s, args.timeout)
+        print(f"{n:>6} {r['ops_per_check']:>10.0f} {r['ops_per_check'] / n:>11.2f} "
+              f"{r['fixed_ops_per_check'] / n:>7.2f} "
+              f"{r['coord_s_per_check']:>13.3f} {r['heartbeat_ops_per_s']:>10.0f} "
+              f"{r['detect_s']:>8.2f} {r['judge_s']:>7.2f} {r['judge_ops'] or 0:>9}  "
+              f"{r['culprits']}{' ' + r['error'] if r['error'] else ''}", flush=True)
+        if args.json:
+            print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "job"))
+    main()
