@@ -516,6 +516,10 @@ class _Watchdog(threading.Thread):
                     break
             else:
                 return  # clean exit: the main thread stopped us
+            # A launcher stopping the job signals every rank at once: another rank's abort
+            # may be seen a moment before this rank's own signal is read. Read it now, so a
+            # whole-job termination is known as one (the first reason still stands).
+            self.step(store, 0.1)
             _exit_aborted(c, store)  # returns only when the main thread owns the exit
         except Exception as e:  # noqa: BLE001 — never die silently (the store is gone?)
             if c.leaving:

@@ -59,7 +59,7 @@ class LaunchEnv:
     agent_store: bool
     launcher: str
     run_id: str
-    run_id_shared: bool = False  # True: the id came from the launcher, no store round needed
+    run_id_shared: bool = False  # True: the id came from the launcher (rank 0 still posts it)
 
     @classmethod
     def from_environ(cls, environ=os.environ) -> "LaunchEnv":

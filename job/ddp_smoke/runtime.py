@@ -22,11 +22,11 @@ from .launchenv import LaunchEnv  # noqa: F401 — the harness reads it from her
 
 
 def share_run_id(env: LaunchEnv, store: dist.Store) -> LaunchEnv:
-    """Every rank's run id: rank 0 posts the one it drew, the others read it (see
-    :mod:`ddp_smoke.launchenv`). Call once every rank has connected; a launcher-given id
-    needs no round."""
-    if env.run_id_shared:
-        return env
+    """Every rank's run id: rank 0 posts its own, the others read it (see
+    :mod:`ddp_smoke.launchenv`). Call once every rank has connected. Always one round, even
+    for a launcher-given id: ranks started differently (one node through the image's
+    entrypoint, which sets DDP_SMOKE_RUN_ID, another by a plain `torchrun` command) must not
+    each decide on their own whether to wait for rank 0's."""
     if env.rank == 0:
         store.set("run_id", env.run_id)
         return env
