@@ -98,12 +98,18 @@ def test_image_is_non_root_lean_and_offline_built(docker_engine, worker_image: B
              "command -v gcc cc g++ || echo no-compiler; "
              "find / -xdev \\( -name '*.whl' -o -path '*/.cache/pip' \\) -print 2>/dev/null "
              "| head -3; echo end")
-    status, out = _run(docker_engine, "dsd-probe", "--network", "none", worker_image.tag,
-                       "bash", "-c", probe, timeout_s=60)
-    lines = [ln for ln in out.splitlines() if not ln.startswith("WARNING")]
-    assert status == 0, out
+    lines, out = _probe(docker_engine, "dsd-probe", worker_image, probe)
     # uid; the venv's torchrun (the base's one cannot import the worker); no compiler, no wheel.
     assert lines == [str(uid), "/opt/ddp-smoke/venv/bin/torchrun", "no-compiler", "end"], out
+
+
+def _probe(docker_engine, name: str, image: BuiltImage, script: str) -> tuple[list[str], str]:
+    """Run a shell script in the image without a network; its output lines (the engine's
+    WARNING lines left out) and the whole output. The script must succeed."""
+    status, out = _run(docker_engine, name, "--network", "none", image.tag, "bash", "-c",
+                       script, timeout_s=60)
+    assert status == 0, out
+    return [ln for ln in out.splitlines() if not ln.startswith("WARNING")], out
 
 
 def test_image_has_the_rdma_user_space(docker_engine, worker_image: BuiltImage):
@@ -113,10 +119,7 @@ def test_image_has_the_rdma_user_space(docker_engine, worker_image: BuiltImage):
              "python -c \"import ctypes, sys; ctypes.CDLL(sys.argv[1]); print(sys.argv[1])\" "
              "$lib; done; ls /usr/lib/*/libibverbs/ | grep -c -- '-rdmav[0-9]*\\.so$'; "
              "command -v ibv_devinfo")
-    status, out = _run(docker_engine, "dsd-rdma", "--network", "none", worker_image.tag,
-                       "bash", "-c", probe, timeout_s=60)
-    lines = [ln for ln in out.splitlines() if not ln.startswith("WARNING")]
-    assert status == 0, out
+    lines, out = _probe(docker_engine, "dsd-rdma", worker_image, probe)
     assert lines[:4] == sorted(f"{p} install ok installed" for p in RDMA_PACKAGES), out
     assert lines[4:6] == ["libibverbs.so.1", "librdmacm.so.1"], out  # the image's user loads them
     assert int(lines[6]) >= 5, out  # providers: mlx4, mlx5, efa, … (drivers for each fabric)
