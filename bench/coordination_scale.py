@@ -25,9 +25,9 @@ Per world size N it measures, in one simulated run:
     .venv/bin/python bench/coordination_scale.py            # --quick: N = 64 … 4096, ~1 min
     .venv/bin/python bench/coordination_scale.py --full --json --sizes 64,256
 
-Columns: store calls per check (all ranks), per rank, per rank without polls (waits that
-timed out and the look at the abort counter after each: what depends on how long the check
-took), rank 0's median seconds per check, heartbeat + watchdog calls per second, seconds
+Columns: store calls per check (all ranks), per rank, per rank without polls (blocking waits
+that timed out and the look at the abort counter after each; the harness now polls with
+``check`` instead, so its polls are counted with the rest), rank 0's median seconds per check, heartbeat + watchdog calls per second, seconds
 from rank 1's death to the abort, seconds and store calls of ``_judge_abort``, the culprits.
 
 Times are this machine's, under whatever else runs on it (the load average is printed): the

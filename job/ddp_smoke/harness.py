@@ -5,7 +5,8 @@ works the same for gloo and NCCL and still works when a collective is stuck:
 
 * each rank posts its identity; the ranks agree on the backend; then for every check each
   rank arrives (a per-rank key plus one counter; the last to arrive raises a flag the others
-  wait on in the store — about 5 store calls per rank per check), runs the check, posts its
+  poll, one key with a doubling pause — about 5 store calls per rank per check, plus the
+  polls), runs the check, posts its
   observation as JSON; rank 0 waits for the observation counter with a deadline, reads them
   in one call and judges;
 * a heartbeat thread per rank publishes, on its own store connection, a beat counter, the
