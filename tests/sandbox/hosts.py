@@ -151,8 +151,8 @@ def is_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False  # gone; ProcessLookupError: it exited between the open and the read
 
 
 class _HostsFile:
