@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 
 from .report import Culprit
 
-SIGNALS_BY_LAUNCHER = "SIGTERM"
-
 
 @dataclass
 class Snapshot:

@@ -312,13 +312,8 @@ class _Coordinator:
                 "message": f"run aborted at {self.stage}", "stage": self.stage}
 
     def _all_forensics(self, store) -> list[dict]:
-        out = []
-        for r in range(self.env.world_size):
-            got = _try_get(store, f"forensics/{r}")
-            if got:
-                out.append({"rank": r, "host": self.ranks[r].get("host") if r < len(self.ranks)
-                            else None, **json.loads(got)})
-        return out
+        return [{"rank": r, "host": self.ranks[r].get("host") if r < len(self.ranks) else None,
+                 **f} for r, f in _reads(store, "forensics", range(self.env.world_size)).items()]
 
     def _judge_abort(self, store) -> None:
         """Name the culprits of the stage where the run stopped (:mod:`ddp_smoke.blame`)."""
