@@ -16,19 +16,25 @@ Per world size N it measures, in one simulated run:
 * per check: store operations of the main threads (counted by a proxy around each
   connection: one call, one operation) and rank 0's wall time for arrive → post a trivial
   observation → gather, which is pure coordination;
-* an abort: at one more check rank 1 dies (its heartbeat stops) and rank 2 stalls (alive,
-  never posts). Rank 0's gather notices the silent heartbeat and aborts ("detect"); then
-  ``_Coordinator._judge_abort`` names the culprits ("judge"), while every other rank's watchdog
-  and main thread go through the real ``_exit_aborted`` and wait for the report. Process exit
-  (``_leave``) and the stack files (``forensics.dump``) are replaced in the workers, nothing else.
+* an abort: at one more check the last rank dies (its heartbeat stops) and the middle one
+  stalls (alive, never posts); ranks far from 0, so that no search that stops early hides.
+  Rank 0's main thread waits in ``gather`` while its watchdog notices the silent heartbeat
+  and aborts ("detect"); then ``_Coordinator._judge_abort`` names the culprits ("judge"),
+  while every other rank goes through the real ``_exit_aborted`` and waits for the report,
+  as its watchdog does once it sees the abort (here the rank's main thread stands in for its
+  watchdog; its own parked store wait costs the store nothing while it waits). Process exit
+  (``_leave``) and the stack files (``forensics.dump``) are replaced in the workers, nothing
+  else.
 
     .venv/bin/python bench/coordination_scale.py            # --quick: N = 64 … 4096, ~1 min
     .venv/bin/python bench/coordination_scale.py --full --json --sizes 64,256
 
-Columns: store calls per check (all ranks), per rank, per rank without polls (blocking waits
-that timed out and the look at the abort counter after each; the harness now polls with
-``check`` instead, so its polls are counted with the rest), rank 0's median seconds per check, heartbeat + watchdog calls per second, seconds
-from rank 1's death to the abort, seconds and store calls of ``_judge_abort``, the culprits.
+Columns: store calls per check (all ranks), per rank, per rank less the waits that timed out
+(each followed by a look at the abort counter: none, unless a watchdog failed to act), rank
+0's median seconds per check, heartbeat + watchdog calls per second, seconds from the
+death to the abort, seconds and store calls of ``_judge_abort`` (the culprits named), how many
+live ranks' forensics the report lists and how long the writer waited for them after judging
+(at most ``FORENSICS_WAIT_S``), the culprits.
 
 Times are this machine's, under whatever else runs on it (the load average is printed): the
 simulated ranks share its cores, where a cluster gives each rank its own.
@@ -238,11 +244,10 @@ def _rank_main(c, out, args, names, seen) -> None:
         pass
     except harness._Stop:
         if r == 0:  # an abort before the staged one: say whose, and let everyone leave
-            got = {i: harness._try_get(store, f"abort/{i}") for i in range(c.env.world_size)
-                   if store.check([f"abort/{i}"])}
+            got = harness._posted(store, "abort")
             out["error"] = "aborted before the staged fault: " + "; ".join(
-                f"rank {i}: {json.loads(v).get('kind')} {json.loads(v).get('silent', '')}"[:200]
-                for i, v in list(got.items())[:3])
+                f"rank {i}: {a.get('kind')} {a.get('silent', '')}"[:200]
+                for i, a in list(got.items())[:3])
             store.set("final", "fail")
             return
         try:
@@ -256,41 +261,44 @@ def _rank_main(c, out, args, names, seen) -> None:
 
 
 def _abort_scenario(c, out, args, name, seen) -> None:
-    """Rank 1 dies after arriving, rank 2 stalls; the others finish and wait for the next."""
+    """The last rank dies after arriving, the middle one stalls; the others finish and wait
+    for the next check."""
     from ddp_smoke import harness
     r, store = c.env.rank, c.store
     c.enter(name, args.timeout)
     c.arrive(store, f"arrive/{c.key(name)}", f"every rank to arrive at {name}")
     c.enter(name, args.timeout)
-    if r == 1:
+    dead, stalled = c.env.world_size - 1, c.env.world_size // 2
+    if r == dead:
         out["died_at"] = time.monotonic()
         c.stop.set()  # heartbeat and watchdog stop: to the others this process is gone
         return
-    if r == 2:
-        # alive, beating, never posts; its watchdog leaves as a watchdog does
+    if r != stalled:  # alive, beating, never posts
+        c.post_observation(store, name, {"ok": True, "data": {}, "duration_s": 0.0})
+    if r != 0:  # the rank's watchdog takes over once it sees the abort
         if seen.wait(args.timeout):
             harness._exit_aborted(c, c.wd_store)
         return
-    c.post_observation(store, name, {"ok": True, "data": {}, "duration_s": 0.0})
-    if r != 0:
-        c.enter("after", args.timeout)
-        c.arrive(store, f"arrive/{c.key('after')}", "every rank to arrive after the abort")
+    gathered = threading.Event()
+    threading.Thread(target=lambda: (c.gather(store, name), gathered.set()),
+                     daemon=True).start()  # blocks in the store's wait, as rank 0's main does
+    if not seen.wait(args.timeout) or gathered.is_set():
+        out["error"] = f"rank {dead} died and rank 0's watchdog did not abort"
         return
-    n = store.total()
-    try:
-        c.gather(store, name)
-        out["error"] = "gather returned although rank 1 died"
-        return
-    except harness._Stop:
-        out["detected_at"] = time.monotonic()
+    out["detected_at"] = time.monotonic()
+    wd, n = c.wd_store, c.wd_store.total()  # the watchdog judges, on its own connection
     t = time.monotonic()
-    c._judge_abort(store)
+    c.leave_forensics(wd)  # as _exit_aborted does, before it judges
+    c._judge_abort(wd)
     out["judge_s"] = time.monotonic() - t
-    out["judge_ops"] = store.total() - n
+    out["judge_ops"] = wd.total() - n
+    t = time.monotonic()  # then, as finalize does: the live ranks' forensics for the report
+    listed = harness._posted(wd, "forensics", c.live, harness.FORENSICS_WAIT_S)
+    out["forensics"] = [len(set(listed) & c.live), len(c.live), time.monotonic() - t]
     res = c.judged[-1][1]
     out["culprits"] = [x.rank for x in res.culprits]
     out["victims"] = len(res.figures["victims"])
-    store.set("final", "fail")
+    wd.set("final", "fail")
 
 
 def _private_loopback() -> str:
@@ -326,6 +334,9 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
                          f"{resource.getrlimit(resource.RLIMIT_NOFILE)[1]}")
     server = dist.TCPStore("127.0.0.1", 0, world, True, datetime.timedelta(seconds=timeout),
                            wait_for_workers=False, use_libuv=True)
+    # Ranks per process, not the protocol, set the floor here: a process's ranks take turns
+    # at one GIL, and each store call wakes a thread. At 4,096 ranks a check took 1.5 s
+    # with 2 processes, 0.66–1.0 s with 4, 0.34–0.38 s with 8 and 0.30 s with 16.
     procs = max(1, min(procs, world // 4))
     # Rank 0, which gathers and judges, has a process of its own, as it has a node of its
     # own in a cluster: its timings are the store's, not those of a GIL shared with 1,000
@@ -373,9 +384,10 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
         "heartbeat_ops_per_s": sum(v["side_ops"] / v["side_s"] for v in side),
         "ranks_reported": len(ranks),
         "detect_s": zero.get("detected_at", float("nan"))
-        - ranks.get(1, {}).get("died_at", float("nan")),
+        - ranks.get(world - 1, {}).get("died_at", float("nan")),
         "judge_s": zero.get("judge_s", float("nan")), "judge_ops": zero.get("judge_ops"),
         "culprits": zero.get("culprits"), "victims": zero.get("victims"),
+        "forensics": zero.get("forensics") or [0, 0, float("nan")],
         "error": zero.get("error"),
         "ops_by_kind": {k: dict(sum((Counter(v.get("ops", {}).get(k, {})) for v in ranks.values()),
                                      Counter()))
@@ -391,7 +403,8 @@ def main() -> None:
     p.add_argument("--full", action="store_true", help="10 checks and 5 s per size")
     p.add_argument("--sizes", default="64,256,1024,4096")
     p.add_argument("--checks", type=int)
-    p.add_argument("--procs", type=int, default=4, help="worker processes hosting the ranks")
+    p.add_argument("--procs", type=int, default=8,
+                   help="worker processes hosting the ranks (8: 512 ranks each at 4,096)")
     p.add_argument("--steady-s", type=float)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--json", action="store_true", help="one JSON line per size, too")
@@ -409,14 +422,16 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "
           f"on {os.cpu_count()} cores", flush=True)
     print(f"{'N':>6} {'ops/check':>10} {'ops/check/N':>11} {'fixed/N':>7} {'coord s/check':>13} "
-          f"{'beat ops/s':>10} {'detect s':>8} {'judge s':>7} {'judge ops':>9}  culprits",
+          f"{'beat ops/s':>10} {'detect s':>8} {'judge s':>7} {'judge ops':>9} "
+          f"{'forensics':>15}  culprits",
           flush=True)
     for n in [int(x) for x in args.sizes.split(",")]:
         r = simulate(n, args.checks, args.procs, args.steady_s, args.timeout)
         print(f"{n:>6} {r['ops_per_check']:>10.0f} {r['ops_per_check'] / n:>11.2f} "
               f"{r['fixed_ops_per_check'] / n:>7.2f} "
               f"{r['coord_s_per_check']:>13.3f} {r['heartbeat_ops_per_s']:>10.0f} "
-              f"{r['detect_s']:>8.2f} {r['judge_s']:>7.2f} {r['judge_ops'] or 0:>9}  "
+              f"{r['detect_s']:>8.2f} {r['judge_s']:>7.2f} {r['judge_ops'] or 0:>9} "
+              f"{'%d/%d %.1fs' % tuple(r['forensics']):>15}  "
               f"{r['culprits']}{' ' + r['error'] if r['error'] else ''}", flush=True)
         if args.json:
             print(json.dumps(r), flush=True)

@@ -131,6 +131,29 @@ def test_rank_stalled_inside_the_sweep_is_the_only_culprit(tmp_path, attempt):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("attempt", range(2))
+def test_rank_frozen_before_arriving_is_named_from_its_heartbeat(tmp_path, attempt):
+    # Rank 2 holds back before compute, then freezes (SIGSTOP: a node wedged in the kernel,
+    # a paused container) while the others wait at compute's arrival: the launcher sees
+    # nothing wrong. Rank 0's watchdog names it from its heartbeat, long before the 60 s
+    # deadline: the first abort is rank 0's "lost", not a timeout.
+    run = Spawned(4, "--checks", "environment,compute", "--timeout", "60", "--fault",
+                  "2:hang@compute", report_dir=tmp_path / "report",
+                  env={"OMP_NUM_THREADS": "1"})
+    run.wait_until(_in_compute)
+    pid = run.worker_pid(2)
+    os.kill(pid, signal.SIGSTOP)
+    done = _finish_failed(run, time.time(), "rank 2 frozen before arriving")  # torchrun kills it
+    report = done.report
+    culprits = _culprits(report, "compute")
+    assert [c["rank"] for c in culprits] == [2], culprits
+    assert "no heartbeat" in culprits[0]["reason"], culprits[0]
+    aborts = next(c for c in report["checks"] if c["name"] == "compute")["figures"]["aborts"]
+    assert (aborts[0]["rank"], aborts[0]["kind"], aborts[0]["silent"]) == (0, "lost", [2])
+    assert _victims(report, "compute") == [0, 1, 3]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("attempt", range(2))
 def test_rank_0_paused_while_the_others_wait_is_still_a_pass(tmp_path, attempt):
     # Rank 0's heartbeat stops for 3 s (a GC pause, a slow disk, a stopped process) while
     # the others have finished and wait for the verdict: a passing run exits 0 everywhere.

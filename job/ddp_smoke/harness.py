@@ -4,16 +4,18 @@ Coordination goes through the launcher's TCPStore, never through the backend und
 works the same for gloo and NCCL and still works when a collective is stuck:
 
 * each rank posts its identity; the ranks agree on the backend; then for every check each
-  rank arrives (a per-rank key plus one counter; the last to arrive raises a flag the others
-  poll, one key with a doubling pause — about 5 store calls per rank per check, plus the
-  polls), runs the check, posts its
-  observation as JSON; rank 0 waits for the observation counter with a deadline, reads them
-  in one call and judges;
+  rank arrives (it posts a key of its own; rank 0 waits for all of them in one blocking
+  store wait and raises a flag the others wait for), runs the check and posts its
+  observation as JSON; rank 0 waits for all observations in one call, reads them in one
+  more and judges. Three store calls per rank per check, however long the check takes;
+  nothing polls;
 * a heartbeat thread per rank publishes, on its own store connection, a beat counter, the
   stage and the rank's collective progress (:mod:`ddp_smoke.comm`);
 * a watchdog thread per rank, on its own connection, watches the deadline, the shared abort
   flag and termination signals (SIGTERM, SIGINT, SIGUSR1, SIGUSR2 arrive through a wakeup fd,
-  because the main thread may sit inside a C++ collective where Python handlers cannot run);
+  because the main thread may sit inside a C++ collective or a store wait, where Python
+  handlers cannot run); rank 0's also watches the heartbeats of the ranks it waits for.
+  The watchdog finishes an aborted run itself, so nothing ever has to wake the main thread;
 * any rank that errs, times out or is terminated posts an abort with its reason; every live
   rank then leaves its forensics (:mod:`ddp_smoke.forensics`), and the report's writer judges
   from the evidence (:mod:`ddp_smoke.blame`), writes the report with what was measured, and
@@ -52,7 +54,9 @@ BEAT_S = 0.25          # heartbeat period; a rank silent for DEAD_AFTER_S is tak
 DEAD_AFTER_S = 1.5
 FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
 TAKEOVER_S = 3 * DEAD_AFTER_S  # rank 0 silent this long, before writing: a survivor writes
-POLL_MAX_S = 0.05      # longest pause between two looks for a key a rank waits on ...
+FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
+GRACE_S = 5.0          # the main thread's waits outlast the deadline by this: the watchdog acts
+POLL_MAX_S = 0.05      # longest pause between two looks for the verdict, at small scale ...
 STORE_OPS_PER_S = 20000  # ... within a budget on the one store: pauses grow with the world
 TERMINATING = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", signal.SIGUSR1: "SIGUSR1",
                signal.SIGUSR2: "SIGUSR2"}
@@ -135,8 +139,14 @@ class _Coordinator:
         self.leaving = False  # set once this rank has its verdict: store errors are expected now
         self.stop = threading.Event()  # ends the heartbeat and watchdog threads on a clean exit
         self.threads: list[threading.Thread] = []
-        self.poll_max = max(POLL_MAX_S, env.world_size / STORE_OPS_PER_S)  # 0.2 s at 4,096
-        self._forensics: dict | None = None
+        # the verdict's pollers use a quarter of the store's budget: 0.82 s apart at 4,096
+        self.poll_max = max(POLL_MAX_S, 4 * env.world_size / STORE_OPS_PER_S)
+        # rank 0, while it waits for every rank's prefix/<rank>: (what it waits for, prefix)
+        self.awaiting: tuple[str, str] | None = None
+        self.silence = _Silence(DEAD_AFTER_S)  # every look at the heartbeats, kept: the judge
+        self._forensics: dict | None = None  # this rank's own
+        self.posted_forensics: dict[int, dict] = {}  # every rank's, read by the writer
+        self.live: set[int] = set()  # the ranks the writer's judge found alive
 
     # -- phase, read as one snapshot by the watchdog -------------------------------------
     def enter(self, stage: str, deadline_s: float | None) -> None:
@@ -161,8 +171,10 @@ class _Coordinator:
         """Tell everyone the run stops, and why, from this rank's point of view."""
         body = {"rank": self.env.rank, "kind": kind, "stage": self.stage, "at": time.time(),
                 **(detail or {})}
+        text = json.dumps(body)
         try:  # the first reason stands: a SIGTERM after an error must not hide the error
-            store.compare_set(f"abort/{self.env.rank}", "", json.dumps(body))
+            if store.compare_set(f"abort/{self.env.rank}", "", text) == text.encode():
+                store.append("abort/listed", f"{self.env.rank},")  # one list to read
             store.add("abort", 1)
         except Exception:  # noqa: BLE001 — the store host may be gone; nothing left to tell
             pass
@@ -175,56 +187,59 @@ class _Coordinator:
         return f"{stage}/{self.iteration}"
 
     def arrive(self, store, prefix: str, what: str) -> None:
-        """Post ``prefix/<rank>`` and wait until every rank has (or raise _Stop)."""
+        """Post ``prefix/<rank>`` and wait until every rank has (or raise _Stop). Rank 0
+        waits for all of them in one call and then raises ``prefix/all``, which every other
+        rank waits for: two store calls per rank, whatever the world size."""
         store.set(f"{prefix}/{self.env.rank}", "1")
-        if store.add(prefix, 1) == self.env.world_size:
-            store.set(f"{prefix}/all", "1")  # the last to arrive tells everyone at once
-        self.wait_flag(store, f"{prefix}/all", what)
+        if self.env.rank == 0:
+            self.await_all(store, prefix, what)
+            store.set(f"{prefix}/all", "1")
+        else:
+            self.wait_for(store, [f"{prefix}/all"], what)
 
-    def wait_flag(self, store, key: str, what: str, watch=None) -> None:
-        """Wait for one key to exist (:func:`_wait_key`); raise _Stop on abort or deadline.
-        Every BEAT_S or so it looks at the abort counter and the deadline — less often
-        beyond 500 ranks (2 s at 4,096): the watchdog looks at both every period, this is a
-        second look, and 3 calls per look from every waiting rank would crowd the store.
-        ``watch()``, if given, runs about once a second (once a look, if looks are further
-        apart) and may raise _Stop itself."""
-        watched, slice_s = time.monotonic(), _period(self.env.world_size, 10)
-        while not _wait_key(store, key, slice_s, self.poll_max):
-            if self.aborted(store):
-                raise _Stop
-            if watch and time.monotonic() - watched > 1.0:
-                watched = time.monotonic()
-                watch()
-            if self.expired():
-                self.abort(store, "timeout", {"waiting_for": what})
-                raise _Stop
+    def await_all(self, store, prefix: str, what: str) -> None:
+        """Rank 0: wait until every rank has posted ``prefix/<rank>``. Meanwhile its
+        watchdog watches the heartbeats of the ranks still missing (:meth:`_Watchdog.watch`)."""
+        with self._lock:
+            self.awaiting = (what, prefix)
+        try:
+            self.wait_for(store, [f"{prefix}/{r}" for r in range(self.env.world_size)], what)
+        finally:
+            with self._lock:
+                self.awaiting = None
+
+    def wait_for(self, store, keys: list[str], what: str) -> None:
+        """Block until every key in ``keys`` exists: the store's own wait, one call, no
+        polling.
+
+        Nothing has to wake this thread when the run is aborted: the watchdog sees the abort,
+        the deadline or a silent rank, and ends the process itself. The wait is bounded by
+        the stage's deadline and GRACE_S more, for the watchdog to act first; only if it has
+        not does this thread abort. (A bounded wait that times out makes c10d log two
+        warning lines: slices of a few seconds flooded a slow run's output with them.)
+        """
+        while True:
+            deadline = self.phase()[1]
+            left = float(self.cfg["timeout"]) if deadline is None else deadline - time.monotonic()
+            try:
+                store.wait(keys, datetime.timedelta(seconds=max(0.0, left) + GRACE_S))
+                return
+            except dist.DistStoreError:  # timed out (a lost store raises DistNetworkError)
+                if self.aborted(store):
+                    raise _Stop from None
+                if self.expired():
+                    self.abort(store, "timeout", {"waiting_for": what})
+                    raise _Stop from None
 
     def gather(self, store, stage: str) -> list[dict]:
-        """Rank 0: every rank's observation of ``name``, read in one call once all are in.
-
-        While it waits, rank 0 watches the heartbeats of the ranks still missing: one silent
-        for DEAD_AFTER_S (killed, frozen, cut off) stops the run now, not at the deadline.
-        """
-        silence, key = _Silence(DEAD_AFTER_S), self.key(stage)
-        world = range(self.env.world_size)
-
-        def watch():  # a few store calls whatever the world size: all beats in one read
-            beats = _beats(store, world)
-            silent = silence.update({r: (beats.get(r) or {}).get("n") for r in world})
-            gone = [r for r in silent if not store.check([f"obs/{key}/{r}"])]
-            if gone:
-                self.abort(store, "lost", {"silent": gone, "waiting_for": f"{stage} results"})
-                raise _Stop
-
-        self.wait_flag(store, f"obs/{key}/all", f"every rank to finish {stage}", watch)
+        """Rank 0: every rank's observation of ``stage``, read in one call once all are in."""
+        prefix = f"obs/{self.key(stage)}"
+        self.await_all(store, prefix, f"every rank to finish {stage}")
         return [json.loads(v) for v in
-                store.multi_get([f"obs/{key}/{r}" for r in range(self.env.world_size)])]
+                store.multi_get([f"{prefix}/{r}" for r in range(self.env.world_size)])]
 
     def post_observation(self, store, stage: str, obs: dict) -> None:
-        key = self.key(stage)
-        store.set(f"obs/{key}/{self.env.rank}", json.dumps(obs))
-        if store.add(f"obs/{key}", 1) == self.env.world_size:
-            store.set(f"obs/{key}/all", "1")
+        store.set(f"obs/{self.key(stage)}/{self.env.rank}", json.dumps(obs))
 
     # -- the report's writer ---------------------------------------------------------------
     def finalize(self, store, aborted: bool) -> Report | None:
@@ -239,12 +254,14 @@ class _Coordinator:
             pass
         if aborted:
             self._judge_abort(store)
+            # the report lists every live rank's forensics: the last ones may still come
+            self.posted_forensics = _posted(store, "forensics", self.live, FORENSICS_WAIT_S)
         self.timings["total_s"] = round(time.monotonic() - self.t0, 4)
         report = Report(version=__version__, started_at=self.started_at, backend=self.backend,
                         world_size=self.env.world_size, ranks=self._identities(store),
                         checks=self._with_unrun(), config=self.cfg, timings=self.timings,
                         error=self._first_error(store) if aborted else None,
-                        forensics=self._all_forensics(store) if aborted else [],
+                        forensics=self._all_forensics() if aborted else [],
                         run_id=self.env.run_id)
         try:
             path = write_report(report, self.report_dir)
@@ -286,13 +303,11 @@ class _Coordinator:
     def _identities(self, store) -> list[dict]:
         if len(self.ranks) == self.env.world_size:
             return self.ranks
-        out = []
-        for r in range(self.env.world_size):
-            got = _try_get(store, f"rank/{r}")
-            out.append(json.loads(got) if got else {"rank": r, "local_rank": None, "host": None,
-                                                     "missing": "never connected to the store"})
-        self.ranks = out
-        return out
+        posted = _reads(store, "rank", range(self.env.world_size))
+        self.ranks = [posted.get(r) or {"rank": r, "local_rank": None, "host": None,
+                                        "missing": "never connected to the store"}
+                      for r in range(self.env.world_size)]
+        return self.ranks
 
     def _with_unrun(self) -> list[CheckResult]:
         results = repeat.combine(self.judged, [r.get("host") for r in self.ranks])
@@ -302,18 +317,16 @@ class _Coordinator:
         return results + rest
 
     def _first_error(self, store) -> dict | None:
-        for r in range(self.env.world_size):
-            got = _try_get(store, f"abort/{r}")
-            if got and json.loads(got).get("kind") == "error":
-                e = json.loads(got)
+        for r, e in sorted(_posted(store, "abort").items()):
+            if e.get("kind") == "error":
                 return {"rank": r, "host": self.ranks[r]["host"] if r < len(self.ranks) else None,
                         "type": e.get("type"), "message": e.get("message"), "stage": e["stage"]}
         return {"rank": None, "host": None, "type": "Aborted",
                 "message": f"run aborted at {self.stage}", "stage": self.stage}
 
-    def _all_forensics(self, store) -> list[dict]:
+    def _all_forensics(self) -> list[dict]:
         return [{"rank": r, "host": self.ranks[r].get("host") if r < len(self.ranks) else None,
-                 **f} for r, f in _reads(store, "forensics", range(self.env.world_size)).items()]
+                 **f} for r, f in sorted(self.posted_forensics.items())]
 
     def _judge_abort(self, store) -> None:
         """Name the culprits of the stage where the run stopped (:mod:`ddp_smoke.blame`)."""
@@ -323,25 +336,30 @@ class _Coordinator:
         # A few store calls per kind of key, not one per rank: thousands of ranks judge in
         # about DEAD_AFTER_S (bench/coordination_scale.py).
         connected = _ranks_with(store, "rank", world)
-        reasons = _reads(store, "abort", world, store.add("abort", 0))
+        reasons = _posted(store, "abort")
         terminated = {r for r, a in reasons.items() if a["kind"] == "terminated"}
-        dead, beats = _dead_ranks(store, sorted(connected), exclude=terminated)
-        reasons.update({r: a for r, a in _reads(store, "abort", world,
-                                                store.add("abort", 0)).items()
-                        if r not in reasons})  # posted while we waited
+        dead, beats = _dead_ranks(store, sorted(connected), terminated, self.silence)
+        reasons = {**_posted(store, "abort"), **reasons}  # and those posted while we looked
+        self.live = connected - set(dead)
+        found = _posted(store, "forensics")
         arrive = "connect" if stage == "init" else f"arrive/{self.key(stage)}"
         obs = f"obs/{self.key(stage)}"
         snap = blame.Snapshot(
             stage=stage, world_size=self.env.world_size, timeout_s=float(self.cfg["timeout"]),
             hosts=[i.get("host") for i in ids], connected=connected,
-            arrived=_ranks_with(store, arrive, world, store.add(arrive, 0)),
-            finished=_ranks_with(store, obs, world, store.add(obs, 0)),
+            arrived=_ranks_with(store, arrive, world), finished=_ranks_with(store, obs, world),
             dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != "stopped"},
             progress=beats,
-            where={r: f["where"] for r, f in _reads(store, "forensics", world).items()
-                   if f.get("where")},
+            where={r: f["where"] for r, f in found.items() if f.get("where")},
             store=f"{self.env.master_addr}:{self.env.master_port}", dead_after_s=DEAD_AFTER_S)
         verdict = blame.judge(snap)
+        # Each live rank leaves its forensics once it sees the abort, maybe after this judge
+        # began: a culprit's innermost frame is worth a short wait.
+        unsaid = {c.rank for c in verdict.culprits if c.rank in self.live and c.where is None}
+        if unsaid - set(found):
+            found = _posted(store, "forensics", unsaid, FORENSICS_WAIT_S)
+            for c in verdict.culprits:
+                c.where = c.where or found.get(c.rank, {}).get("where")
         figures = {"arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
                    "dead": sorted(dead), "victims": verdict.victims,
                    "progress": {str(r): p for r, p in sorted(beats.items())},
@@ -365,6 +383,7 @@ class _Coordinator:
         self._forensics = found
         try:
             store.set(f"forensics/{self.env.rank}", json.dumps(found))
+            store.append("forensics/listed", f"{self.env.rank},")
         except Exception:  # noqa: BLE001 — the store is gone; the files are still there
             pass
 
@@ -382,17 +401,32 @@ def _beat_of(store, rank: int) -> dict | None:
 
 
 class _Silence:
-    """Which ranks' heartbeat counters have not moved for ``after_s``."""
+    """What every look at the heartbeat counters showed: which ranks' counters have not
+    moved for ``after_s`` (silent), and which moved within it (alive). Kept across looks,
+    from any thread: rank 0's watchdog looks while it waits for all ranks, and the judge
+    goes on from there."""
 
     def __init__(self, after_s: float):
-        self.after_s, self.last = after_s, {}
+        self.after_s, self.last, self.moved = after_s, {}, {}
+        self._lock = threading.Lock()
 
     def update(self, beats: dict) -> list[int]:
+        """Record one look (rank -> counter); return the silent ranks among them."""
         now = time.monotonic()
-        for r, n in beats.items():
-            if r not in self.last or self.last[r][0] != n:
-                self.last[r] = (n, now)
-        return sorted(r for r in beats if now - self.last[r][1] > self.after_s)
+        with self._lock:
+            for r, n in beats.items():
+                if r not in self.last:
+                    self.last[r] = (n, now)
+                elif self.last[r][0] != n:
+                    self.last[r] = self.moved[r] = (n, now)
+            return sorted(r for r in beats if now - self.last[r][1] > self.after_s)
+
+    def undecided(self, ranks) -> list[int]:
+        """Ranks neither silent nor seen moving within ``after_s``: look again to know."""
+        now = time.monotonic()
+        with self._lock:
+            return [r for r in ranks if now - self.last[r][1] <= self.after_s
+                    and now - self.moved.get(r, (None, -1e9))[1] > self.after_s]
 
 
 def _period(world: int, calls: float) -> float:
@@ -405,9 +439,9 @@ def _period(world: int, calls: float) -> float:
 def _wait_key(store, key: str, timeout_s: float, pause_max: float) -> bool:
     """Whether ``key`` exists within ``timeout_s``: one ``check`` at a time, the pause
     doubling from 1 ms to ``pause_max`` (a key set during a short wait is seen within a few
-    ms; a long one costs one call per ``pause_max``). Not the store's blocking ``wait``:
-    each time one times out c10d logs two warning lines, which flooded every rank's output
-    with a hundred of them in a short run with one slow rank."""
+    ms; a long one costs one call per ``pause_max``). For the waits that must look at
+    something else between looks, where the store's blocking ``wait`` would time out again
+    and again, and c10d logs two warning lines each time."""
     end, pause = time.monotonic() + timeout_s, 0.001
     while not store.check([key]):
         left = end - time.monotonic()
@@ -421,7 +455,8 @@ def _wait_key(store, key: str, timeout_s: float, pause_max: float) -> bool:
 def _existing(store, keys: list[str]) -> list[str]:
     """The keys that exist. One ``check`` answers for a whole group when all of it exists;
     a group with a key missing is halved, so k missing keys among n cost about
-    2·k·log2(n/k) calls, and small groups are asked key by key."""
+    2·k·log2(n/k) calls, and small groups are asked key by key (when few exist, about 1.5·n
+    calls: the store has no "any of these" question)."""
     if not keys:
         return []
     if store.check(keys):
@@ -432,30 +467,17 @@ def _existing(store, keys: list[str]) -> list[str]:
     return _existing(store, keys[:half]) + _existing(store, keys[half:])
 
 
-def _ranks_with(store, prefix: str, ranks, count: int | None = None) -> set[int]:
-    """Ranks r in ``ranks`` for which ``prefix/r`` exists. ``count``, when known, is how
-    many were posted at most (the counter posted beside them): none, all, or few are found
-    without asking about every rank."""
-    ranks = list(ranks)
-    if count is not None and count <= 0:
-        return set()
-    if count is None or 2 * count >= len(ranks):  # most exist: halving finds the missing
-        keys = _existing(store, [f"{prefix}/{r}" for r in ranks])
-        return {int(k.rsplit("/", 1)[1]) for k in keys}
-    found = set()
-    for r in ranks:  # few exist: ask one by one, and stop once all of them were found
-        if store.check([f"{prefix}/{r}"]):
-            found.add(r)
-            if len(found) >= count:
-                break
-    return found
+def _ranks_with(store, prefix: str, ranks) -> set[int]:
+    """Ranks r in ``ranks`` for which ``prefix/r`` exists."""
+    keys = _existing(store, [f"{prefix}/{r}" for r in ranks])
+    return {int(k.rsplit("/", 1)[1]) for k in keys}
 
 
-def _reads(store, prefix: str, ranks, count: int | None = None) -> dict[int, dict]:
+def _reads(store, prefix: str, ranks) -> dict[int, dict]:
     """The JSON posted at ``prefix/r`` by each rank in ``ranks`` that posted one, in one
     read (evidence gathering never raises)."""
     try:
-        have = sorted(_ranks_with(store, prefix, ranks, count))
+        have = sorted(_ranks_with(store, prefix, ranks))
         got = store.multi_get([f"{prefix}/{r}" for r in have]) if have else []
         return {r: json.loads(g) for r, g in zip(have, got)}
     except Exception:  # noqa: BLE001
@@ -466,16 +488,40 @@ def _beats(store, ranks) -> dict[int, dict]:
     return _reads(store, "beat", ranks)
 
 
-def _dead_ranks(store, ranks, exclude) -> tuple[list[int], dict[int, dict]]:
-    """Ranks whose heartbeat did not move over DEAD_AFTER_S (``exclude``d ones left out), and
-    every rank's last published progress."""
-    before = _beats(store, ranks)
-    time.sleep(DEAD_AFTER_S)
-    now = _beats(store, ranks)
-    after = {r: now.get(r) or before.get(r) for r in ranks}
-    dead = [r for r in ranks if r not in exclude
-            and (after[r] or {}).get("n") == (before.get(r) or {}).get("n")]
-    return dead, {r: p for r, p in after.items() if p}
+def _dead_ranks(store, ranks, exclude, silence: _Silence) -> tuple[list[int], dict[int, dict]]:
+    """Ranks whose heartbeat has not moved for DEAD_AFTER_S (``exclude``d ones left out),
+    and every rank's last published progress. Looks every BEAT_S until each rank is silent
+    or seen moving: at once when rank 0's watchdog was watching (an abort while it waited
+    for all ranks), after DEAD_AFTER_S when a rank is dead and nobody was."""
+    end, latest = time.monotonic() + DEAD_AFTER_S + BEAT_S, {}
+    while True:
+        latest.update(_beats(store, ranks))
+        silent = silence.update({r: (latest.get(r) or {}).get("n") for r in ranks})
+        if not silence.undecided(ranks) or time.monotonic() > end:
+            break
+        time.sleep(BEAT_S)
+    return [r for r in silent if r not in exclude], {r: p for r, p in latest.items() if p}
+
+
+def _posted(store, prefix: str, wait_for=(), timeout_s: float = 0.0) -> dict[int, dict]:
+    """The JSON each rank posted at ``prefix/<rank>``, for the kinds of key a rank posts
+    once and lists itself under ``prefix/listed`` (aborts, forensics): one list to read
+    instead of a look per rank. First waits, up to ``timeout_s``, for the ranks in
+    ``wait_for`` to be listed. Evidence gathering never raises."""
+    try:
+        end, pause = time.monotonic() + timeout_s, 0.01
+        while True:
+            listed = (store.get(f"{prefix}/listed").decode()
+                      if store.check([f"{prefix}/listed"]) else "")
+            ranks = sorted({int(r) for r in listed.split(",") if r})
+            if set(wait_for) <= set(ranks) or time.monotonic() > end:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
+        got = store.multi_get([f"{prefix}/{r}" for r in ranks]) if ranks else []
+        return {r: json.loads(g) for r, g in zip(ranks, got)}
+    except Exception:  # noqa: BLE001
+        return {}
 
 
 def _beat(c: _Coordinator) -> None:
@@ -499,9 +545,12 @@ def _beat_once(c: _Coordinator, store, n: int) -> None:
 class _Watchdog(threading.Thread):
     """Enforces the deadline, reacts to aborts and signals even while main is stuck."""
 
+    WATCH_S = 1.0  # rank 0 reads every heartbeat about this often while it waits for all
+
     def __init__(self, coord: _Coordinator, wakeup_fd: int):
         super().__init__(name="ddp-smoke-watchdog", daemon=True)
         self.coord, self.wakeup_fd = coord, wakeup_fd
+        self.looked = 0.0  # when watch() last read the heartbeats
 
     def run(self) -> None:
         c, store = self.coord, self.coord.wd_store
@@ -523,8 +572,8 @@ class _Watchdog(threading.Thread):
             _give_up(c, e)
 
     def step(self, store, wait_s: float) -> bool:
-        """One look: signals (waiting up to ``wait_s`` for one), the deadline, the abort
-        counter. True when the run is aborted."""
+        """One look: signals (waiting up to ``wait_s`` for one), the deadline, on rank 0 the
+        heartbeats of the ranks it waits for, the abort counter. True when aborted."""
         c = self.coord
         if select.select([self.wakeup_fd], [], [], wait_s)[0]:
             got = [s for s in os.read(self.wakeup_fd, 64) if s in TERMINATING]
@@ -532,7 +581,25 @@ class _Watchdog(threading.Thread):
                 c.abort(store, "terminated", {"signal": TERMINATING[got[0]]})
         if c.expired():
             c.abort(store, "timeout", {"waiting_for": c.stage})
+        if c.awaiting is not None:
+            self.watch(store, *c.awaiting)
         return c.aborted(store)
+
+    def watch(self, store, what: str, prefix: str) -> None:
+        """Rank 0, while its main thread waits for every rank's ``prefix/<rank>``: a rank
+        that has beaten, whose heartbeat has been still for DEAD_AFTER_S since (killed,
+        frozen, cut off) and that has not posted stops the run now, not at the deadline. A
+        rank not yet started is waited for. All heartbeats are read in one call, about once
+        WATCH_S, whatever the world size."""
+        if time.monotonic() - self.looked < self.WATCH_S:
+            return
+        self.looked = time.monotonic()
+        world = range(self.coord.env.world_size)
+        beats = _beats(store, world)
+        silent = self.coord.silence.update({r: (beats.get(r) or {}).get("n") for r in world})
+        gone = [r for r in silent if r in beats and not store.check([f"{prefix}/{r}"])]
+        if gone:
+            self.coord.abort(store, "lost", {"silent": gone, "waiting_for": what})
 
 
 def _give_up(c: _Coordinator, e: BaseException) -> None:
@@ -587,7 +654,8 @@ def _await_report(c: _Coordinator, store, timeout_s: float) -> str | None:
     period = min(TAKEOVER_S / 3, _period(c.env.world_size, 10))
     while time.monotonic() < end:
         if _wait_key(store, "final", period, c.poll_max):
-            store.add("bye", 1)
+            if store.add("bye", 1) == c.env.world_size - 1:
+                store.set("bye/all", "1")  # rank 0, if it hosts the store, may leave now
             return store.get("final").decode()
         writer = _try_get(store, "writer")
         if writer is not None and int(writer) != watch:
@@ -717,7 +785,7 @@ def run(cfg: dict[str, Any]) -> int:
     if report is None:  # the watchdog is finishing an abort and owns the exit
         time.sleep(FINAL_WAIT_S)
     if not env.agent_store:  # rank 0 hosts the store: let the others read the verdict first
-        _wait_counter(store, "bye", env.world_size - 1, 5.0)
+        _wait_key(store, "bye/all", 5.0, coord.poll_max)
     _shut_down(coord)
     return 0 if report is not None and report.verdict == "pass" and not coord.report_lost else 1
 
@@ -731,7 +799,7 @@ def _another_iteration(coord: _Coordinator, store, started: float) -> bool:
     key = f"next/{coord.iteration}"
     if coord.env.rank == 0:
         store.set(key, "1" if time.monotonic() - started < cfg["duration"] else "0")
-    coord.wait_flag(store, key, "rank 0 to decide on another iteration")
+    coord.wait_for(store, [key], "rank 0 to decide on another iteration")
     return store.get(key) == b"1"
 
 
@@ -805,12 +873,6 @@ def _error_detail(e: BaseException) -> dict:
                                                                       for m in _COMM_MARKERS)
     return {"type": type(e).__name__, "message": message.splitlines()[0][:500] if message else "",
             "traceback": traceback.format_exc(limit=6), "comm": comm_error}
-
-
-def _wait_counter(store, key: str, target: int, timeout_s: float) -> None:
-    end = time.monotonic() + timeout_s
-    while store.add(key, 0) < target and time.monotonic() < end:
-        time.sleep(0.02)
 
 
 def _store(env: runtime.LaunchEnv, timeout: float, may_host: bool):
