@@ -92,7 +92,6 @@ def worker(args) -> None:
     import torch.distributed as dist  # once per process, not per rank
 
     from ddp_smoke import forensics, harness, runtime
-    _compat(harness)
 
     # first, a low fd: the watchdogs select() on it, and select() takes fds below 1024 only
     pipe_r, _pipe_w = os.pipe()  # never written: the watchdogs' select just times out
@@ -150,23 +149,6 @@ def worker(args) -> None:
     os._exit(0)  # no interpreter teardown under threads still inside store calls
 
 
-def _compat(harness) -> None:
-    """Before the protocol at scale (to measure the old one): the same steps, spelled out."""
-    import select
-    if not hasattr(harness, "_period"):
-        harness._period = lambda world, calls: harness.BEAT_S
-    if not hasattr(harness, "_beat_once"):
-        harness._beat_once = lambda c, store, n: store.set(f"beat/{c.env.rank}", json.dumps(
-            {"n": n, "t": time.time(), "stage": c.stage, **harness.comm.progress()}))
-    if not hasattr(harness._Watchdog, "step"):
-        def step(self, store, wait_s):
-            select.select([self.wakeup_fd], [], [], wait_s)
-            if self.coord.expired():
-                self.coord.abort(store, "timeout", {"waiting_for": self.coord.stage})
-            return self.coord.aborted(store)
-        harness._Watchdog.step = step
-
-
 def _progress(out: dict, lo: int) -> None:
     """Every 10 s on stderr: how many of this worker's ranks passed each phase (shown when
     a simulation does not finish)."""
@@ -181,9 +163,9 @@ def _progress(out: dict, lo: int) -> None:
 def _drive_beats(coords: dict) -> None:
     """Every rank's heartbeat, one ``harness._beat_once`` per rank per period, from one
     thread: a thread per rank and per role would measure this machine's scheduler."""
-    from ddp_smoke import harness
+    from ddp_smoke import harness, storekeys
     n = dict.fromkeys(coords, 0)
-    period = harness._period(next(iter(coords.values())).env.world_size, 2)
+    period = storekeys.look_period(next(iter(coords.values())).env.world_size, 2)
     while True:
         t = time.monotonic()
         for r, c in coords.items():
@@ -196,8 +178,8 @@ def _drive_beats(coords: dict) -> None:
 def _drive_watchdogs(dogs: dict, seen: dict) -> None:
     """Every rank's watchdog, one ``_Watchdog.step`` per rank per period, from one thread.
     A rank whose watchdog saw the abort is told (``seen``) and looked at no more."""
-    from ddp_smoke import harness
-    period = harness._period(next(iter(dogs.values())).coord.env.world_size, 2)
+    from ddp_smoke import storekeys
+    period = storekeys.look_period(next(iter(dogs.values())).coord.env.world_size, 2)
     while True:
         t = time.monotonic()
         for r, dog in dogs.items():
@@ -208,7 +190,7 @@ def _drive_watchdogs(dogs: dict, seen: dict) -> None:
 
 
 def _rank_main(c, out, args, names, seen) -> None:
-    from ddp_smoke import harness
+    from ddp_smoke import harness, storekeys
     r, store = c.env.rank, c.store
     side = lambda: c.beat_store.total() + c.wd_store.total()  # noqa: E731
     out["marks"] = marks = [time.monotonic()]
@@ -244,7 +226,7 @@ def _rank_main(c, out, args, names, seen) -> None:
         pass
     except harness._Stop:
         if r == 0:  # an abort before the staged one: say whose, and let everyone leave
-            got = harness._posted(store, "abort")
+            got = storekeys.posted(store, "abort")
             out["error"] = "aborted before the staged fault: " + "; ".join(
                 f"rank {i}: {a.get('kind')} {a.get('silent', '')}"[:200]
                 for i, a in list(got.items())[:3])
@@ -263,7 +245,7 @@ def _rank_main(c, out, args, names, seen) -> None:
 def _abort_scenario(c, out, args, name, seen) -> None:
     """The last rank dies after arriving, the middle one stalls; the others finish and wait
     for the next check."""
-    from ddp_smoke import harness
+    from ddp_smoke import harness, storekeys
     r, store = c.env.rank, c.store
     c.enter(name, args.timeout)
     c.arrive(store, f"arrive/{c.key(name)}", f"every rank to arrive at {name}")
@@ -293,7 +275,7 @@ def _abort_scenario(c, out, args, name, seen) -> None:
     out["judge_s"] = time.monotonic() - t
     out["judge_ops"] = wd.total() - n
     t = time.monotonic()  # then, as finalize does: the live ranks' forensics for the report
-    listed = harness._posted(wd, "forensics", c.live, harness.FORENSICS_WAIT_S)
+    listed = storekeys.posted(wd, "forensics", c.live, harness.FORENSICS_WAIT_S)
     out["forensics"] = [len(set(listed) & c.live), len(c.live), time.monotonic() - t]
     res = c.judged[-1][1]
     out["culprits"] = [x.rank for x in res.culprits]

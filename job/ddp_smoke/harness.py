@@ -21,6 +21,9 @@ works the same for gloo and NCCL and still works when a collective is stuck:
   from the evidence (:mod:`ddp_smoke.blame`), writes the report with what was measured, and
   every rank exits 1.
 
+How the store's keys are searched and read back, and what the heartbeats say about who is
+alive, is :mod:`ddp_smoke.storekeys`.
+
 The writer is rank 0; when rank 0 is gone (its heartbeat stopped) the lowest surviving rank
 takes over, from the results rank 0 posted to the store as it judged each check. When the
 store itself is gone, each surviving rank prints one JSON line of what it knows on stderr.
@@ -49,15 +52,14 @@ from .config import ConfigError, report_dir as default_report_dir
 from .faults import Injector, parse_faults
 from .report import (FAIL, SKIP, CheckResult, Culprit, Report, ReportWriteError,
                      check_from_dict, clear_stale, write_report)
+from .storekeys import (BEAT_S, DEAD_AFTER_S, POLL_MAX_S, STORE_OPS_PER_S, Silence, beat_of,
+                        dead_ranks, look_period, next_waiting, posted, ranks_with, read_beats,
+                        reads, try_get, wait_key)
 
-BEAT_S = 0.25          # heartbeat period; a rank silent for DEAD_AFTER_S is taken as dead
-DEAD_AFTER_S = 1.5
 FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
 TAKEOVER_S = 3 * DEAD_AFTER_S  # rank 0 silent this long, before writing: a survivor writes
 FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
 GRACE_S = 5.0          # the main thread's waits outlast the deadline by this: the watchdog acts
-POLL_MAX_S = 0.05      # longest pause between two looks for the verdict, at small scale ...
-STORE_OPS_PER_S = 20000  # ... within a budget on the one store: pauses grow with the world
 TERMINATING = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", signal.SIGUSR1: "SIGUSR1",
                signal.SIGUSR2: "SIGUSR2"}
 # Messages of backend errors seen by a rank whose peer vanished: the rank is a victim.
@@ -143,7 +145,7 @@ class _Coordinator:
         self.poll_max = max(POLL_MAX_S, 4 * env.world_size / STORE_OPS_PER_S)
         # rank 0, while it waits for every rank's prefix/<rank>: (what it waits for, prefix)
         self.awaiting: tuple[str, str] | None = None
-        self.silence = _Silence(DEAD_AFTER_S)  # every look at the heartbeats, kept: the judge
+        self.silence = Silence(DEAD_AFTER_S)  # every look at the heartbeats, kept: the judge
         self._forensics: dict | None = None  # this rank's own
         self.posted_forensics: dict[int, dict] = {}  # every rank's, read by the writer
         self.live: set[int] = set()  # the ranks the writer's judge found alive
@@ -255,7 +257,7 @@ class _Coordinator:
         if aborted:
             self._judge_abort(store)
             # the report lists every live rank's forensics: the last ones may still come
-            self.posted_forensics = _posted(store, "forensics", self.live, FORENSICS_WAIT_S)
+            self.posted_forensics = posted(store, "forensics", self.live, FORENSICS_WAIT_S)
         self.timings["total_s"] = round(time.monotonic() - self.t0, 4)
         report = Report(version=__version__, started_at=self.started_at, backend=self.backend,
                         world_size=self.env.world_size, ranks=self._identities(store),
@@ -294,7 +296,7 @@ class _Coordinator:
             return
         self.judged = [(it, check_from_dict(json.loads(got)))
                        for it in range(self.iteration + 1) for name in self.checks
-                       if (got := _try_get(store, f"result/{name}/{it}"))]
+                       if (got := try_get(store, f"result/{name}/{it}"))]
         unjudged = [n for n in self.checks if (self.iteration, n) not in
                     {(it, r.name) for it, r in self.judged}]
         if unjudged and self.stage not in unjudged:  # rank 0 died before judging it
@@ -303,8 +305,8 @@ class _Coordinator:
     def _identities(self, store) -> list[dict]:
         if len(self.ranks) == self.env.world_size:
             return self.ranks
-        posted = _reads(store, "rank", range(self.env.world_size))
-        self.ranks = [posted.get(r) or {"rank": r, "local_rank": None, "host": None,
+        got = reads(store, "rank", range(self.env.world_size))
+        self.ranks = [got.get(r) or {"rank": r, "local_rank": None, "host": None,
                                         "missing": "never connected to the store"}
                       for r in range(self.env.world_size)]
         return self.ranks
@@ -317,7 +319,7 @@ class _Coordinator:
         return results + rest
 
     def _first_error(self, store) -> dict | None:
-        for r, e in sorted(_posted(store, "abort").items()):
+        for r, e in sorted(posted(store, "abort").items()):
             if e.get("kind") == "error":
                 return {"rank": r, "host": self.ranks[r]["host"] if r < len(self.ranks) else None,
                         "type": e.get("type"), "message": e.get("message"), "stage": e["stage"]}
@@ -335,19 +337,19 @@ class _Coordinator:
         ids = self._identities(store)
         # A few store calls per kind of key, not one per rank: thousands of ranks judge in
         # about DEAD_AFTER_S (bench/coordination_scale.py).
-        connected = _ranks_with(store, "rank", world)
-        reasons = _posted(store, "abort")
+        connected = ranks_with(store, "rank", world)
+        reasons = posted(store, "abort")
         terminated = {r for r, a in reasons.items() if a["kind"] == "terminated"}
-        dead, beats = _dead_ranks(store, sorted(connected), terminated, self.silence)
-        reasons = {**_posted(store, "abort"), **reasons}  # and those posted while we looked
+        dead, beats = dead_ranks(store, sorted(connected), terminated, self.silence)
+        reasons = {**posted(store, "abort"), **reasons}  # and those posted while we looked
         self.live = connected - set(dead)
-        found = _posted(store, "forensics")
+        found = posted(store, "forensics")
         arrive = "connect" if stage == "init" else f"arrive/{self.key(stage)}"
         obs = f"obs/{self.key(stage)}"
         snap = blame.Snapshot(
             stage=stage, world_size=self.env.world_size, timeout_s=float(self.cfg["timeout"]),
             hosts=[i.get("host") for i in ids], connected=connected,
-            arrived=_ranks_with(store, arrive, world), finished=_ranks_with(store, obs, world),
+            arrived=ranks_with(store, arrive, world), finished=ranks_with(store, obs, world),
             dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != "stopped"},
             progress=beats,
             where={r: f["where"] for r, f in found.items() if f.get("where")},
@@ -357,7 +359,7 @@ class _Coordinator:
         # began: a culprit's innermost frame is worth a short wait.
         unsaid = {c.rank for c in verdict.culprits if c.rank in self.live and c.where is None}
         if unsaid - set(found):
-            found = _posted(store, "forensics", unsaid, FORENSICS_WAIT_S)
+            found = posted(store, "forensics", unsaid, FORENSICS_WAIT_S)
             for c in verdict.culprits:
                 c.where = c.where or found.get(c.rank, {}).get("where")
         figures = {"arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
@@ -388,146 +390,10 @@ class _Coordinator:
             pass
 
 
-def _try_get(store, key: str) -> bytes | None:
-    try:
-        return store.get(key) if store.check([key]) else None
-    except Exception:  # noqa: BLE001 — evidence gathering never raises
-        return None
-
-
-def _beat_of(store, rank: int) -> dict | None:
-    got = _try_get(store, f"beat/{rank}")
-    return json.loads(got) if got else None
-
-
-class _Silence:
-    """What every look at the heartbeat counters showed: which ranks' counters have not
-    moved for ``after_s`` (silent), and which moved within it (alive). Kept across looks,
-    from any thread: rank 0's watchdog looks while it waits for all ranks, and the judge
-    goes on from there."""
-
-    def __init__(self, after_s: float):
-        self.after_s, self.last, self.moved = after_s, {}, {}
-        self._lock = threading.Lock()
-
-    def update(self, beats: dict) -> list[int]:
-        """Record one look (rank -> counter); return the silent ranks among them."""
-        now = time.monotonic()
-        with self._lock:
-            for r, n in beats.items():
-                if r not in self.last:
-                    self.last[r] = (n, now)
-                elif self.last[r][0] != n:
-                    self.last[r] = self.moved[r] = (n, now)
-            return sorted(r for r in beats if now - self.last[r][1] > self.after_s)
-
-    def undecided(self, ranks) -> list[int]:
-        """Ranks neither silent nor seen moving within ``after_s``: look again to know."""
-        now = time.monotonic()
-        with self._lock:
-            return [r for r in ranks if now - self.last[r][1] <= self.after_s
-                    and now - self.moved.get(r, (None, -1e9))[1] > self.after_s]
-
-
-def _period(world: int, calls: float) -> float:
-    """Seconds between one rank's looks at the store, when each look costs ``calls`` store
-    calls and every rank looks: BEAT_S, or longer where the world would exceed the budget
-    (1,000 ranks stay at BEAT_S; 4,096 beat every 0.41 s)."""
-    return max(BEAT_S, calls * world / STORE_OPS_PER_S)
-
-
-def _wait_key(store, key: str, timeout_s: float, pause_max: float) -> bool:
-    """Whether ``key`` exists within ``timeout_s``: one ``check`` at a time, the pause
-    doubling from 1 ms to ``pause_max`` (a key set during a short wait is seen within a few
-    ms; a long one costs one call per ``pause_max``). For the waits that must look at
-    something else between looks, where the store's blocking ``wait`` would time out again
-    and again, and c10d logs two warning lines each time."""
-    end, pause = time.monotonic() + timeout_s, 0.001
-    while not store.check([key]):
-        left = end - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, pause_max)
-    return True
-
-
-def _existing(store, keys: list[str]) -> list[str]:
-    """The keys that exist. One ``check`` answers for a whole group when all of it exists;
-    a group with a key missing is halved, so k missing keys among n cost about
-    2·k·log2(n/k) calls, and small groups are asked key by key (when few exist, about 1.5·n
-    calls: the store has no "any of these" question)."""
-    if not keys:
-        return []
-    if store.check(keys):
-        return keys
-    if len(keys) <= 4:
-        return [k for k in keys if store.check([k])]
-    half = len(keys) // 2
-    return _existing(store, keys[:half]) + _existing(store, keys[half:])
-
-
-def _ranks_with(store, prefix: str, ranks) -> set[int]:
-    """Ranks r in ``ranks`` for which ``prefix/r`` exists."""
-    keys = _existing(store, [f"{prefix}/{r}" for r in ranks])
-    return {int(k.rsplit("/", 1)[1]) for k in keys}
-
-
-def _reads(store, prefix: str, ranks) -> dict[int, dict]:
-    """The JSON posted at ``prefix/r`` by each rank in ``ranks`` that posted one, in one
-    read (evidence gathering never raises)."""
-    try:
-        have = sorted(_ranks_with(store, prefix, ranks))
-        got = store.multi_get([f"{prefix}/{r}" for r in have]) if have else []
-        return {r: json.loads(g) for r, g in zip(have, got)}
-    except Exception:  # noqa: BLE001
-        return {}
-
-
-def _beats(store, ranks) -> dict[int, dict]:
-    return _reads(store, "beat", ranks)
-
-
-def _dead_ranks(store, ranks, exclude, silence: _Silence) -> tuple[list[int], dict[int, dict]]:
-    """Ranks whose heartbeat has not moved for DEAD_AFTER_S (``exclude``d ones left out),
-    and every rank's last published progress. Looks every BEAT_S until each rank is silent
-    or seen moving: at once when rank 0's watchdog was watching (an abort while it waited
-    for all ranks), after DEAD_AFTER_S when a rank is dead and nobody was."""
-    end, latest = time.monotonic() + DEAD_AFTER_S + BEAT_S, {}
-    while True:
-        latest.update(_beats(store, ranks))
-        silent = silence.update({r: (latest.get(r) or {}).get("n") for r in ranks})
-        if not silence.undecided(ranks) or time.monotonic() > end:
-            break
-        time.sleep(BEAT_S)
-    return [r for r in silent if r not in exclude], {r: p for r, p in latest.items() if p}
-
-
-def _posted(store, prefix: str, wait_for=(), timeout_s: float = 0.0) -> dict[int, dict]:
-    """The JSON each rank posted at ``prefix/<rank>``, for the kinds of key a rank posts
-    once and lists itself under ``prefix/listed`` (aborts, forensics): one list to read
-    instead of a look per rank. First waits, up to ``timeout_s``, for the ranks in
-    ``wait_for`` to be listed. Evidence gathering never raises."""
-    try:
-        end, pause = time.monotonic() + timeout_s, 0.01
-        while True:
-            listed = (store.get(f"{prefix}/listed").decode()
-                      if store.check([f"{prefix}/listed"]) else "")
-            ranks = sorted({int(r) for r in listed.split(",") if r})
-            if set(wait_for) <= set(ranks) or time.monotonic() > end:
-                break
-            time.sleep(pause)
-            pause = min(2 * pause, 0.2)
-        got = store.multi_get([f"{prefix}/{r}" for r in ranks]) if ranks else []
-        return {r: json.loads(g) for r, g in zip(ranks, got)}
-    except Exception:  # noqa: BLE001
-        return {}
-
-
 def _beat(c: _Coordinator) -> None:
     """Heartbeat thread: proves this process is alive, and publishes where it is. Heartbeats
     and the watchdog's polls, two calls per period per rank, stay within STORE_OPS_PER_S."""
-    store, n, period = c.beat_store, 0, _period(c.env.world_size, 2)
+    store, n, period = c.beat_store, 0, look_period(c.env.world_size, 2)
     try:
         while not c.stop.is_set():
             n += 1
@@ -554,7 +420,7 @@ class _Watchdog(threading.Thread):
 
     def run(self) -> None:
         c, store = self.coord, self.coord.wd_store
-        period = _period(c.env.world_size, 2)
+        period = look_period(c.env.world_size, 2)
         try:
             while not c.stop.is_set():
                 if self.step(store, period):
@@ -595,7 +461,7 @@ class _Watchdog(threading.Thread):
             return
         self.looked = time.monotonic()
         world = range(self.coord.env.world_size)
-        beats = _beats(store, world)
+        beats = read_beats(store, world)
         silent = self.coord.silence.update({r: (beats.get(r) or {}).get("n") for r in world})
         gone = [r for r in silent if r in beats and not store.check([f"{prefix}/{r}"])]
         if gone:
@@ -651,21 +517,21 @@ def _await_report(c: _Coordinator, store, timeout_s: float) -> str | None:
     # The verdict is seen within poll_max of being set; the writer's heartbeat is looked at
     # once a period: ~5 calls per period on each of up to 2 threads of every rank, within
     # the store's budget at any world size, and still a few looks per TAKEOVER_S.
-    period = min(TAKEOVER_S / 3, _period(c.env.world_size, 10))
+    period = min(TAKEOVER_S / 3, look_period(c.env.world_size, 10))
     while time.monotonic() < end:
-        if _wait_key(store, "final", period, c.poll_max):
+        if wait_key(store, "final", period, c.poll_max):
             if store.add("bye", 1) == c.env.world_size - 1:
                 store.set("bye/all", "1")  # rank 0, if it hosts the store, may leave now
             return store.get("final").decode()
-        writer = _try_get(store, "writer")
+        writer = try_get(store, "writer")
         if writer is not None and int(writer) != watch:
             watch, seen = int(writer), None
-        beat = (_beat_of(store, watch) or {}).get("n")
+        beat = (beat_of(store, watch) or {}).get("n")
         now = time.monotonic()
         if beat != seen:
             seen, seen_at, end = beat, now, max(end, now + timeout_s)
         elif now - seen_at > TAKEOVER_S and writer is None:
-            watch = _next_waiting(store, watch, c.env.world_size)
+            watch = next_waiting(store, watch, c.env.world_size)
             seen, seen_at = None, now
             if watch == me:
                 claimed = store.compare_set("writer", "", str(me)).decode()
@@ -675,11 +541,6 @@ def _await_report(c: _Coordinator, store, timeout_s: float) -> str | None:
     _leave(f"run aborted at {c.stage}, and no rank wrote the report within {timeout_s} s of "
            f"rank {watch}'s last heartbeat", code=1)
     return None
-
-
-def _next_waiting(store, rank: int, world: int) -> int:
-    """The lowest rank above ``rank`` that is waiting for the report (alive)."""
-    return next((r for r in range(rank + 1, world) if store.check([f"waiting/{r}"])), world)
 
 
 def _leave(message: str | None, code: int) -> None:
@@ -785,7 +646,7 @@ def run(cfg: dict[str, Any]) -> int:
     if report is None:  # the watchdog is finishing an abort and owns the exit
         time.sleep(FINAL_WAIT_S)
     if not env.agent_store:  # rank 0 hosts the store: let the others read the verdict first
-        _wait_key(store, "bye/all", 5.0, coord.poll_max)
+        wait_key(store, "bye/all", 5.0, coord.poll_max)
     _shut_down(coord)
     return 0 if report is not None and report.verdict == "pass" and not coord.report_lost else 1
 

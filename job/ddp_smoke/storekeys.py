@@ -1,0 +1,159 @@
+"""The coordination store's keys, read back in a few calls whatever the world size.
+
+Every rank posts to one TCPStore (the launcher's, or rank 0's); the harness waits on it and,
+after an abort, the report's writer reads it as evidence. Here: how many calls a rank may spend
+on it (a budget that stretches the periods of large worlds), how groups of per-rank keys are
+searched (halving, and lists a rank appends itself to), and what the heartbeats say about who
+is alive. Evidence gathering never raises: the store may be going away.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+BEAT_S = 0.25          # heartbeat period; a rank silent for DEAD_AFTER_S is taken as dead
+DEAD_AFTER_S = 1.5
+POLL_MAX_S = 0.05      # longest pause between two looks for a key, at small scale ...
+STORE_OPS_PER_S = 20000  # ... within a budget on the one store: pauses grow with the world
+
+
+def try_get(store, key: str) -> bytes | None:
+    try:
+        return store.get(key) if store.check([key]) else None
+    except Exception:  # noqa: BLE001 — evidence gathering never raises
+        return None
+
+
+def beat_of(store, rank: int) -> dict | None:
+    got = try_get(store, f"beat/{rank}")
+    return json.loads(got) if got else None
+
+
+class Silence:
+    """What every look at the heartbeat counters showed: which ranks' counters have not
+    moved for ``after_s`` (silent), and which moved within it (alive). Kept across looks,
+    from any thread: rank 0's watchdog looks while it waits for all ranks, and the judge
+    goes on from there."""
+
+    def __init__(self, after_s: float):
+        self.after_s, self.last, self.moved = after_s, {}, {}
+        self._lock = threading.Lock()
+
+    def update(self, beats: dict) -> list[int]:
+        """Record one look (rank -> counter); return the silent ranks among them."""
+        now = time.monotonic()
+        with self._lock:
+            for r, n in beats.items():
+                if r not in self.last:
+                    self.last[r] = (n, now)
+                elif self.last[r][0] != n:
+                    self.last[r] = self.moved[r] = (n, now)
+            return sorted(r for r in beats if now - self.last[r][1] > self.after_s)
+
+    def undecided(self, ranks) -> list[int]:
+        """Ranks neither silent nor seen moving within ``after_s``: look again to know."""
+        now = time.monotonic()
+        with self._lock:
+            return [r for r in ranks if now - self.last[r][1] <= self.after_s
+                    and now - self.moved.get(r, (None, -1e9))[1] > self.after_s]
+
+
+def look_period(world: int, calls: float) -> float:
+    """Seconds between one rank's looks at the store, when each look costs ``calls`` store
+    calls and every rank looks: BEAT_S, or longer where the world would exceed the budget
+    (1,000 ranks stay at BEAT_S; 4,096 beat every 0.41 s)."""
+    return max(BEAT_S, calls * world / STORE_OPS_PER_S)
+
+
+def wait_key(store, key: str, timeout_s: float, pause_max: float) -> bool:
+    """Whether ``key`` exists within ``timeout_s``: one ``check`` at a time, the pause
+    doubling from 1 ms to ``pause_max`` (a key set during a short wait is seen within a few
+    ms; a long one costs one call per ``pause_max``). For the waits that must look at
+    something else between looks, where the store's blocking ``wait`` would time out again
+    and again, and c10d logs two warning lines each time."""
+    end, pause = time.monotonic() + timeout_s, 0.001
+    while not store.check([key]):
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, pause_max)
+    return True
+
+
+def existing(store, keys: list[str]) -> list[str]:
+    """The keys that exist. One ``check`` answers for a whole group when all of it exists;
+    a group with a key missing is halved, so k missing keys among n cost about
+    2·k·log2(n/k) calls, and small groups are asked key by key (when few exist, about 1.5·n
+    calls: the store has no "any of these" question)."""
+    if not keys:
+        return []
+    if store.check(keys):
+        return keys
+    if len(keys) <= 4:
+        return [k for k in keys if store.check([k])]
+    half = len(keys) // 2
+    return existing(store, keys[:half]) + existing(store, keys[half:])
+
+
+def ranks_with(store, prefix: str, ranks) -> set[int]:
+    """Ranks r in ``ranks`` for which ``prefix/r`` exists."""
+    keys = existing(store, [f"{prefix}/{r}" for r in ranks])
+    return {int(k.rsplit("/", 1)[1]) for k in keys}
+
+
+def reads(store, prefix: str, ranks) -> dict[int, dict]:
+    """The JSON posted at ``prefix/r`` by each rank in ``ranks`` that posted one, in one
+    read (evidence gathering never raises)."""
+    try:
+        have = sorted(ranks_with(store, prefix, ranks))
+        got = store.multi_get([f"{prefix}/{r}" for r in have]) if have else []
+        return {r: json.loads(g) for r, g in zip(have, got)}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def read_beats(store, ranks) -> dict[int, dict]:
+    return reads(store, "beat", ranks)
+
+
+def dead_ranks(store, ranks, exclude, silence: Silence) -> tuple[list[int], dict[int, dict]]:
+    """Ranks whose heartbeat has not moved for DEAD_AFTER_S (``exclude``d ones left out),
+    and every rank's last published progress. Looks every BEAT_S until each rank is silent
+    or seen moving: at once when rank 0's watchdog was watching (an abort while it waited
+    for all ranks), after DEAD_AFTER_S when a rank is dead and nobody was."""
+    end, latest = time.monotonic() + DEAD_AFTER_S + BEAT_S, {}
+    while True:
+        latest.update(read_beats(store, ranks))
+        silent = silence.update({r: (latest.get(r) or {}).get("n") for r in ranks})
+        if not silence.undecided(ranks) or time.monotonic() > end:
+            break
+        time.sleep(BEAT_S)
+    return [r for r in silent if r not in exclude], {r: p for r, p in latest.items() if p}
+
+
+def posted(store, prefix: str, wait_for=(), timeout_s: float = 0.0) -> dict[int, dict]:
+    """The JSON each rank posted at ``prefix/<rank>``, for the kinds of key a rank posts
+    once and lists itself under ``prefix/listed`` (aborts, forensics): one list to read
+    instead of a look per rank. First waits, up to ``timeout_s``, for the ranks in
+    ``wait_for`` to be listed. Evidence gathering never raises."""
+    try:
+        end, pause = time.monotonic() + timeout_s, 0.01
+        while True:
+            listed = (store.get(f"{prefix}/listed").decode()
+                      if store.check([f"{prefix}/listed"]) else "")
+            ranks = sorted({int(r) for r in listed.split(",") if r})
+            if set(wait_for) <= set(ranks) or time.monotonic() > end:
+                break
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
+        got = store.multi_get([f"{prefix}/{r}" for r in ranks]) if ranks else []
+        return {r: json.loads(g) for r, g in zip(ranks, got)}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def next_waiting(store, rank: int, world: int) -> int:
+    """The lowest rank above ``rank`` that is waiting for the report (alive)."""
+    return next((r for r in range(rank + 1, world) if store.check([f"waiting/{r}"])), world)
