@@ -603,9 +603,12 @@ def _value_from(name: str, source: Mapping[str, Any], pod: Mapping[str, Any],
     meta = pod["meta"]
     if "fieldRef" in source:
         path = source["fieldRef"]["fieldPath"]
+        # spec.nodeName is the scheduler's choice: here every pod has a node of its own (the
+        # manifests' anti-affinity asks for that), named after the pod.
         simple = {"metadata.name": meta["name"], "metadata.namespace": ctx.namespace,
                   "status.podIP": pod["ip"], "spec.serviceAccountName":
-                      pod["spec"].get("serviceAccountName", "default")}
+                      pod["spec"].get("serviceAccountName", "default"),
+                  "spec.nodeName": pod["spec"].get("nodeName") or f"{meta['name']}-node"}
         keyed = re.match(r"^metadata\.(labels|annotations)\['([^']+)'\]$", path)
         if path in simple and simple[path] is not None:
             return simple[path]

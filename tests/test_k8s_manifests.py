@@ -401,7 +401,7 @@ def _job_requirements(job: dict, docs: list[dict]) -> list[str]:
 def _trainjob_requirements(job: dict, docs: list[dict]) -> list[str]:
     trainer, name = job["spec"]["trainer"], job["metadata"]["name"]
     script = trainer["args"][0]
-    errors = _torchrun_errors(script)
+    errors = _torchrun_errors(script) + _node_name_errors(trainer.get("env", []))
     env = {e["name"]: e for e in trainer.get("env", [])}
     run_id = env.get("DDP_SMOKE_RUN_ID", {}).get("value", "")
     if not (run_id.startswith(name) and "$(JOB_UID)" in run_id
@@ -476,6 +476,14 @@ def _init_template_requirements(cm: dict) -> list[str]:
     return errors
 
 
+def _node_name_errors(env: list[dict]) -> list[str]:
+    """The worker names a pod's node (what an operator drains) from NODE_NAME; a pod's
+    hostname is the pod's name."""
+    source = next((e.get("valueFrom") for e in env if e["name"] == "NODE_NAME"), None)
+    return [] if source == {"fieldRef": {"fieldPath": "spec.nodeName"}} else [
+        "env NODE_NAME from fieldRef spec.nodeName: the report must name the node to drain"]
+
+
 def _pod_requirements(template: dict, job: str, job_label: str, nproc) -> list[str]:
     pod, meta = template["spec"], template.get("metadata", {})
     (container,) = pod["containers"]
@@ -497,6 +505,7 @@ def _pod_requirements(template: dict, job: str, job_label: str, nproc) -> list[s
             and all(res.get("requests", {}).get(k) for k in ("cpu", "memory", GPU))):
         errors.append("requests cpu, memory, nvidia.com/gpu; gpu limit = processes per pod")
     errors += _security_errors(pod.get("securityContext", {}), container.get("securityContext", {}))
+    errors += _node_name_errors(container.get("env", []))
     terms = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     if terms[0]["labelSelector"]["matchLabels"] != {job_label: job} \
             or terms[0]["topologyKey"] != "kubernetes.io/hostname":
@@ -588,6 +597,7 @@ TRAPS = {
     "privileged": (JOB, "privileged: false", "privileged: true", "securityContext"),
     "standalone-torchrun": (JOB, "--rdzv-backend=c10d \\", "--standalone \\", "torchrun"),
     "ij-parallelism": (IJ, "parallelism: 2", "parallelism: 1", "parallelism"),
+    "no-node-name": (TJ, "fieldPath: spec.nodeName", "fieldPath: metadata.name", "NODE_NAME"),
     "ij-not-published": (K8S / "indexed-job" / "10-ddp-smoke-service.yaml",
                          "publishNotReadyAddresses: true", "publishNotReadyAddresses: false",
                          "publishNotReadyAddresses"),
