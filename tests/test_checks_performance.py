@@ -106,6 +106,12 @@ def test_two_pass_attribution_blames_nodes_and_links():
     assert perf.attribute(first, 0.25)["unresolved"] == [(4, 5)]
     after = first | {(0, 4): 10.0, (1, 5): 1.0}
     assert perf.attribute(after, 0.25)["nodes"] == [5]
+    # Node 2 is healthy, slow with slow node 3 and over a slow link with healthy node 0: one
+    # healthy witness is no proof, so it is not named; node 3 is (two healthy witnesses).
+    both = {(0, 1): 10.0, (0, 2): 1.0, (2, 3): 1.0, (1, 3): 1.0, (0, 3): 1.0}
+    assert perf.attribute(both, 0.25) | {"reference": None} == {
+        "reference": None, "slow": [(0, 2), (0, 3), (1, 3), (2, 3)], "nodes": [3], "links": [],
+        "unresolved": [(0, 2)]}
 
 
 def test_link_suspects_are_measured_again_before_blame():

@@ -171,8 +171,10 @@ def second_pass(k: int, busbw: dict[tuple[int, int], float], margin: float,
 def attribute(busbw: dict[tuple[int, int], float], margin: float) -> dict:
     """Blame slow pairs on nodes or links, from every pair measured.
 
-    A node is healthy once one of its pairs is fine. A node with no fine pair, slow with a
-    healthy partner, is the culprit (slow with every partner). A slow pair of two healthy
+    A node is healthy once one of its pairs is fine. A node with no fine pair, slow with two
+    or more healthy partners, is the culprit (slow with every partner). With one healthy
+    partner only, its slow pair may as well be a slow link (its other partners being slow
+    nodes themselves): a healthy node is never named on one pair. A slow pair of two healthy
     nodes is a link (slow only together). Any other slow pair is unresolved.
 
     Returns:
@@ -183,8 +185,12 @@ def attribute(busbw: dict[tuple[int, int], float], margin: float) -> dict:
         return {"reference": None, "slow": [], "nodes": [], "links": [], "unresolved": []}
     reference, slow = slow_pairs(busbw, margin)
     healthy = {n for p in busbw if p not in slow for n in p}
-    nodes = sorted({n for p in slow for n in p
-                    if n not in healthy and any(m in healthy for m in p if m != n)})
+    witnesses: dict[int, set] = {}  # a node with no fine pair -> its healthy partners
+    for a, b in slow:
+        for n, m in ((a, b), (b, a)):
+            if n not in healthy and m in healthy:
+                witnesses.setdefault(n, set()).add(m)
+    nodes = sorted(n for n, w in witnesses.items() if len(w) >= 2)
     links = sorted(p for p in slow if p[0] in healthy and p[1] in healthy)
     named, linked = set(nodes), set(links)  # sets: thousands of nodes, thousands of pairs
     unresolved = sorted(p for p in slow if p not in linked and not set(p) & named)

@@ -18,8 +18,9 @@ reaches their sizes, and a run below a floor fails, saying by how much.
 Pairs (multi-node): the first rank of each node (its leader) exchanges ``pair_bytes_*`` with
 one leader of another node per round (sendrecv, busbw = algbw), ``pair_rounds`` rounds of a
 round-robin; then each suspect (a node in a slow pair) meets a known-good node. Culprit: a node
-slow with every partner; a link whose two nodes are fast with everyone else. Skipped, with the
-reason in the figures, when all ranks share one node.
+slow with every partner, two known-good ones among them; a link whose two nodes are fast with
+everyone else; else both ends, unresolved. Skipped, with the reason in the figures, when all
+ranks share one node.
 Culprits: the source rank of wrong all_gather / all_to_all data; slow nodes and links.
 """
 from __future__ import annotations
