@@ -223,10 +223,13 @@ class _Coordinator:
         while True:
             deadline = self.phase()[1]
             left = float(self.cfg["timeout"]) if deadline is None else deadline - time.monotonic()
+            bound, t = max(0.0, left) + GRACE_S, time.monotonic()
             try:
-                store.wait(keys, datetime.timedelta(seconds=max(0.0, left) + GRACE_S))
+                store.wait(keys, datetime.timedelta(seconds=bound))
                 return
             except dist.DistStoreError:  # timed out (a lost store raises DistNetworkError)
+                if time.monotonic() - t < bound / 2:
+                    raise  # not a timeout: an error of the store's, not to be waited out
                 if self.aborted(store):
                     raise _Stop from None
                 if self.expired():
