@@ -149,6 +149,8 @@ def test_rank_frozen_before_arriving_is_named_from_its_heartbeat(tmp_path, attem
     assert "no heartbeat" in culprits[0]["reason"], culprits[0]
     aborts = next(c for c in report["checks"] if c["name"] == "compute")["figures"]["aborts"]
     assert (aborts[0]["rank"], aborts[0]["kind"], aborts[0]["silent"]) == (0, "lost", [2])
+    # the others sat in the store's blocking wait until the abort: not one wait timed out
+    assert "waitForInput" not in done.stderr
     assert _victims(report, "compute") == [0, 1, 3]
 
 
