@@ -30,7 +30,7 @@ Per world size N it measures, in one simulated run:
     .venv/bin/python bench/coordination_scale.py --full --json --sizes 64,256
 
 Columns: store calls per check (all ranks), per rank, per rank less the waits that timed out
-(each followed by a look at the abort counter: none, unless a watchdog failed to act), rank
+(each followed by a look at the abort list: none, unless a watchdog failed to act), rank
 0's median seconds per check, heartbeat + watchdog calls per second, seconds from the
 death to the abort, seconds and store calls of ``_judge_abort`` (the culprits named), how many
 live ranks' forensics the report lists and how long the writer waited for them after judging
@@ -271,12 +271,12 @@ def _abort_scenario(c, out, args, name, seen) -> None:
     wd, n = c.wd_store, c.wd_store.total()  # the watchdog judges, on its own connection
     t = time.monotonic()
     c.leave_forensics(wd)  # as _exit_aborted does, before it judges
-    c._judge_abort(wd)
+    live = c._judge_abort(wd)
     out["judge_s"] = time.monotonic() - t
     out["judge_ops"] = wd.total() - n
     t = time.monotonic()  # then, as finalize does: the live ranks' forensics for the report
-    listed = storekeys.posted(wd, "forensics", c.live, harness.FORENSICS_WAIT_S)
-    out["forensics"] = [len(set(listed) & c.live), len(c.live), time.monotonic() - t]
+    listed = storekeys.posted(wd, "forensics", live, harness.FORENSICS_WAIT_S)
+    out["forensics"] = [len(set(listed) & live), len(live), time.monotonic() - t]
     res = c.judged[-1][1]
     out["culprits"] = [x.rank for x in res.culprits]
     out["victims"] = len(res.figures["victims"])
@@ -359,7 +359,7 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
         "N": world, "wall_s": round(wall, 1), "stuck_threads": alive,
         "ops_per_check": sum(v.get("check_ops", 0) for v in ranks.values()) / checks,
         # the part that does not depend on how long a check takes: every timed-out wait is
-        # a poll, followed by one look at the abort counter
+        # a poll, followed by one look at the abort list
         "fixed_ops_per_check": sum(v.get("check_ops", 0) - 2 * v.get("check_polls", 0)
                                    for v in ranks.values()) / checks,
         "coord_s_per_check": statistics.median(zero.get("check_s") or [float("nan")]),

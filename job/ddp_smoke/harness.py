@@ -147,8 +147,6 @@ class _Coordinator:
         self.awaiting: tuple[str, str] | None = None
         self.silence = Silence(DEAD_AFTER_S)  # every look at the heartbeats, kept: the judge
         self._forensics: dict | None = None  # this rank's own
-        self.posted_forensics: dict[int, dict] = {}  # every rank's, read by the writer
-        self.live: set[int] = set()  # the ranks the writer's judge found alive
 
     # -- phase, read as one snapshot by the watchdog -------------------------------------
     def enter(self, stage: str, deadline_s: float | None) -> None:
@@ -176,13 +174,12 @@ class _Coordinator:
         text = json.dumps(body)
         try:  # the first reason stands: a SIGTERM after an error must not hide the error
             if store.compare_set(f"abort/{self.env.rank}", "", text) == text.encode():
-                store.append("abort/listed", f"{self.env.rank},")  # one list to read
-            store.add("abort", 1)
+                store.append("abort/listed", f"{self.env.rank},")  # the run is aborted now
         except Exception:  # noqa: BLE001 — the store host may be gone; nothing left to tell
             pass
 
     def aborted(self, store) -> bool:
-        return store.add("abort", 0) > 0
+        return store.check(["abort/listed"])
 
     def key(self, stage: str) -> str:
         """A stage's store key: the check name and the iteration."""
@@ -257,16 +254,17 @@ class _Coordinator:
             store.compare_set("writer", "", str(self.env.rank))
         except Exception:  # noqa: BLE001 — the store is gone; write what this rank knows
             pass
+        found = {}
         if aborted:
-            self._judge_abort(store)
+            live = self._judge_abort(store)
             # the report lists every live rank's forensics: the last ones may still come
-            self.posted_forensics = posted(store, "forensics", self.live, FORENSICS_WAIT_S)
+            found = posted(store, "forensics", live, FORENSICS_WAIT_S)
         self.timings["total_s"] = round(time.monotonic() - self.t0, 4)
         report = Report(version=__version__, started_at=self.started_at, backend=self.backend,
                         world_size=self.env.world_size, ranks=self._identities(store),
                         checks=self._with_unrun(), config=self.cfg, timings=self.timings,
                         error=self._first_error(store) if aborted else None,
-                        forensics=self._all_forensics() if aborted else [],
+                        forensics=self._all_forensics(found),
                         run_id=self.env.run_id)
         try:
             path = write_report(report, self.report_dir)
@@ -329,12 +327,13 @@ class _Coordinator:
         return {"rank": None, "host": None, "type": "Aborted",
                 "message": f"run aborted at {self.stage}", "stage": self.stage}
 
-    def _all_forensics(self) -> list[dict]:
+    def _all_forensics(self, found: dict[int, dict]) -> list[dict]:
         return [{"rank": r, "host": self.ranks[r].get("host") if r < len(self.ranks) else None,
-                 **f} for r, f in sorted(self.posted_forensics.items())]
+                 **f} for r, f in sorted(found.items())]
 
-    def _judge_abort(self, store) -> None:
-        """Name the culprits of the stage where the run stopped (:mod:`ddp_smoke.blame`)."""
+    def _judge_abort(self, store) -> set[int]:
+        """Name the culprits of the stage where the run stopped (:mod:`ddp_smoke.blame`);
+        return the ranks found alive."""
         stage = self.stage
         world = range(self.env.world_size)
         ids = self._identities(store)
@@ -345,7 +344,7 @@ class _Coordinator:
         terminated = {r for r, a in reasons.items() if a["kind"] == "terminated"}
         dead, beats = dead_ranks(store, sorted(connected), terminated, self.silence)
         reasons = {**posted(store, "abort"), **reasons}  # and those posted while we looked
-        self.live = connected - set(dead)
+        live = connected - set(dead)
         found = posted(store, "forensics")
         arrive = "connect" if stage == "init" else f"arrive/{self.key(stage)}"
         obs = f"obs/{self.key(stage)}"
@@ -360,7 +359,7 @@ class _Coordinator:
         verdict = blame.judge(snap)
         # Each live rank leaves its forensics once it sees the abort, maybe after this judge
         # began: a culprit's innermost frame is worth a short wait.
-        unsaid = {c.rank for c in verdict.culprits if c.rank in self.live and c.where is None}
+        unsaid = {c.rank for c in verdict.culprits if c.rank in live and c.where is None}
         if unsaid - set(found):
             found = posted(store, "forensics", unsaid, FORENSICS_WAIT_S)
             for c in verdict.culprits:
@@ -376,6 +375,7 @@ class _Coordinator:
         self.judged.append((self.iteration, CheckResult(
             name, FAIL, summary=f"stopped at {stage}: {culprits[0].reason}", culprits=culprits,
             figures=figures)))
+        return live
 
     # -- every live rank, on an abort ------------------------------------------------------
     def leave_forensics(self, store) -> None:
@@ -442,7 +442,7 @@ class _Watchdog(threading.Thread):
 
     def step(self, store, wait_s: float) -> bool:
         """One look: signals (waiting up to ``wait_s`` for one), the deadline, on rank 0 the
-        heartbeats of the ranks it waits for, the abort counter. True when aborted."""
+        heartbeats of the ranks it waits for, the abort list. True when aborted."""
         c = self.coord
         if select.select([self.wakeup_fd], [], [], wait_s)[0]:
             got = [s for s in os.read(self.wakeup_fd, 64) if s in TERMINATING]
