@@ -15,6 +15,7 @@ machine's: the docker wrapper is one program, ``docker``. A command whose progra
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import shlex
 import tomllib
@@ -64,36 +65,36 @@ class Module:
     imports: set[str] = field(default_factory=set)
     constants: dict[str, ast.expr] = field(default_factory=dict)
     functions: dict[str, ast.FunctionDef] = field(default_factory=dict)  # nested too
-    methods: dict[str, ast.FunctionDef] = field(default_factory=dict)  # any class
     aliases: dict[str, tuple[str, str]] = field(default_factory=dict)  # from tests.x import f as g
 
 
 def _load() -> dict[str, Module]:
     modules = {}
     for path in sorted(TESTS.rglob("*.py")):
-        rel = path.relative_to(REPO).with_suffix("")
-        mod = Module(path, ast.parse(path.read_text(), str(path)), ".".join(rel.parts))
-        for node in mod.tree.body:
-            if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
-                    isinstance(node.targets[0], ast.Name):
-                mod.constants[node.targets[0].id] = node.value
-        in_class = set()
-        for node in ast.walk(mod.tree):
-            if isinstance(node, ast.ClassDef):
-                in_class |= {id(f) for f in node.body if isinstance(f, ast.FunctionDef)}
-                mod.methods.update({f.name: f for f in node.body
-                                    if isinstance(f, ast.FunctionDef)})
-        mod.functions = {f.name: f for f in ast.walk(mod.tree)
-                         if isinstance(f, ast.FunctionDef) and id(f) not in in_class}
-        for node in ast.walk(mod.tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests"):
-                mod.imports.add(node.module)
-                mod.imports.update(f"{node.module}.{a.name}" for a in node.names)
-                mod.aliases.update({a.asname or a.name: (node.module, a.name) for a in node.names})
-            elif isinstance(node, ast.Import):
-                mod.imports.update(a.name for a in node.names if a.name.startswith("tests"))
+        mod = _module(path, path.read_text())
         modules[mod.name] = mod
     return modules
+
+
+def _module(path: Path, source: str) -> Module:
+    rel = path.relative_to(REPO).with_suffix("")
+    mod = Module(path, ast.parse(source, str(path)), ".".join(rel.parts))
+    for node in mod.tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                isinstance(node.targets[0], ast.Name):
+            mod.constants[node.targets[0].id] = node.value
+    in_class = {id(f) for c in ast.walk(mod.tree) if isinstance(c, ast.ClassDef)
+                for f in c.body if isinstance(f, ast.FunctionDef)}
+    mod.functions = {f.name: f for f in ast.walk(mod.tree)
+                     if isinstance(f, ast.FunctionDef) and id(f) not in in_class}
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests"):
+            mod.imports.add(node.module)
+            mod.imports.update(f"{node.module}.{a.name}" for a in node.names)
+            mod.aliases.update({a.asname or a.name: (node.module, a.name) for a in node.names})
+        elif isinstance(node, ast.Import):
+            mod.imports.update(a.name for a in node.names if a.name.startswith("tests"))
+    return mod
 
 
 def _params(fn: ast.FunctionDef) -> list[str]:
@@ -377,6 +378,7 @@ def _script_programs(script: str) -> list[str]:
     return progs
 
 
+@functools.cache
 def scan() -> Scanner:
     scanner = Scanner(_load())
     scanner.run()
@@ -431,6 +433,33 @@ def test_the_venv_programs_come_from_the_projects_dependencies():
                 for d in project["dependencies"] + project["optional-dependencies"]["test"]}
     declared |= {project["name"], "python"}
     assert {dist for dist in tools.VENV.values()} <= declared
+
+
+FIXTURELESS = """
+import subprocess
+from tests.sandbox import tools
+
+def _in(netns, *argv):
+    subprocess.run(["ip", "netns", "exec", netns, *argv], check=True)
+
+def test_cut():
+    tools.ensure("ip", "tc")
+    _in("ns1", "tc", "qdisc", "show")
+    _in("ns1", "iptables", "-I", "INPUT", "-j", "DROP")
+    subprocess.run(["frobnicate", "--all"])
+"""
+
+
+def test_a_program_no_fixture_installs_is_named_with_where_it_runs():
+    """What caught iptables in tests/test_diagnosis_network.py, on a module of its shape."""
+    scanner = Scanner({**_load(), "tests.test_fake": _module(TESTS / "test_fake.py", FIXTURELESS)})
+    scanner.run()
+    problems = [p for p in uncovered(scanner) if "test_fake.py" in p]
+    assert problems == [
+        "frobnicate (in no table of tests/sandbox/tools.py (APT, VENV, BASE)): "
+        "tests/test_fake.py:12",
+        "iptables (apt iptables, never passed to tools.ensure() by tests.test_fake or a tests "
+        "module it imports): tests/test_fake.py:11"], problems
 
 
 def test_the_script_reader_finds_commands_not_words():
