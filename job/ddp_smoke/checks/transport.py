@@ -6,7 +6,7 @@ sockets, and the run passes at a fraction of the fabric's bandwidth. With the nc
 worker turns NCCL's INFO log on for the INIT and NET subsystems into one file per process
 (``REPORT_DIR/nccl/<host>.<pid>.log``; each of ``NCCL_DEBUG``, ``NCCL_DEBUG_SUBSYS`` and
 ``NCCL_DEBUG_FILE`` only where the user has not set it), and every rank here parses its own
-(:mod:`ddp_smoke.nccl_log`): network, NICs, GPUDirect RDMA, why verbs were not used.
+(:mod:`ddp_smoke.checks._nccl_log`): network, NICs, GPUDirect RDMA, why verbs were not used.
 Figures: one record per rank. Pass criterion, on a multi-node run: every rank used the network
 named by ``--expect-transport`` (``ib``, ``socket`` or a plugin's name, e.g. ``libfabric``;
 config key ``expect_transport``, else the profile's ``expect_transport``), or, with no
@@ -24,8 +24,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from .. import nccl_log, profiles
-from ..report import FAIL, PASS, SKIP, CheckResult
+from ..config import profiles
+from . import _nccl_log as nccl_log
+from ..model import FAIL, PASS, SKIP, CheckResult
 
 
 def expectation(config: dict) -> str | None:
