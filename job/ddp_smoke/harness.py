@@ -215,9 +215,7 @@ def _publish(c: Coordinator, error: dict | None, found: list[dict]) -> str:
     report = Report(version=__version__, started_at=c.started_at, backend=c.backend,
                     world_size=c.env.world_size, ranks=c.ranks, checks=results, config=c.cfg,
                     timings=c.timings, error=error, forensics=found, run_id=c.env.run_id)
-    verdict = outputs.publish(report, c.report_dir, c.env.run_id)
-    c.report_lost = verdict == FAIL and report.verdict != FAIL
-    return verdict
+    return outputs.publish(report, c.report_dir, c.env.run_id)
 
 
 def _store(env: LaunchEnv, timeout: float, may_host: bool):

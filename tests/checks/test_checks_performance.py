@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from ddp_smoke import config
-from ddp_smoke.checks import _perf as perf
+from ddp_smoke.checks import perf
 from ddp_smoke.config import profiles
 from ddp_smoke.outputs import plot
 from ddp_smoke.checks import bandwidth, compute

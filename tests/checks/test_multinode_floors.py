@@ -65,7 +65,7 @@ def test_sweep_reaches_the_multi_node_floor_size():
     h100 = profiles.load("h100-8gpu")
     assert profiles.floor_sizes(h100, ["all_reduce"], 16, 2) == [GIB16]
     assert profiles.floor_sizes(h100, ["all_reduce"], 12, 2) == []
-    assert profiles.bandwidth_applies(h100, 32, 4) is None
+    assert profiles.bandwidth_floors(h100, 32, 4)[1] is None
 
 
 def test_shipped_multi_node_profiles_cite_and_expect_their_fabric():

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from ddp_smoke.checks import _perf as perf
+from ddp_smoke.checks import perf
 
 
 def _disjoint(round_pairs) -> bool:

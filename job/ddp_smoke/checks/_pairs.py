@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..coordination import progress as comm
-from . import _perf as perf
+from . import perf
 
 _SKIP = "all ranks are on one node: link pairs need leaders on >= 2 nodes"
 

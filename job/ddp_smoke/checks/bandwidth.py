@@ -12,7 +12,7 @@ these.
 Per size, as nccl-tests (its JSON name in brackets): size_bytes [size], count, type,
 time_us [time] = mean over ranks of each rank's mean (+ time_us_min/max across ranks),
 algbw_gbps [alg_bw] = S / time, busbw_gbps [bus_bw] = algbw × factor, nwrong; GB = 1e9 B.
-Definitions: ``ddp_smoke.checks._perf``. A profile (``--profile``) may set busbw floors; the sweep then
+Definitions: ``ddp_smoke.checks.perf``. A profile (``--profile``) may set busbw floors; the sweep then
 reaches their sizes, and a run below a floor fails, saying by how much.
 
 Pairs (multi-node): the first rank of each node (its leader) exchanges ``pair_bytes_*`` with
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ..config import profiles
 from ..coordination import progress as comm
 from ..model import FAIL, PASS, CheckResult
-from . import _pairs, _perf as perf
+from . import _pairs, perf
 from ._timing import Clock
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

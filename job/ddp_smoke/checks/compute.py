@@ -25,7 +25,7 @@ import torch
 from ..config import profiles
 from ..errors import ConfigError
 from ..model import FAIL, PASS, CheckResult
-from . import _perf as perf
+from . import perf
 from ._timing import Clock
 
 # name -> (dtype, float32 matmul precision): "high" lets fp32 products use TF32 tensor cores

@@ -23,7 +23,6 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..model import FAIL, PASS, CheckResult
 
-MIN_SAMPLES = 8  # below this, two epochs may draw the same order by chance (1 in 8! here)
 _BATCH = 4
 
 

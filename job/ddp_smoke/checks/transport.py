@@ -22,11 +22,11 @@ import collections
 import os
 
 import torch
-import torch.distributed as dist
 
 from ..config import profiles
-from . import _nccl_log as nccl_log
+from ..coordination import progress as comm
 from ..model import FAIL, PASS, SKIP, CheckResult
+from . import _nccl_log as nccl_log
 
 
 def expectation(config: dict) -> str | None:
@@ -41,8 +41,7 @@ def run(ctx) -> dict:
         return {"skipped": f"backend {ctx.backend}: NCCL is not used"}
     # NCCL chooses its network when the first communicator is created; make sure it exists
     # even when this check runs alone.
-    dist.all_reduce(torch.ones(1, device=ctx.device))
-    torch.cuda.synchronize(ctx.device)
+    comm.all_reduce(torch.ones(1, device=ctx.device))  # settles the stream itself
     pattern = os.environ.get("NCCL_DEBUG_FILE", "")
     facts, files = nccl_log.read_own_log(pattern) if pattern else (nccl_log.parse([]), [])
     return {**facts, "log_files": files, "nccl_debug": os.environ.get("NCCL_DEBUG"),

@@ -128,7 +128,9 @@ RULES: dict[str, Any] = {
     "duration": Real(0.0, 7 * DAY_S, lo_open=True),  # with repeat: config._validate
     "act": OneOf(ACTS),
     "prometheus": Path(),
-    "sampler_epochs.samples": Int(8, 1 << 20),  # every rank posts its shards to the store
+    # >= 8: with fewer, two epochs may draw the same order by chance (1 in 8! at 8);
+    # bounded: every rank posts its shards to the store
+    "sampler_epochs.samples": Int(8, 1 << 20),
     "sampler_epochs.epochs": Int(2, 100),
     "sampler_epochs.seed": SEED,
     "sampler_epochs.set_epoch": Any_(),

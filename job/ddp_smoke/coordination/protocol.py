@@ -63,7 +63,6 @@ class Coordinator:
         self.backend = "?"
         self.report_dir = ""
         self._finishing = False
-        self.report_lost = False  # the report could not be written (it went to stderr)
         self.leaving = False  # set once this rank has its verdict: store errors are expected now
         self.stop = threading.Event()  # ends the heartbeat and watchdog threads on a clean exit
         self.threads: list[threading.Thread] = []

@@ -16,7 +16,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from . import identity
+from . import identity, keys
 from ..config.launchenv import LaunchEnv
 from ..errors import ConfigError
 
@@ -28,9 +28,9 @@ def share_run_id(env: LaunchEnv, store: dist.Store) -> LaunchEnv:
     entrypoint, which sets DDP_SMOKE_RUN_ID, another by a plain `torchrun` command) must not
     each decide on their own whether to wait for rank 0's."""
     if env.rank == 0:
-        store.set("run_id", env.run_id)
+        store.set(keys.RUN_ID, env.run_id)
         return env
-    return dataclasses.replace(env, run_id=store.get("run_id").decode())
+    return dataclasses.replace(env, run_id=store.get(keys.RUN_ID).decode())
 
 
 def pick_backend(requested: str) -> str:

@@ -29,8 +29,8 @@ def write_busbw_png(report, report_dir: str) -> str | None:
     rows = _bandwidth_rows(report)
     config = (report.get("config") if isinstance(report, dict) else report.config) or {}
     if not rows or config.get("level") == "quick":
-        # quick: four sizes make a poor picture, and importing matplotlib and drawing cost
-        # 0.2-0.8 s before the verdict is printed, a large part of a quick run
+        # quick: four sizes make a poor picture, and importing matplotlib and drawing would
+        # be a large part of a quick run (bench/phases.py shows where the time goes)
         return None
     try:
         from matplotlib.figure import Figure  # no pyplot: no global state, no display needed

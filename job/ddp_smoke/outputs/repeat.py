@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 
+from ..checks.perf import percentile
 from ..model import FAIL, PASS, SKIP, CheckResult, Culprit
 
 
@@ -103,16 +104,12 @@ def _sweep_stats(results: list[CheckResult]) -> list[dict]:
     for (collective, size), values in series.items():
         mean = statistics.fmean(values)
         out.append({"collective": collective, "size_bytes": size, "runs": len(values),
-                    "busbw_gbps_p50": _percentile(values, 50),
-                    "busbw_gbps_p99": _percentile(values, 99),
+                    "busbw_gbps_p50": percentile(values, 50),
+                    "busbw_gbps_p99": percentile(values, 99),
                     "busbw_cv": statistics.pstdev(values) / mean if mean > 0 else None})
     return out
 
 
-def _percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (with few iterations, an interpolated one means little)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, -(-len(ordered) * q // 100) - 1))]
 
 
 def _weights_drift(runs: list[tuple[int, CheckResult]], hosts: list) -> Culprit | None:

@@ -180,8 +180,3 @@ def bandwidth_floors(profile: dict[str, Any], world_size: int,
                       f"({multi.get('fabric', 'its fabric')})")
     return [], (f"profile {name} has floors for {' and '.join(shapes)}; this run has "
                 f"{world_size} ranks on {nodes} node(s)")
-
-
-def bandwidth_applies(profile: dict[str, Any], world_size: int, nodes: int) -> str | None:
-    """None when some bandwidth floors apply to this run, else the reason none do."""
-    return bandwidth_floors(profile, world_size, nodes)[1]

@@ -27,7 +27,6 @@ _COLLECTIVES = {
     "reduce": (lambda n: 1.0, False),
     "sendrecv": (lambda n: 1.0, False),
 }
-COLLECTIVES = tuple(_COLLECTIVES)
 
 
 def bus_factor(collective: str, n: int) -> float:
