@@ -416,13 +416,13 @@ def test_every_program_a_test_runs_is_installed_by_a_fixture():
 def test_the_scan_sees_the_programs_it_must():
     """A scan that finds nothing passes vacuously: it must see these through their wrappers."""
     found = {(name, u.program) for name, uses in scan().uses.items() for u in uses}
-    assert {("tests.test_diagnosis_network", "iptables"),  # _in(host, "iptables", …)
-            ("tests.test_diagnosis_network", "tc"),  # _sh("tc", …)
-            ("tests.test_triage_hosts", "tc"),
+    assert {("tests.worker.test_diagnosis_network", "iptables"),  # _in(host, "iptables", …)
+            ("tests.worker.test_diagnosis_network", "tc"),  # _sh("tc", …)
+            ("tests.outputs.test_triage_hosts", "tc"),
             ("tests.sandbox.hosts", "ip"), ("tests.sandbox.hosts", "nsenter"),
             ("tests.sandbox.hosts", "hostname"),  # inside host_command's `sh -c`
-            ("tests.test_multihost", "python"),  # nodes.start(host, torchrun_argv(…))
-            ("tests.test_slurm", "sbatch"), ("tests.test_slurm", "scontrol"),
+            ("tests.worker.test_multihost", "python"),  # nodes.start(host, torchrun_argv(…))
+            ("tests.launchers.test_slurm", "sbatch"), ("tests.launchers.test_slurm", "scontrol"),
             ("tests.sandbox.docker", "dockerd"), ("tests.sandbox.docker", "debootstrap"),
             ("tests.sandbox.docker", "docker")} <= found
 
@@ -451,7 +451,7 @@ def test_cut():
 
 
 def test_a_program_no_fixture_installs_is_named_with_where_it_runs():
-    """What caught iptables in tests/test_diagnosis_network.py, on a module of its shape."""
+    """What caught iptables in tests/worker/test_diagnosis_network.py, on a module of its shape."""
     scanner = Scanner({**_load(), "tests.test_fake": _module(TESTS / "test_fake.py", FIXTURELESS)})
     scanner.run()
     problems = [p for p in uncovered(scanner) if "test_fake.py" in p]

@@ -317,6 +317,7 @@ def _fsyncs():
         os.fsync = real
 
 
+@pytest.mark.planted_report  # "{}" written only to count the fsyncs
 def test_report_and_checkpoint_fsync_file_and_directory(tmp_path):
     with _fsyncs() as seen:
         write_atomic(str(tmp_path / "report.json"), "{}")

@@ -5,6 +5,7 @@ Real reports are checked wherever the suite produces one (tests/report_schema.py
 samples are built with the kit's own classes, so a field the code adds or drops shows here too.
 """
 import copy
+import fnmatch
 import json
 import tomllib
 from importlib import resources
@@ -13,7 +14,8 @@ import jsonschema
 import pytest
 
 from ddp_smoke import checks
-from ddp_smoke.report import FAIL, PASS, SKIP, CheckResult, Culprit, Report
+from ddp_smoke.model import FAIL, PASS, SKIP, CheckResult, Culprit, Report
+from ddp_smoke.outputs.report import to_json
 from tests import report_schema
 from tests.launch import REPO
 
@@ -50,21 +52,22 @@ def _aborted() -> dict:
         forensics=[{"rank": 1, "host": "node2", "where": "in _measure, compute.py:50",
                     "stacks": "r/stacks/rank1.txt", "flight_recorder_error": "RuntimeError: x"}],
         run_id="local-5f1c09ab")
-    return json.loads(report.to_json())
+    return json.loads(to_json(report))
 
 
 def _passed() -> dict:
     report = Report("0.1.0", "2026-11-30T23:22:51+00:00", "nccl", 2, copy.deepcopy(RANKS[:2]),
                     [CheckResult("environment", PASS, summary="ok", notes=["rank=0 …"])], {},
                     {"total_s": 2.0}, run_id="job-1")
-    return json.loads(report.to_json())
+    return json.loads(to_json(report))
 
 
 def test_the_schema_is_a_valid_draft_2020_12_schema_shipped_with_the_package():
     text = resources.files("ddp_smoke.outputs").joinpath("report.schema.json").read_text()
     jsonschema.Draft202012Validator.check_schema(json.loads(text))
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "report.schema.json" in data["package-data"]["ddp_smoke.outputs"]
+    assert any(fnmatch.fnmatch("outputs/report.schema.json", pattern)
+               for pattern in data["package-data"]["ddp_smoke"])
 
 
 def test_what_the_kit_writes_conforms():
@@ -90,10 +93,12 @@ def test_the_checks_it_names_are_the_registered_ones():
     (lambda r: r["timings"].update(load_s=1.0), "timings: Additional properties"),
     (lambda r: r["error"].pop("stage"), "error"),
     (lambda r: r["hosts"][0].update(verdict="good"), "hosts/0"),
+    (lambda r: r["hosts"][0].update(verdict="bad"), "hosts/0"),
     (lambda r: r.update(started_at="yesterday"), "started_at"),
 ], ids=["no verdict", "bad verdict", "bad status", "link culprit convicts a rank",
         "culprit without where", "rank culprit with hosts", "unknown key", "unknown timing",
-        "error without stage", "good host with reasons", "started_at not ISO 8601"])
+        "error without stage", "good host with reasons", "bad host on link evidence only",
+        "started_at not ISO 8601"])
 def test_a_report_that_breaks_the_contract_is_refused(breaks, where):
     report = _aborted()
     breaks(report)
