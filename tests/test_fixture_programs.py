@@ -22,6 +22,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from tests.sandbox import tools
 
 REPO = Path(__file__).resolve().parents[1]
@@ -467,3 +469,9 @@ def test_the_script_reader_finds_commands_not_words():
     assert _script_programs("set -e; X=1 iptables -L | grep -q x || exit 1") == \
         ["iptables", "grep"]
     assert _script_programs('exec "$PY" -m x') == []
+
+
+def test_ensure_refuses_a_program_it_does_not_know_and_passes_one_that_is_there():
+    tools.ensure("sh", "tar")  # present: nothing to install, no apt run
+    with pytest.raises(tools.MissingProgram, match="not in tests/sandbox/tools.py APT"):
+        tools.ensure("ddp-smoke-no-such-program")
