@@ -34,7 +34,7 @@ help:  ## list the verbs
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install $(PIP_EXTRA) '$(TORCH_SPEC)' numpy pyyaml submitit
+	$(PIP) install $(PIP_EXTRA) '$(TORCH_SPEC)' numpy pyyaml submitit nvidia-ml-py
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -62,7 +62,7 @@ image:  ## build the worker image (IMAGE=…, BASE_IMAGE=…, WHEELHOUSE=wheelho
 
 wheelhouse:  ## wheels for an offline `make image WHEELHOUSE=wheelhouse` (PY_VERSION = the base's Python)
 	$(PYTHON) -m pip download --only-binary=:all: --python-version $(PY_VERSION) \
-	  --platform manylinux_2_28_x86_64 -d wheelhouse numpy pyyaml submitit setuptools
+	  --platform manylinux_2_28_x86_64 -d wheelhouse numpy pyyaml submitit nvidia-ml-py setuptools
 
 image-test: $(VENV)/.test  ## build and run the image on a private Docker engine (root)
 	$(PY) -m pytest tests/test_docker.py $(PYTEST_ARGS)

@@ -616,6 +616,8 @@ def run(cfg: dict[str, Any]) -> int:
                        store.multi_get([f"rank/{r}" for r in range(env.world_size)])]
         ctx = Context(env, coord.backend, device, cfg, Injector(faults, env.rank), rdir,
                       cfg["storage_dir"] or os.path.join(rdir, "storage"))
+        for name in cfg["checks"]:  # checks that watch the whole run start watching now
+            getattr(checks.load(name), "begin", lambda _: None)(ctx)
         t = time.monotonic()
         while True:
             ctx.faults.iteration = coord.iteration

@@ -12,6 +12,11 @@ proves, the culprit it can name, when it skips) and which defines two functions:
     Runs on rank 0 only, with every rank's observation (:class:`ddp_smoke.harness.Evidence`),
     and decides status, summary, figures and culprits. Pure: no collectives, no I/O.
 
+``begin(ctx)`` (optional)
+    Called by the harness on every rank once the process group is up, before the first check
+    runs: a check that watches the whole run (``health``: start readings, a sampler thread
+    while compute and bandwidth load the GPUs) starts watching here.
+
 A check's options live in ``defaults.yaml`` under a section named after it, so their types are
 validated like every other key; an optional ``validate(section)`` raises ConfigError for bad
 values, which the harness calls on every rank before connecting (exit 2, one line).
@@ -27,6 +32,7 @@ REGISTRY = {
     "bandwidth": "ddp_smoke.checks.bandwidth",
     "transport": "ddp_smoke.checks.transport",
     "compute": "ddp_smoke.checks.compute",
+    "health": "ddp_smoke.checks.health",
 }
 
 
