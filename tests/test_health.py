@@ -466,3 +466,22 @@ def test_clean_cpu_run_skips_health_with_its_reasons_and_costs_little(tmp_path):
     assert check["duration_s"] < 1.0
     if check["status"] == "skip":
         assert "hardware not read" in check["summary"]
+
+
+def test_health_culprits_reach_the_hosts_drain_lists_and_prometheus(hca_root):
+    from ddp_smoke import metrics, triage
+    from ddp_smoke.report import Report
+    start = _hca.read_ports(str(hca_root))
+    counters(hca_root, "mlx5_0/ports/1", link_downed=2)
+    node = {"gpu": {"unavailable": "NVMLError_LibraryNotFound"},
+            "hca": {"start": start, "end": _hca.read_ports(str(hca_root)), "window_s": 9.0}}
+    result = health.judge(_evidence([_obs(), _obs(node)], ["n1", "n2"]))
+    assert [(c.rank, c.host) for c in result.culprits] == [(None, "n2")]  # a port: the node
+    ranks = [{"rank": r, "local_rank": 0, "host": h} for r, h in enumerate(["n1", "n2"])]
+    report = Report("0", "t", "gloo", 2, ranks, [result], {"timeout": 9, "checks": ["health"]})
+    hosts = {h["host"]: h["verdict"] for h in triage.hosts_section(report)}
+    assert hosts == {"n1": "good", "n2": "bad"}
+    assert triage.host_lists(triage.hosts_section(report))["bad_hosts.txt"].split() == ["n2"]
+    text = metrics.render(report, "run", 0.0)
+    assert 'ddp_smoke_check_pass{check="health",host="n2"} 0.0' in text
+    assert 'ddp_smoke_check_pass{check="health",host="n1"} 1.0' in text
