@@ -27,7 +27,7 @@ WHEELHOUSE ?=
 PY_VERSION ?= 3.12
 
 .PHONY: help venv smoke-local test lint clean sandbox-up sandbox-down slurm-up slurm-try slurm-down \
-        image wheelhouse image-test bench
+        image wheelhouse image-test bench gpu-check
 
 help:  ## list the verbs
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -74,6 +74,9 @@ bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs t
 	$(PY) bench/phases.py 3
 	$(PY) bench/pairs_plan.py
 	$(PY) bench/coordination_scale.py --quick
+
+gpu-check: $(VENV)/.runtime  ## on a GPU machine (CUDA torch: TORCH_SPEC/PIP_EXTRA): NVML + health, SDC, every check on NCCL, a hang's Flight Recorder, compute vs h200 (<= 8 min)
+	bash bench/gpu_check.sh
 
 sandbox-up:  ## N network-namespace "nodes" (dsh-node1 …) on a private bridge, to try multi-node by hand (root)
 	$(PYTHON) -m tests.sandbox.hosts up $(N)

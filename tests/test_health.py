@@ -485,3 +485,11 @@ def test_health_culprits_reach_the_hosts_drain_lists_and_prometheus(hca_root):
     text = metrics.render(report, "run", 0.0)
     assert 'ddp_smoke_check_pass{check="health",host="n2"} 0.0' in text
     assert 'ddp_smoke_check_pass{check="health",host="n1"} 1.0' in text
+
+
+def test_readme_documents_every_health_threshold_and_profile_key():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("### Hardware health", 1)[1].split("\n## ", 1)[0]
+    missing = [k for k in LIM if k != "sdc_seed" and f"`{k}`" not in section]
+    missing += [k for k in H200 if f"`{k}`" not in section]
+    assert missing == []
