@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -493,3 +494,121 @@ def test_readme_documents_every_health_threshold_and_profile_key():
     missing = [k for k in LIM if k != "sdc_seed" and f"`{k}`" not in section]
     missing += [k for k in H200 if f"`{k}`" not in section]
     assert missing == []
+
+
+# -- the NVML reader, replaying a recorded GPU through the real binding's types -------------
+# No GPU on the machines these tests run on: the binding's functions are replaced by ones that
+# answer from the recorded H100 readings (and raise pynvml's own NVMLError classes), so the
+# reader's calls, constants and error handling run as they will against libnvidia-ml.
+
+def _replay(recorded: dict, unsupported=(), lost_after: int | None = None):
+    import types
+
+    import pynvml as nv
+    fake = types.SimpleNamespace(**{k: getattr(nv, k) for k in dir(nv) if not k.startswith("__")})
+    gpus, calls = recorded["gpus"], {"n": 0}
+
+    def call(name, fn):
+        def wrapped(*args):
+            calls["n"] += 1
+            if name in unsupported:
+                raise nv.NVMLError(nv.NVML_ERROR_NOT_SUPPORTED)
+            if lost_after is not None and calls["n"] > lost_after:
+                raise nv.NVMLError(nv.NVML_ERROR_GPU_IS_LOST)
+            return fn(*args)
+        setattr(fake, name, wrapped)
+
+    g = lambda h: gpus[h]  # noqa: E731 — the handle is the index
+    call("nvmlSystemGetDriverVersion", lambda: recorded["driver"])
+    call("nvmlDeviceGetCount", lambda: len(gpus))
+    call("nvmlDeviceGetHandleByIndex", lambda i: i)
+    call("nvmlDeviceGetName", lambda h: g(h)["name"])
+    call("nvmlDeviceGetUUID", lambda h: g(h)["uuid"])
+    call("nvmlDeviceGetSerial", lambda h: "1654922006536")
+    call("nvmlDeviceGetPciInfo", lambda h: types.SimpleNamespace(busId=g(h)["bus_id"].encode()))
+    call("nvmlDeviceGetVbiosVersion", lambda h: "96.00.89.00.01")
+    call("nvmlDeviceGetEccMode", lambda h: (1, 1))
+    call("nvmlDeviceGetTotalEccErrors", lambda h, kind, counter: 0)
+    call("nvmlDeviceGetRemappedRows", lambda h: (0, 4, 1, 0))
+    call("nvmlDeviceGetPersistenceMode", lambda h: 0)
+    call("nvmlDeviceGetMigMode", lambda h: (0, 0))
+    call("nvmlDeviceGetGpuFabricInfoV", lambda h, ref: None)
+    call("nvmlDeviceGetComputeRunningProcesses",
+         lambda h: [types.SimpleNamespace(pid=4242, usedGpuMemory=512 << 20)])
+    call("nvmlDeviceGetMaxPcieLinkGeneration", lambda h: 5)
+    call("nvmlDeviceGetMaxPcieLinkWidth", lambda h: 16)
+
+    def fields(h, ids):
+        out = (nv.c_nvmlFieldValue_t * len(ids))()
+        for v, fid in zip(out, ids):
+            v.fieldId, v.nvmlReturn = fid, nv.NVML_SUCCESS
+            v.valueType, v.value.ullVal = nv.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, 7
+        out[-1].nvmlReturn = nv.NVML_ERROR_NOT_SUPPORTED  # recovery action: an older driver
+        return out
+    call("nvmlDeviceGetFieldValues", fields)
+
+    def link(h, i):
+        if i >= 18:
+            raise nv.NVMLError(nv.NVML_ERROR_INVALID_ARGUMENT)
+        return nv.NVML_FEATURE_ENABLED
+    call("nvmlDeviceGetNvLinkState", link)
+    call("nvmlEventSetCreate", lambda: object())
+    call("nvmlDeviceRegisterEvents", lambda h, kinds, events: None)
+
+    def wait(events, ms):
+        time.sleep(ms / 1000)
+        raise nv.NVMLError(nv.NVML_ERROR_TIMEOUT)
+    call("nvmlEventSetWait_v2", wait)
+    call("nvmlDeviceGetCurrentClocksEventReasons", lambda h: nv.nvmlClocksEventReasonHwSlowdown)
+    call("nvmlDeviceGetUtilizationRates", lambda h: types.SimpleNamespace(gpu=98))
+    call("nvmlDeviceGetCurrPcieLinkGeneration", lambda h: 5)
+    call("nvmlDeviceGetCurrPcieLinkWidth", lambda h: 8)
+    return fake
+
+
+
+def test_nvml_reader_and_sampler_on_a_replayed_node():
+    recorded = fixture(BASE)["node"]["gpu"]["end"]
+    nv = _replay(recorded)
+    snap = _gpu.snapshot(nv)
+    g = snap["gpus"][1]
+    assert (g["uuid"], g["bus_id"], g["serial"]) == (recorded["gpus"][1]["uuid"],
+                                                    "00000000:2A:00.0", "1654922006536")
+    assert g["remapped_rows"] == {"correctable": 0, "uncorrectable": 4, "pending": 1,
+                                  "failure": 0}
+    assert (g["persistence"], g["mig_enabled"], g["ecc_enabled"]) == (False, False, True)
+    assert g["processes"] == [{"pid": 4242, "used_mib": 512}]
+    assert len(g["nvlink_up"]) == 18 and g["pcie_replay"] == 7 and g["recovery_action"] is None
+    assert g["not_measured"] == {"recovery_action": "Not Supported"}
+    sampler = _gpu.Sampler(nv, 0.05)
+    sampler.start()
+    time.sleep(0.3)
+    sampler.stop_event.set()
+    sampler.join(2)
+    taken = sampler.take()
+    s = taken["samples"][0]
+    assert s["busy"] == s["n"] >= 2 and s["hw_slowdown"] == s["n"]
+    assert (s["pcie_gen_busy_max"], s["pcie_width_busy_max"]) == (5, 8)
+    node = {"gpu": {"start": snap, "end": _gpu.snapshot(nv), "window_s": 1.0, **taken,
+                    "kernel_xids": [], "kernel_xids_why": ""}, "hca": {"absent": "none"},
+            "cuda_ranks": 2, "run_pids": [4242]}
+    out = judged(node, want={"pcie_width": 16})
+    assert sorted({f["what"].split(": ", 1)[1] for f in out["findings"]}) == [
+        "HW slowdown (clocks cut by half or more) in 100% of busy samples",
+        "PCIe link at Gen5 x8 under load, expected Gen5 x16",
+        "persistence mode is off", "row remap pending"]
+
+
+def test_nvml_reader_says_what_is_unsupported_and_names_a_lost_gpu():
+    recorded = fixture(BASE)["node"]["gpu"]["end"]
+    snap = _gpu.snapshot(_replay(recorded, unsupported={"nvmlDeviceGetRemappedRows",
+                                                        "nvmlDeviceGetGpuFabricInfoV"}))
+    g = snap["gpus"][0]
+    assert g["remapped_rows"] is None and g["fabric"] is None
+    assert g["not_measured"]["remapped rows"] == "Not Supported"
+    lost = _gpu.snapshot(_replay(recorded, lost_after=30))
+    assert lost["gpus"][0].get("lost") is None and lost["gpus"][1]["lost"] is True
+    out = judged({"gpu": {"start": lost, "end": lost, "window_s": 1.0, "samples": None},
+                  "hca": {"absent": "none"}})
+    assert any(f["what"].endswith("lost (NVML_ERROR_GPU_IS_LOST)") and f["gpu"] == 1
+               for f in out["findings"])

@@ -180,6 +180,9 @@ def _links(nv, h) -> dict | None:
 
 def _fabric(nv, read, h) -> dict | None:
     """NVSwitch fabric registration (HGX H100/H200 and later); None where not supported."""
+    if not hasattr(nv, "c_nvmlGpuFabricInfoV_t"):  # nvidia-ml-py before the fabric API
+        read.out.setdefault("not_measured", {})["fabric"] = "nvidia-ml-py has no fabric API"
+        return None
     info = nv.c_nvmlGpuFabricInfoV_t()
     if read("fabric", nv.nvmlDeviceGetGpuFabricInfoV, h, nv.byref(info)) is None and \
             "fabric" in read.out.get("not_measured", {}):
@@ -204,6 +207,7 @@ class Sampler(threading.Thread):
         self.handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         self.summary = [_empty_summary() for _ in self.handles]
         self.xids: list[dict] = []
+
         self.events, self.events_why = None, None
         try:
             self.events = nv.nvmlEventSetCreate()
@@ -221,7 +225,7 @@ class Sampler(threading.Thread):
         nv = self.nv
         for h, s in zip(self.handles, self.summary):
             try:
-                reasons = nv.nvmlDeviceGetCurrentClocksEventReasons(h)
+                reasons = self._reasons(h)
                 util = nv.nvmlDeviceGetUtilizationRates(h).gpu
                 gen = nv.nvmlDeviceGetCurrPcieLinkGeneration(h)
                 width = nv.nvmlDeviceGetCurrPcieLinkWidth(h)
@@ -231,6 +235,12 @@ class Sampler(threading.Thread):
                 continue
             with self.lock:
                 add_sample(s, reasons, util, gen, width)
+
+    def _reasons(self, h) -> int:
+        try:
+            return self.nv.nvmlDeviceGetCurrentClocksEventReasons(h)
+        except self.nv.NVMLError_FunctionNotFound:  # drivers before 535: the older name
+            return self.nv.nvmlDeviceGetCurrentClocksThrottleReasons(h)
 
     def _wait_events(self) -> None:
         if self.events is None:

@@ -91,8 +91,8 @@ def _read_node(ctx) -> dict:
 def _gpu_uuid(device) -> str | None:
     if device.type != "cuda":
         return None
-    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-    return f"GPU-{uuid}" if uuid is not None else None
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+    return None if not uuid else uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"  # NVML's
 
 
 def _sdc(ctx, cfg: dict) -> dict:
