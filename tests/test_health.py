@@ -612,3 +612,20 @@ def test_nvml_reader_says_what_is_unsupported_and_names_a_lost_gpu():
                   "hca": {"absent": "none"}})
     assert any(f["what"].endswith("lost (NVML_ERROR_GPU_IS_LOST)") and f["gpu"] == 1
                for f in out["findings"])
+
+
+def test_kernel_log_read_in_part_is_said(tmp_path):
+    log = tmp_path / "kmsg"
+    log.write_text("6,1,5000000,-;NVRM: Xid (PCI:0000:44:00): 79, GPU has fallen off the bus\n")
+    found, why = _gpu.kernel_xids(str(log), limit_s=-1)  # a regular file never ends: cut
+    assert found == [] and "not read to its end" in why
+    node = fixture("remap_pending")["node"]
+    node["gpu"]["kernel_xids_why"] = why
+    assert any("not read to its end" in m for m in judged(node)["not_measured"])
+
+
+def test_kernel_log_records_are_parsed_from_the_device_format(tmp_path):
+    log = tmp_path / "kmsg"  # /dev/kmsg gives one record per read; a file gives all at once
+    log.write_text("4,9,1000000,-;NVRM: Xid (PCI:0000:44:00): 79, GPU has fallen off the bus\n")
+    found, why = _gpu.kernel_xids(str(log))
+    assert why == "" and [(x["bus"], x["xid"]) for x in found] == [("0000:44:00", 79)]

@@ -254,6 +254,8 @@ def _xids(gpu: dict, gpus: list[dict], lim: dict, out: _Out) -> None:
         out.not_measured.append(f"past XIDs: {gpu.get('kernel_xids_why') or 'not read'}")
     else:
         out.checked.append(f"kernel log XIDs of the last {lim['xid_window_s']:.0f} s")
+        if gpu.get("kernel_xids_why"):  # read in part only
+            out.not_measured.append(f"past XIDs: {gpu['kernel_xids_why']}")
         seen += [(by_bus.get(bus_key(e["bus"])), e["xid"], f"{e['age_s']:.0f} s ago (kernel log)")
                  for e in gpu["kernel_xids"]
                  if e.get("age_s") is None or e["age_s"] <= lim["xid_window_s"]]
