@@ -629,3 +629,11 @@ def test_kernel_log_records_are_parsed_from_the_device_format(tmp_path):
     log.write_text("4,9,1000000,-;NVRM: Xid (PCI:0000:44:00): 79, GPU has fallen off the bus\n")
     found, why = _gpu.kernel_xids(str(log))
     assert why == "" and [(x["bus"], x["xid"]) for x in found] == [("0000:44:00", 79)]
+
+
+def test_stray_process_on_a_gpu_no_rank_uses_is_still_named():
+    node = fixture(BASE)["node"]
+    end_gpu(node, 0)["processes"] = [{"pid": 100, "used_mib": 900}]
+    end_gpu(node, 1)["processes"] = [{"pid": 4242, "used_mib": 70000}]
+    node["run_pids"] = [100]
+    assert [f["gpu"] for f in judged(node, OFF)["findings"]] == [1]

@@ -101,6 +101,9 @@ def judge_gpus(gpu: dict, lim: dict, want: dict, cuda_ranks: int, run_pids, out:
         out.node(f"{count} GPU(s) visible to NVML for {cuda_ranks} GPU ranks",
                  f"nvmlDeviceGetCount = {count}", "reseat or replace the missing GPU; reboot")
     before = {g.get("uuid"): g for g in start.get("gpus", [])}
+    # NVML shows this run's own PIDs somewhere on the node: its PID view is this one's
+    ours = run_pids is not None and any(p["pid"] in run_pids for g in gpus
+                                        for p in g.get("processes") or ())
     for g in gpus:
         if g.get("lost"):
             out.gpu(g, "lost (NVML_ERROR_GPU_IS_LOST)", "; ".join(
@@ -110,7 +113,7 @@ def judge_gpus(gpu: dict, lim: dict, want: dict, cuda_ranks: int, run_pids, out:
         for what, why in (g.get("not_measured") or {}).items():
             out.not_measured.append(f"{label(g)} {what}: {why}")
         _memory(g, lim, out)
-        _config(g, lim, run_pids, out)
+        _config(g, lim, run_pids, ours, out)
         _counters(g, before.get(g.get("uuid")), gpu.get("window_s") or 0.0, lim, want, out)
     _vbios(gpus, out)
     _xids(gpu, gpus, lim, out)
@@ -154,7 +157,7 @@ def _memory(g: dict, lim: dict, out: _Out) -> None:
                 RECOVERY_ACTIONS.get(action, "see NVML_GPU_RECOVERY_ACTION"))
 
 
-def _config(g: dict, lim: dict, run_pids, out: _Out) -> None:
+def _config(g: dict, lim: dict, run_pids, ours: bool, out: _Out) -> None:
     if g.get("mig_enabled"):
         out.gpu(g, "MIG is on", "nvmlDeviceGetMigMode current = enabled (training needs the "
                 "whole GPU; row-remap and NVLink readings are unsupported under MIG)",
@@ -173,9 +176,8 @@ def _config(g: dict, lim: dict, run_pids, out: _Out) -> None:
     procs = g.get("processes")
     if procs is None or run_pids is None:
         return
-    ours = {p["pid"] for p in procs} & set(run_pids)
     stray = [p for p in procs if p["pid"] not in run_pids]
-    if stray and ours:  # NVML sees this run's own PIDs, so its PID view is this one
+    if stray and ours:
         out.gpu(g, f"{len(stray)} process(es) of another job hold GPU memory",
                 "; ".join(f"pid {p['pid']} {p['used_mib']} MiB" for p in stray[:5]),
                 "stop the stray processes (or drain the node until they end)")

@@ -102,15 +102,15 @@ def _sdc(ctx, cfg: dict) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(cfg["sdc_seed"])
     a = torch.randn(n, n, generator=gen).to(ctx.device)
     b = torch.randn(n, n, generator=gen).to(ctx.device)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 as written: no library choice
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # fp32 as written: no TF32, no choice
     digests = []
     try:
         for _ in range(cfg["sdc_repeats"]):
             c = ctx.faults.perturb_product(torch.matmul(a, b))
             digests.append(hashlib.sha256(c.cpu().numpy().tobytes()).hexdigest()[:16])
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.set_float32_matmul_precision(precision)
     if cuda:
         props = torch.cuda.get_device_properties(ctx.device)
         model = f"{props.name} ({props.multi_processor_count} SMs, CUDA {torch.version.cuda})"
