@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from ..report import FAIL, PASS, SKIP, CheckResult
+from ..config import profiles
+from ..model import FAIL, PASS, SKIP, CheckResult
 from . import _gpu, _hca
 from ._health_rules import judge_node
 
@@ -173,7 +174,6 @@ def judge(ev) -> CheckResult:
 
 
 def _profile_health(config: dict) -> dict:
-    from .. import profiles  # the profile file is read on rank 0 only, when judging
     return profiles.load(profiles.selected(config)).get("health", {})
 
 
