@@ -278,6 +278,8 @@ def _load(gpu: dict, gpus: list[dict], lim: dict, want: dict, out: _Out) -> None
         out.not_measured.append("under-load readings: no sampler ran")
         return
     for g, s in zip(gpus, samples):
+        if s.get("errors"):
+            out.not_measured.append(f"{label(g)} sampling: {s['errors']}")
         if not s["busy"]:
             out.not_measured.append(f"{label(g)} under load: never busy in {s['n']} "
                                     "sample(s) (clock reasons, PCIe link)")
