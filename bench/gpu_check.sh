@@ -101,10 +101,14 @@ step hang 75 1 "$TORCHRUN" --standalone --nproc-per-node=1 -m ddp_smoke --backen
     --checks environment,collectives --fault 0:hang@collectives --timeout 20 \
     --report-dir "$OUT/hang"
 report_field "$OUT/hang" "r['forensics']" | tee -a "$OUT/summary.txt"
-ls -la "$OUT/hang/flight" >>"$OUT/summary.txt" 2>&1 || {
-    echo "hang: no flight/ folder" | tee -a "$OUT/summary.txt"
+stopped=$(report_field "$OUT/hang" "[c['name'] for c in r['checks'] if c['status'] == 'fail']")
+echo "hang: failed checks $stopped (want ['collectives'])" | tee -a "$OUT/summary.txt"
+[ "$stopped" = "['collectives']" ] || failed=$((failed + 1))
+ls -la "$OUT/hang/flight" >>"$OUT/summary.txt" 2>&1
+if [ ! -s "$OUT/hang/flight/rank0.json" ]; then
+    echo "hang: no Flight Recorder dump (flight/rank0.json)" | tee -a "$OUT/summary.txt"
     failed=$((failed + 1))
-}
+fi
 
 # 6. compute against the H200 profile (floor bf16 636 TFLOPS; measured 720 on one H200)
 step compute 75 0 "$TORCHRUN" --standalone --nproc-per-node=1 -m ddp_smoke --backend nccl \
