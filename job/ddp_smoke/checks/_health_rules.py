@@ -327,7 +327,7 @@ def judge_hcas(hca: dict, lim: dict, want: dict, out: _Out) -> None:
             good.append(name)
         elif want.get("hca_ports"):
             out.port(name, f"state {p['state']!r}, phys_state {p['phys_state']!r}, rate "
-                     f"{p['rate']!r}", f"expected '4: ACTIVE', '5: LinkUp'"
+                     f"{p['rate']!r}", "expected '4: ACTIVE', '5: LinkUp'"
                      + (f", >= {rate_want:g} Gb/s" if rate_want else ""),
                      "reseat the cable or transceiver; check the switch port and subnet manager"
                      if active or p["phys_state"] != "5: LinkUp" else "check the subnet manager")
