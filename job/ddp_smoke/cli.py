@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import importlib.util
 import os
 import sys
@@ -74,7 +75,19 @@ class Parser(argparse.ArgumentParser):
         super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
     def error(self, message: str):
-        raise ConfigError(message)
+        raise ConfigError(message + did_you_mean(message, list(self._option_string_actions)))
+
+
+def did_you_mean(message: str, options: list[str]) -> str:
+    """'; did you mean --checks?' for the first unrecognized --option close to a real one."""
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    for word in message.split(": ", 1)[1].split():
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=")[0], options, n=1)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -131,6 +144,14 @@ def parse_config(argv: list[str] | None = None) -> dict:
     return resolve(file_values, flags, source=args.config or "config")
 
 
+def say_once(line: str) -> None:
+    """Bad input is the same on every rank: only the first local rank of each node says it
+    (one line per node, not one per rank), in one write, so no two lines run together."""
+    local = os.environ.get("LOCAL_RANK", "0")
+    if local == "0" or not local.isdigit():
+        os.write(2, (line.replace("\n", " ") + "\n").encode())
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddp_smoke``; exits 0 (pass), 1 (fail) or 2 (bad input)."""
     try:
@@ -142,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         # record: an unexpected exception also lands in torchrun's error file and summary.
         code = record(harness.run)(cfg)
     except ConfigError as e:
-        print(f"ddp-smoke: error: {e}", file=sys.stderr)
+        say_once(f"ddp-smoke: error: {e}")
         sys.exit(2)
     # The verdict is written and every thread stopped: skip interpreter teardown, where C++
     # destructors of the backend's threads have aborted a passing rank (SIGABRT at exit).

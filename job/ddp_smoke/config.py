@@ -13,6 +13,7 @@ for an unknown key, the valid keys; the CLI turns it into exit status 2.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from importlib import resources
 from typing import Any
@@ -114,7 +115,10 @@ def _validate(cfg: dict[str, Any]) -> None:
     checks = cfg["checks"]
     unknown = [c for c in checks if c not in REGISTRY]
     if unknown or not checks or len(set(checks)) != len(checks):
-        problem = f"unknown check {unknown[0]!r}" if unknown else "empty or repeated"
+        close = difflib.get_close_matches(unknown[0], list(REGISTRY), n=1) if unknown else []
+        problem = (f"unknown check {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)"
+                                                       if close else "")
+                   if unknown else "empty or repeated")
         raise ConfigError(f"key 'checks' = {','.join(checks)!r}: {problem}; "
                           f"registered checks: {', '.join(REGISTRY)}")
     check_ranges(cfg)  # finite, inside bounds, known names: every key of defaults.yaml
@@ -127,6 +131,9 @@ def _validate(cfg: dict[str, Any]) -> None:
     from .triage import ACTS
     if cfg["act"] is not None and cfg["act"] not in ACTS:
         raise ConfigError(f"key 'act' = {cfg['act']!r}: expected one of {', '.join(ACTS)}")
+    if cfg["act"] and cfg["fault"]:  # an injected fault is no reason to take a node away
+        raise ConfigError(f"keys 'act' and 'fault': --act {cfg['act']} never acts on an "
+                          f"injected fault ({cfg['fault']}); drop one of them")
     if cfg["profile"]:
         from . import profiles
         profiles.load(cfg["profile"])

@@ -46,8 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import (__version__, blame, checks, comm, forensics, metrics, plot, repeat, runtime,
-               summary, triage)
+from . import (__version__, blame, checks, comm, forensics, metrics, plot, preflight, repeat,
+               runtime, summary, triage)
 from .config import ConfigError, report_dir as default_report_dir
 from .faults import Injector, parse_faults
 from .report import (FAIL, SKIP, CheckResult, Culprit, Report, ReportWriteError,
@@ -320,10 +320,21 @@ class _Coordinator:
         return results + rest
 
     def _first_error(self, store) -> dict | None:
-        for r, e in sorted(posted(store, "abort").items()):
-            if e.get("kind") == "error":
-                return {"rank": r, "host": self.ranks[r]["host"] if r < len(self.ranks) else None,
-                        "type": e.get("type"), "message": e.get("message"), "stage": e["stage"]}
+        """The run's headline error: the culprit's, never a victim's. A rank blocked by a
+        dead peer raises too ("Connection reset by peer"), often first; the judge just named
+        who stopped the run (the last judged result), so its error, or else its reason, leads."""
+        errors = {r: e for r, e in sorted(posted(store, "abort").items())
+                  if e.get("kind") == "error"}
+        culprits = [c for c in self.judged[-1][1].culprits if c.rank is not None] \
+            if self.judged else []
+        named = [c.rank for c in culprits]
+        for r in [r for r in named if r in errors] or ([] if named else list(errors)):
+            e = errors[r]
+            return {"rank": r, "host": self.ranks[r]["host"] if r < len(self.ranks) else None,
+                    "type": e.get("type"), "message": e.get("message"), "stage": e["stage"]}
+        if culprits:
+            return {"rank": culprits[0].rank, "host": culprits[0].host, "type": "Culprit",
+                    "message": culprits[0].reason, "stage": self.stage}
         return {"rank": None, "host": None, "type": "Aborted",
                 "message": f"run aborted at {self.stage}", "stage": self.stage}
 
@@ -565,18 +576,21 @@ def run(cfg: dict[str, Any]) -> int:
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     env = runtime.LaunchEnv.from_environ()
     faults = parse_faults(cfg["fault"], cfg["checks"])
-    if any(f.rank >= env.world_size for f in faults):
-        raise ConfigError(f"key 'fault' = {cfg['fault']!r}: rank out of range for "
-                          f"WORLD_SIZE={env.world_size}")
+    # bad options: exit 2 on every rank, before anyone waits for anyone
+    preflight.check_run(cfg, env.world_size)
+    preflight.check_machine(cfg)
     for name in cfg["checks"]:  # imports cost seconds (DDP pulls in torch._dynamo): not timed
-        validate = getattr(checks.load(name), "validate", None)
-        if validate:  # bad options: exit 2 on every rank, before anyone waits for anyone
-            validate(cfg.get(name, {}))
+        checks.load(name)
     coord_t0 = time.monotonic()
     timeout = float(cfg["timeout"])
     rdir = default_report_dir(cfg, env.run_id)
+    # Every rank writes there (forensics, NCCL logs): an unwritable folder is bad input on
+    # every rank before any connects, not a report of last resort from whoever is left. Other
+    # ranks may not know the run id yet (rank 0 may draw it): they test the parent.
+    preflight.check_writable(rdir if env.rank == 0 or cfg["report_dir"] or env.run_id_shared
+                             else os.path.dirname(rdir) or ".")
     if env.rank == 0:
-        _check_writable(rdir)
+        preflight.hold(rdir, env.run_id)  # one live run per folder
         clear_stale(rdir)  # a report left by another run must never read as this run's
 
     try:
@@ -770,13 +784,3 @@ def _shut_down(coord: _Coordinator) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-def _check_writable(path: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(f"--report-dir {path}: not writable ({e.strerror})") from None

@@ -16,7 +16,8 @@ fills these records and rank 0 writes them.
                                 "where": str|null}],
                   "figures": {...}, "notes": [str]}],
       "timings": {"<phase>_s": float, ...},
-      "error": null | {"rank", "host", "type", "message"},
+      "injected": null | str (the --fault spec: these failures were made on purpose),
+      "error": null | {"rank", "host", "type", "message"} (the culprit's, when one is named),
       "forensics": [{"rank", "host", "where", "stacks": path, "flight_recorder": path}],
       "hosts": [{"host", "verdict": "good"|"suspect"|"bad", "ranks", "reasons": [...]}]
     }
@@ -131,7 +132,9 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         body = dataclasses.asdict(self)
         return {"verdict": self.verdict, "run_id": self.run_id, "world_size": self.world_size,
-                "nodes": self.nodes, "backend": self.backend, **body,
+                "nodes": self.nodes, "backend": self.backend,
+                # the --fault spec when faults were injected on purpose (null: none were)
+                "injected": self.config.get("fault"), **body,
                 "hosts": triage.hosts_section(self)}
 
     def to_json(self) -> str:
@@ -261,6 +264,10 @@ def to_junit(report: Report) -> str:
     lines = ['<?xml version="1.0" encoding="UTF-8"?>',
              f'<testsuite name="ddp-smoke" tests="{total}" failures="{failures}" '
              f'skipped="{skipped}" time="{report.timings.get("total_s", 0.0):.3f}">']
+    if report.config.get("fault"):  # a CI page must not read an injected failure as real
+        lines += ["  <properties>",
+                  f'    <property name="injected" value={quoteattr(report.config["fault"])}/>',
+                  "  </properties>"]
     for c in report.checks:
         lines.append(f'  <testcase classname="ddp_smoke" name={quoteattr(c.name)} '
                      f'time="{c.duration_s:.3f}">')
@@ -271,7 +278,9 @@ def to_junit(report: Report) -> str:
             lines.append(f"    <skipped message={quoteattr(c.summary)}/>")
         lines.append("  </testcase>")
     if report.error is not None:
-        message = f'{report.error.get("type")}: {report.error.get("message")}'
+        who = report.error.get("rank")
+        message = (f"rank {who} host {report.error.get('host')}: " if who is not None else "") + \
+            f'{report.error.get("type")}: {report.error.get("message")}'
         lines.append('  <testcase classname="ddp_smoke" name="run">')
         lines.append(f"    <failure message={quoteattr(message)}/>")
         lines.append("  </testcase>")
