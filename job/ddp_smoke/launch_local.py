@@ -27,10 +27,11 @@ import os
 import secrets
 import sys
 
+from . import outputs
 from .cli import parse_config, say_once
-from .config import ConfigError, report_dir
-from .launchenv import run_id as launcher_run_id
-from . import preflight
+from .config import preflight, report_dir
+from .config.launchenv import run_id as launcher_run_id
+from .errors import ConfigError
 
 USAGE = "usage: python -m ddp_smoke.launch_local [--nproc-per-node N] [-- WORKER OPTIONS]"
 
@@ -63,9 +64,8 @@ def prepare(argv: list[str]) -> tuple[int, list[str], str]:
     cfg = parse_config(worker_args)
     rid = _run_id()
     preflight.check_run(cfg, nproc)
-    preflight.check_machine(cfg)
     folder = report_dir(cfg, rid)
-    preflight.check_writable(folder)
+    outputs.check_writable(folder)
     preflight.hold(folder, rid, keep=False)  # another live run's folder: refused now
     return nproc, worker_args, rid
 

@@ -22,10 +22,11 @@ import statistics
 
 import torch
 
-from .. import perf, profiles
-from ..config import ConfigError
-from ..report import FAIL, PASS, CheckResult, Culprit
-from ..timing import Clock
+from ..config import profiles
+from ..errors import ConfigError
+from ..model import FAIL, PASS, CheckResult, Culprit
+from . import perf
+from ._timing import Clock
 
 # name -> (dtype, float32 matmul precision): "high" lets fp32 products use TF32 tensor cores
 GPU_DTYPES = {"bf16": (torch.bfloat16, "high"), "fp16": (torch.float16, "high"),
@@ -142,8 +143,8 @@ def _floors(ev, profile: dict, cpu: bool) -> list:
     floors = profile["compute"].get("min_tflops", {})
     names = sorted({o["device_name"] for o in ev.observations})
     if want and not any(want.lower() in n.lower() for n in names):
-        # No rank has the profile's device: the profile does not fit this machine; no rank is
-        # at fault (one odd GPU out among the right ones is, below).
+        # No rank has the profile's device: the profile does not fit this machine, and no
+        # rank is at fault (one odd GPU out among the right ones is, below).
         return [Culprit(None, None, f"profile {profile['name']} does not fit this machine: "
                                     f"its devices are {', '.join(map(repr, names))}, not "
                                     f"{want!r}; choose the --profile of this hardware")]
