@@ -1,8 +1,10 @@
 # ddp-smoke — the verbs users expect. `make help` lists them.
 #
 # Set-up is automatic: every verb that needs Python creates .venv/ first when it is missing.
-# TORCH_SPEC pins torch for the local venv; the default is the CPU wheel this kit is tested with.
-# On a GPU login node use e.g. `make smoke-local TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url …'`.
+# TORCH_SPEC pins torch for the local venv. Where from is job/torch_choice.sh's decision, said
+# when the venv is made (`sh job/torch_choice.sh --dry-run` shows it): PIP_EXTRA as given, else
+# pip's own configured wheels/index, else PyPI's CUDA build on a machine with an NVIDIA GPU,
+# else the CPU-only wheels.
 
 PYTHON     ?= python3
 TORCH_SPEC ?= torch==2.13.0
@@ -35,7 +37,8 @@ help:  ## list the verbs
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install $(PIP_EXTRA) '$(TORCH_SPEC)' numpy pyyaml submitit
+	args=$$(TORCH_SPEC='$(TORCH_SPEC)' PIP_EXTRA='$(PIP_EXTRA)' PIP='$(PY) -m pip' \
+	  sh job/torch_choice.sh) && $(PIP) install $$args numpy pyyaml submitit
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -55,7 +58,7 @@ test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docke
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.test  ## shellcheck the scripts, hadolint the Dockerfile, parse the manifests
-	$(VENV)/bin/shellcheck slurm/*.sbatch docker/*.sh .ci/run
+	$(VENV)/bin/shellcheck slurm/*.sbatch docker/*.sh .ci/run job/torch_choice.sh
 	$(VENV)/bin/hadolint docker/Dockerfile
 	$(VENV)/bin/kubectl label --local -f k8s x=y -o name >/dev/null
 
