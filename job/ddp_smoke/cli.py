@@ -28,8 +28,8 @@ Report: rank 0 writes REPORT_DIR/report.json (atomically) and REPORT_DIR/junit.x
 Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by torchrun or
   submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,
   SLURM_* (SLURMD_NODENAME names the node to drain), NODE_NAME in a pod (spec.nodeName, for
-  kubectl), DDP_SMOKE_RUN_ID (the run id, when the launcher knows one unique per run; see
-  ddp_smoke/config/launchenv.py); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
+  kubectl), DDP_SMOKE_RUN_ID (the run id, when the launcher knows one unique per run: letters,
+  digits, . _ -, up to 128); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
 
 Repeat mode: --repeat N or --duration S runs the checks again and again; each check's result
   then holds every iteration's figures, failures per rank, busbw p50/p99 per size, and says
@@ -119,8 +119,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="fail a multi-node run whose NCCL used another network (transport "
                         "check; default: the profile's, else any one network on every node)")
     p.add_argument("--fault", metavar="RANK:KIND@CHECK",
-                   help="inject a fault (crash|raise|hang|slow|corrupt) to test alerting; "
-                        "see ddp_smoke/config/faults.py")
+                   help="inject a fault to test alerting: rank RANK crashes (exits 13), "
+                        "raises, hangs before the check, runs slow (slow=F: F times slower, "
+                        "default 4) or corrupts its contribution at CHECK; several separated "
+                        "by commas; @CHECK#I or #I-J: only in those iterations of --repeat. "
+                        "The report says the failure was injected")
     p.add_argument("--repeat", metavar="N", type=int,
                    help="run the checks N times in one process group; a fault seen in some "
                         "iterations only is flagged intermittent (default 1)")

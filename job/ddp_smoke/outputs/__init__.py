@@ -67,5 +67,14 @@ def publish(report: Report, report_dir: str, run_id: str) -> str:
         print(to_json_line(report), file=sys.stderr)
     summary.print_report(report, path)
     hosts.finish(report, report_dir, run_id)
-    metrics.write(report, run_id)  # --prometheus FILE, when set
+    prom = metrics.write(report, run_id)  # --prometheus FILE, when set
+    # where the optional files went, or why they are absent: a missing file asks a question
+    said = []
+    if plot.bandwidth_rows(report) and not lost:
+        why = plot.not_drawn(report)
+        said.append(f"# {plot.FILENAME}: {why or os.path.join(report_dir, plot.FILENAME)}")
+    if prom:
+        said.append(f"# prometheus textfile: {prom}")
+    if said:
+        print("\n".join(said), flush=True)
     return FAIL if lost else report.verdict
