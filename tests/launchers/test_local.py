@@ -190,3 +190,18 @@ def test_a_folder_a_live_run_holds_is_refused(tmp_path):
         holder.stdin.close()
         holder.wait(timeout=30)
     preflight.hold(str(tmp_path), "second-run", keep=False)  # released with its process
+
+
+def test_submit_help_is_options_with_defaults():
+    """Issue 25: `ddp-smoke-submit --help` was the module's rationale, no defaults, and its
+    usage lacked `-- WORKER_ARGS`."""
+    p = subprocess.run([str(Path(sys.executable).parent / "ddp-smoke-submit"), "--help"],
+                       capture_output=True, text=True, timeout=60, check=True)
+    assert p.stdout.startswith("usage: ddp-smoke-submit [options] [-- WORKER_ARGS …]\n")
+    options = [line.split()[0] for line in p.stdout.splitlines() if line.startswith("  --")]
+    assert "--cluster" in options and "--wait-timeout" in options
+    for option in ("--cluster", "--nodes", "--procs-per-node", "--gpus-per-node", "--time-min",
+                   "--folder", "--wait-timeout", "--container-python", "--cpus-per-proc"):
+        said = p.stdout[p.stdout.index(f"  {option}"):].split("\n  --")[0]
+        assert "(default" in said, said
+    assert "TorchDistributedEnvironment" not in p.stdout  # the rationale stays in the module
