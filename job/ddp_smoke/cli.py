@@ -4,7 +4,8 @@ Run one process per GPU (or CPU slot) on every node under a launcher; every rank
 selected checks, rank 0 gathers one report that names the culprit rank, host, GPU or link.
 
 Usage, per launcher:
-  local     make smoke-local        (torchrun --standalone --nproc-per-node=2, gloo, CPU)
+  local     make smoke-local        (python -m ddp_smoke.launch_local: checks the options,
+                                     then torchrun --standalone --nproc-per-node=2, gloo, CPU)
             torchrun --standalone --nproc-per-node=N -m ddp_smoke [options]
   multi-node torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d \\
               --rdzv-endpoint=HOST0:29500 --rdzv-id=ID --local-addr=THIS_NODE -m ddp_smoke …
@@ -36,8 +37,10 @@ Repeat mode: --repeat N or --duration S runs the checks again and again; each ch
   "intermittent: failed in 2 of 20 iterations" for a fault seen in some iterations only.
 
 Exit status: 0 verdict pass · 1 verdict fail (the report says why) · 2 bad input (one line).
-  Under torchrun the agent exits 1 whatever its workers' status (a worker's 2 shows only in
-  torchrun's failure block): read the verdict from report.json, whose run_id names its run.
+  Bad input is said by local rank 0 only (one line per node). Under plain torchrun the agent
+  exits 1 whatever its workers' status: read the verdict from report.json, whose run_id names
+  its run. make smoke-local (python -m ddp_smoke.launch_local) checks the options before any
+  rank starts and exits with the workers' own status.
 
 Failure modes: a rank that raises, dies, hangs or never arrives is named in the report; every
 wait is bounded by --timeout, after which each surviving rank exits 1 within a few seconds.
