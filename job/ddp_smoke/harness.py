@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, checks, outputs
-from .config import preflight
 from .checks.api import Context, Evidence
-from .config import report_dir as default_report_dir
+from .config import preflight, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
 from .coordination import ending, forensics, keys, liveness, runtime

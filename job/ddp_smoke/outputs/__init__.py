@@ -57,10 +57,10 @@ def publish(report: Report, report_dir: str, run_id: str) -> str:
     plot, the human summary, the host lists and next steps (and ``--act``), the Prometheus
     file. Returns the verdict the other ranks are told: ``fail`` when the report was lost
     (it then goes to stderr as one JSON line). Never raises."""
-    lost = False
+    lost, png = False, None
     try:
         path = write_report(report, report_dir)
-        plot.write_busbw_png(report, report_dir)  # only with matplotlib installed
+        png = plot.write_busbw_png(report, report_dir)  # only with matplotlib installed
     except (ReportWriteError, OSError) as e:  # full, over quota, read-only, stale NFS
         path, lost = f"(not written: {e})", True
         print(f"ddp-smoke: error: {e}; the report follows as one JSON line", file=sys.stderr)
@@ -71,8 +71,7 @@ def publish(report: Report, report_dir: str, run_id: str) -> str:
     # where the optional files went, or why they are absent: a missing file asks a question
     said = []
     if plot.bandwidth_rows(report) and not lost:
-        why = plot.not_drawn(report)
-        said.append(f"# {plot.FILENAME}: {why or os.path.join(report_dir, plot.FILENAME)}")
+        said.append(f"# {plot.FILENAME}: {png or plot.not_drawn(report) or 'not written'}")
     if prom:
         said.append(f"# prometheus textfile: {prom}")
     if said:
