@@ -25,6 +25,7 @@ import datetime
 import logging
 import os
 import secrets
+import signal
 import sys
 
 from . import outputs
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# warning: {nproc} ranks on {cores} CPU core(s): they take turns, so times, "
               "bandwidth and compute figures are lower than this machine can do", flush=True)
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     # The agent's "failed (exitcode …)" and "closing signal SIGTERM" lines come after the
@@ -108,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
             ends = ", ".join(f"rank {r} {_how(f)}" for r, f in sorted(e.failures.items()))
             say_once(f"ddp-smoke: no verdict: {ends}")
         return 1
+    except (SignalException, KeyboardInterrupt) as e:  # Ctrl-C, or a kill of this launcher:
+        # torchrun stopped the ranks; the status a shell expects from that signal
+        sig = getattr(e, "sigval", signal.SIGINT)
+        say_once(f"ddp-smoke: stopped by {signal.Signals(sig).name}; the ranks were stopped too")
+        return 128 + int(sig)
     return 0
 
 
