@@ -205,3 +205,23 @@ def test_submit_help_is_options_with_defaults():
         said = p.stdout[p.stdout.index(f"  {option}"):].split("\n  --")[0]
         assert "(default" in said, said
     assert "TorchDistributedEnvironment" not in p.stdout  # the rationale stays in the module
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_ends_in_one_line_and_the_signals_status(tmp_path):
+    """SIGINT to the launcher mid-run (as Ctrl-C sends it to the launcher alone when the
+    ranks are elsewhere): torchrun stops the ranks; no traceback, exit 128 + 2."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddp_smoke.launch_local", "--", "--backend",
+                             "gloo", "--checks", "environment,collectives", "--fault",
+                             "1:hang@collectives", "--timeout", "60"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+    for line in proc.stdout:  # the ranks run (rank 1 now hangs): the agent is in its loop
+        if line.startswith("# checks: "):
+            break
+    proc.send_signal(2)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+    assert err.rstrip().splitlines()[-1] == ("ddp-smoke: stopped by SIGINT; the ranks were "
+                                             "stopped too"), err[-3000:]
