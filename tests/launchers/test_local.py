@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -216,9 +217,13 @@ def test_ctrl_c_ends_in_one_line_and_the_signals_status(tmp_path):
                              "1:hang@collectives", "--timeout", "60"],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, stdin=subprocess.DEVNULL)
-    for line in proc.stdout:  # the ranks run (rank 1 now hangs): the agent is in its loop
-        if line.startswith("# checks: "):
-            break
+    # Rank 0 has claimed the folder (its lock names its pid): the ranks run, the agent waits.
+    deadline = time.monotonic() + 60
+    while not any("(pid " in lock.read_text()
+                  for lock in tmp_path.glob("reports/*/.ddp-smoke.lock")):
+        assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
+        time.sleep(0.2)
+    time.sleep(1.0)
     proc.send_signal(2)
     out, err = proc.communicate(timeout=90)
     assert proc.returncode == 130, err[-3000:]
