@@ -152,8 +152,9 @@ def parse_config(argv: list[str] | None = None) -> dict:
 
 
 def say_once(line: str) -> None:
-    """Bad input is the same on every rank: only the first local rank of each node says it
-    (one line per node, not one per rank), in one write, so no two lines run together."""
+    """Bad flags or config are the same on every rank: only the first local rank of each node
+    says so (one line per node, not one per rank), in one write, so no two lines run
+    together."""
     local = os.environ.get("LOCAL_RANK", "0")
     if local == "0" or not local.isdigit():
         os.write(2, (line.replace("\n", " ") + "\n").encode())
@@ -163,7 +164,17 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddp_smoke``; exits 0 (pass), 1 (fail) or 2 (bad input)."""
     try:
         cfg = parse_config(argv)  # before importing torch: bad input fails fast
-        LaunchEnv.from_environ()  # the launcher's variables too (the harness reads them again)
+    except ConfigError as e:
+        say_once(f"ddp-smoke: error: {e}")
+        sys.exit(2)
+    try:
+        # The launcher's variables (the harness reads them again) differ per rank, and so
+        # does what is wrong with them: every rank says its own.
+        LaunchEnv.from_environ()
+    except ConfigError as e:
+        os.write(2, f"ddp-smoke: error: {e}\n".encode())
+        sys.exit(2)
+    try:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         from . import harness
