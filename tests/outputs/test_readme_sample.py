@@ -7,7 +7,7 @@ name, the filesystem. A check added or renamed, a line added or dropped, "7/7" a
 "7/8": the test fails (issue 25: the sample had 7 checks while the suite had 8).
 
 ``DDP_SMOKE_UPDATE_README=1`` writes the run's output into README first (host shown as
-``vm``): how the sample is made.
+``vm``, the folder it ran in as ``~/ddp-smoke``): how the sample is made.
 """
 from __future__ import annotations
 
@@ -57,7 +57,9 @@ def test_readme_sample_is_what_make_smoke_local_prints(tmp_path):
                        stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     host = socket.gethostname()
-    ran = [re.sub(rf"\b{re.escape(host)}\b", "vm", line) for line in p.stdout.splitlines()]
+    # the host as `vm`, the test's folder as a user's checkout: what README shows
+    ran = [re.sub(rf"\b{re.escape(host)}\b", "vm", line).replace(str(tmp_path), "~/ddp-smoke")
+           .rstrip() for line in p.stdout.splitlines()]
     text = README.read_text()
     start, end = _block(text)
     if os.environ.get("DDP_SMOKE_UPDATE_README") == "1":
