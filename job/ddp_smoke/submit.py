@@ -151,7 +151,8 @@ def plan(cluster: str = "local", nodes: int = 1, procs_per_node: int = 2,
     if cluster == "slurm" and not allow_local_folder and str(base).startswith(_NODE_LOCAL):
         raise ConfigError(f"folder {base} is node-local: the nodes cannot read submitit's "
                           "pickles there; give a folder on a shared filesystem "
-                          "(or allow_local_folder=True on a single-node cluster)")
+                          "(or --allow-local-folder / allow_local_folder=True on a "
+                          "single-node cluster)")
     params: dict[str, Any] = {"nodes": nodes, "tasks_per_node": procs_per_node,
                               "cpus_per_task": cpus_per_proc, "timeout_min": time_min,
                               "name": "ddp-smoke"}
@@ -338,24 +339,44 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
-    ap = Parser(prog="ddp-smoke-submit", description=__doc__)
-    ap.add_argument("--cluster", choices=CLUSTERS, default="local")
-    ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--procs-per-node", type=int, default=2)
-    ap.add_argument("--gpus-per-node", type=int, default=0)
-    ap.add_argument("--partition")
-    ap.add_argument("--account")
-    ap.add_argument("--qos")
-    ap.add_argument("--time-min", type=int, default=10)
-    ap.add_argument("--container-image")
-    ap.add_argument("--container-python", default=IMAGE_PYTHON,
+    ap = Parser(prog="ddp-smoke-submit",
+                usage="ddp-smoke-submit [options] [-- WORKER_ARGS …]",
+                description="Submit the ddp-smoke worker with submitit (one task per process, "
+                            "to Slurm or this\nmachine), wait, and print rank 0's verdict. "
+                            "WORKER_ARGS after -- go to every rank\n(python -m ddp_smoke "
+                            "--help lists them). Exit status: 0 pass, 1 fail (culprits\n"
+                            "printed), 2 bad input.",
+                epilog="example:\n  ddp-smoke-submit --cluster slurm --nodes 2 "
+                       "--procs-per-node 8 --gpus-per-node 8 \\\n    --partition gpu -- "
+                       "--timeout 60\nWhy one task per process, the folder rules, containers: "
+                       "pydoc ddp_smoke.submit")
+    ap.add_argument("--cluster", choices=CLUSTERS, default="local",
+                    help="where the tasks run (default local)")
+    ap.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
+    ap.add_argument("--procs-per-node", type=int, default=2, metavar="N",
+                    help="ranks per node, one per GPU (default 2)")
+    ap.add_argument("--gpus-per-node", type=int, default=0, metavar="N",
+                    help="GPUs per node; > 0 also asks for whole nodes (default 0)")
+    ap.add_argument("--partition", help="Slurm partition (default: the cluster's)")
+    ap.add_argument("--account", help="Slurm account (default: yours)")
+    ap.add_argument("--qos", help="Slurm QoS (default: the account's)")
+    ap.add_argument("--time-min", type=int, default=10, metavar="MINUTES",
+                    help="Slurm time limit (default 10)")
+    ap.add_argument("--container-image", metavar="IMAGE",
+                    help="run the tasks in this image through pyxis (default: none)")
+    ap.add_argument("--container-python", default=IMAGE_PYTHON, metavar="PATH",
                     help=f"the image's interpreter (default {IMAGE_PYTHON})")
     ap.add_argument("--cpus-per-proc", type=int, metavar="N",
                     help=f"CPUs per process (default 1; {GPU_CPUS_PER_PROC} with GPUs)")
-    ap.add_argument("--folder")
-    ap.add_argument("--allow-local-folder", action="store_true")
-    ap.add_argument("--wait-timeout", type=float, default=900, metavar="SECONDS")
-    ap.add_argument("--dry-run", action="store_true", help="print what would be submitted")
+    ap.add_argument("--folder", metavar="DIR",
+                    help="submitit's folder, shared by every node; the report goes to "
+                         "DIR/report (default reports/submitit/<time>)")
+    ap.add_argument("--allow-local-folder", action="store_true",
+                    help="accept a node-local --folder for Slurm (single-node clusters)")
+    ap.add_argument("--wait-timeout", type=float, default=900, metavar="SECONDS",
+                    help="cancel the job and exit 1 after this long (default 900)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print what would be submitted, submit nothing")
     try:
         a = ap.parse_args(ours)
         kwargs = dict(nodes=a.nodes, procs_per_node=a.procs_per_node,

@@ -290,7 +290,8 @@ TJ = K8S / "trainer-v2" / "10-ddp-smoke-trainjob.yaml"
 TR = K8S / "trainer-v2" / "00-ddp-smoke-runtime.yaml"
 OP = K8S / "operator" / "pytorch-init-container.yaml"
 MISTAKES = {
-    "unquoted-nprocPerNode": (JOB, 'nprocPerNode: "8"', "nprocPerNode: 8", "nprocPerNode"),
+    "unquoted-nprocPerNode": (JOB, 'nprocPerNode: &gpus-per-node "8"',
+                              "nprocPerNode: &gpus-per-node 8", "nprocPerNode"),
     "missing-Master-replicas": (JOB, "      # Must be written, and must be 1: the webhook rejects "
                                 "a Master without `replicas`.\n      replicas: 1\n", "",
                                 "Master].replicas"),
@@ -308,8 +309,10 @@ MISTAKES = {
     "lowercase-replica-type": (JOB, "    Worker:\n", "    worker:\n", "unsupported"),
     "indexed-job-typo": (IJ, "completionMode: Indexed", "completionmode: Indexed",
                          "completionmode"),
-    "trainjob-typo": (TJ, "numProcPerNode: 8", "numProcsPerNode: 8", "numProcsPerNode"),
-    "trainjob-string-nproc": (TJ, "numProcPerNode: 8", 'numProcPerNode: "8"', "numProcPerNode"),
+    "trainjob-typo": (TJ, "numProcPerNode: &gpus-per-node 8", "numProcsPerNode: &gpus-per-node 8",
+                      "numProcsPerNode"),
+    "trainjob-string-nproc": (TJ, "numProcPerNode: &gpus-per-node 8",
+                              'numProcPerNode: &gpus-per-node "8"', "numProcPerNode"),
     "trainjob-unknown-trainer-field": (TJ, "    numNodes: 2\n", "    numNode: 2\n", "numNode"),
     "runtime-typo": (TR, "backoffLimitPerIndex: 0", "backoffLimitsPerIndex: 0",
                      "backoffLimitsPerIndex"),
@@ -501,7 +504,8 @@ def _pod_requirements(template: dict, job: str, job_label: str, nproc) -> list[s
             or not volumes[shm[0]["name"]]["emptyDir"].get("sizeLimit"):
         errors.append("/dev/shm must be a bounded emptyDir of medium Memory")
     res = container.get("resources", {})
-    if not (str(nproc).isdigit() and res.get("limits", {}).get(GPU) == int(nproc)
+    # a quantity: 8 or "8" (the manifests alias the GPU count to the quoted process count)
+    if not (str(nproc).isdigit() and str(res.get("limits", {}).get(GPU)) == str(int(nproc))
             and all(res.get("requests", {}).get(k) for k in ("cpu", "memory", GPU))):
         errors.append("requests cpu, memory, nvidia.com/gpu; gpu limit = processes per pod")
     errors += _security_errors(pod.get("securityContext", {}), container.get("securityContext", {}))
@@ -568,7 +572,8 @@ def test_requirements_of_the_issue(variant):
 TRAPS = {
     "standalone": (JOB, "  runPolicy:\n", "  elasticPolicy: {standalone: true}\n  runPolicy:\n",
                    "standalone"),
-    "nproc-auto": (JOB, 'nprocPerNode: "8"', 'nprocPerNode: "auto"', "nprocPerNode"),
+    "nproc-auto": (JOB, 'nprocPerNode: &gpus-per-node "8"',
+                   'nprocPerNode: &gpus-per-node "auto"', "nprocPerNode"),
     "operator-env-in-env": (JOB, "- name: TORCH_NCCL_ASYNC_ERROR_HANDLING\n",
                             "- name: MASTER_ADDR\n", "MASTER_ADDR"),
     "no-read-timeout": (JOB, "join_timeout=600,read_timeout=600", "join_timeout=600",
@@ -593,10 +598,12 @@ TRAPS = {
                     "activeDeadlineSeconds"),
     "no-pod-deadline": (JOB, "          activeDeadlineSeconds: 1800\n", "",
                         "activeDeadlineSeconds"),
-    "gpu-mismatch": (JOB, 'nprocPerNode: "8"', 'nprocPerNode: "4"', "gpu"),
+    # the GPU limit is an alias of nprocPerNode: a mismatch takes an edit of the limit itself
+    "gpu-mismatch": (JOB, "memory: *memory\n                  nvidia.com/gpu: *gpus-per-node",
+                     "memory: *memory\n                  nvidia.com/gpu: 4", "gpu"),
     "privileged": (JOB, "privileged: false", "privileged: true", "securityContext"),
     "standalone-torchrun": (JOB, "--rdzv-backend=c10d \\", "--standalone \\", "torchrun"),
-    "ij-parallelism": (IJ, "parallelism: 2", "parallelism: 1", "parallelism"),
+    "ij-parallelism": (IJ, "parallelism: *nodes", "parallelism: 1", "parallelism"),
     "no-node-name": (TJ, "fieldPath: spec.nodeName", "fieldPath: metadata.name", "NODE_NAME"),
     "ij-not-published": (K8S / "indexed-job" / "10-ddp-smoke-service.yaml",
                          "publishNotReadyAddresses: true", "publishNotReadyAddresses: false",
