@@ -11,6 +11,9 @@ Usage, per launcher:
   Slurm     sbatch slurm/ddp_smoke.sbatch
   Kubernetes kubectl apply -f k8s
   Python    ddp_smoke.submit.submit(...) / ddp-smoke-submit (submitit)
+  preflight python -m ddp_smoke preflight [--rdzv HOST:PORT] [--gpus N] [--report-dir DIR]
+            checks one node in seconds (kit, torch/CUDA, interfaces, rendezvous port, report
+            folder); the launchers run it on every node before torchrun
 
 Checks (in default order):
 {checks}
@@ -133,6 +136,10 @@ def parse_config(argv: list[str] | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddp_smoke``; exits 0 (pass), 1 (fail) or 2 (bad input)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["preflight"]:  # the per-node check before torchrun (ddp_smoke/preflight.py)
+        from . import preflight
+        sys.exit(preflight.main(argv[1:]))
     try:
         cfg = parse_config(argv)  # before importing torch: bad input fails fast
         LaunchEnv.from_environ()  # the launcher's variables too (the harness reads them again)
