@@ -246,3 +246,42 @@ def test_worker_command_is_unchanged():
     proc = subprocess.run([PY, "-m", "ddp_smoke", "--checks", "nope"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "ddp-smoke: error:" in proc.stderr
+
+
+ENTRYPOINT = Path(__file__).resolve().parents[1] / "docker" / "entrypoint.sh"
+
+
+def _entrypoint(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """The image's entrypoint on this machine, the venv's python first on PATH."""
+    env = {**os.environ, "PATH": f"{Path(PY).parent}:{os.environ['PATH']}",
+           "DDP_SMOKE_REPORT_ROOT": str(tmp_path), "DDP_SMOKE_RUN_ID": "ep1",
+           "NODE_NAME": "box1", **env}
+    return subprocess.run(["bash", str(ENTRYPOINT), *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_entrypoint_preflight_failure_is_a_report_naming_this_node(tmp_path):
+    proc = _entrypoint(tmp_path, "--", "--checks", "environment", GLOO_SOCKET_IFNAME="ib7")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("ddp-smoke: verdict fail · preflight: box1: interfaces: "
+                           "GLOO_SOCKET_IFNAME=ib7: no interface ib7"), last
+    report = json.loads((tmp_path / "ep1" / "report.json").read_text())
+    assert report["run_id"] == "ep1" and report["config"]["launcher"] == "docker"
+    assert "+ torchrun" not in proc.stderr  # stopped before torchrun
+
+
+def test_entrypoint_torchrun_that_never_starts_a_worker_is_named(tmp_path):
+    """torchrun cannot reach the rendezvous (nothing listens on the port): no worker, no
+    report from one; the entrypoint writes it, with torchrun's own error line."""
+    proc = _entrypoint(tmp_path, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                       f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=ep1",
+                       "--rdzv-conf=join_timeout=3,read_timeout=3,is_host=0",
+                       "--local-addr=127.0.0.1", "--", "--checks", "environment")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("ddp-smoke: verdict fail · launch: box1: no worker started: "), last
+    report = json.loads((tmp_path / "ep1" / "report.json").read_text())
+    [culprit] = report["checks"][0]["culprits"]
+    assert culprit["host"] == "box1" and "Error" in culprit["reason"], culprit
+    assert "\n" not in culprit["reason"] and "frame #" not in culprit["reason"]

@@ -84,7 +84,8 @@ def _culprits(report: dict) -> dict[str, str]:
 def _run(cluster, tmp_path: Path, **env: str):
     env = {"PREFLIGHT_TIMEOUT": str(PREFLIGHT_S), "RDZV_PORT": RDZV_PORT,
            "GLOO_SOCKET_IFNAME": "eth0", **env}
-    return _submit(cluster, tmp_path, ["--checks", "environment"], timeout_s=120, **env)
+    return _submit(cluster, tmp_path, ["--checks", "environment"], sbatch=("--nodes=3",),
+                   timeout_s=120, **env)
 
 
 def _named_exactly(job, node: str, check: str = "preflight") -> str:

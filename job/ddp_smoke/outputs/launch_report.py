@@ -40,6 +40,7 @@ CHECK = {"preflight": "preflight", "run": "launch"}
 REASON_CHARS = 300
 _EXCEPTION = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit)"
                         r"(?::\s|$)")
+_PREFLIGHT_FAIL = re.compile(r"^ddp-smoke preflight: \S+ FAIL")
 _LAUNCH_FAILED = re.compile(r"failed on node (\S+?):\s*(.*)")
 _TASK_ENDED = re.compile(r"^srun: error: (\S+?): tasks? [\d,-]+: (.*)")
 
@@ -49,7 +50,7 @@ def error_line(lines: list[str]) -> str:
     preflight FAIL), else a Python exception's line (``ModuleNotFoundError: …``, the first of a
     chain: the cause), else an ``error:`` line, else the last line. Never a stack frame."""
     lines = [x.strip() for x in lines if x.strip()]
-    for test in (lambda x: x.startswith(("ddp-smoke: error:", "ddp-smoke preflight:")),
+    for test in (lambda x: x.startswith("ddp-smoke: error:") or bool(_PREFLIGHT_FAIL.match(x)),
                  lambda x: bool(_EXCEPTION.match(x)),
                  lambda x: "error:" in x.lower()):
         hit = next((x for x in lines if test(x)), None)
