@@ -285,3 +285,20 @@ def test_entrypoint_torchrun_that_never_starts_a_worker_is_named(tmp_path):
     [culprit] = report["checks"][0]["culprits"]
     assert culprit["host"] == "box1" and "Error" in culprit["reason"], culprit
     assert "\n" not in culprit["reason"] and "frame #" not in culprit["reason"]
+
+
+def test_nodes_refused_by_a_late_host_blame_the_host(tmp_path):
+    """Nothing listened on the rendezvous port (the first node started late): the nodes that
+    were refused are victims, the host that never came up is the culprit."""
+    _record(tmp_path, "b", ok=False)
+    record = json.loads((tmp_path / "preflight" / "b.json").read_text())
+    record["checks"][-1] = {"name": "rendezvous", "ok": False, "detail": "cannot reach "
+                            "rendezvous 10.0.0.1:29500 over TCP within 29 s: connection refused"}
+    (tmp_path / "preflight" / "b.json").write_text(json.dumps(record))
+    proc = _launcher(tmp_path, "preflight", "a b", "--exit", "1")
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    [culprit] = report["checks"][0]["culprits"]
+    assert culprit["host"] == "a" and culprit["reason"].startswith("rendezvous host: never "
+                                                                   "listened"), culprit
+    assert [v.split(":")[0] for v in report["checks"][0]["figures"]["victims"]] == ["b"]

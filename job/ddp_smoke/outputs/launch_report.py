@@ -135,6 +135,16 @@ def preflight_culprits(nodes: list[str], records: dict[str, dict], launch: dict[
             culprits.append(Culprit(None, node, _short(why)))
         else:
             silent.append(node)
+    host = nodes[0] if nodes else None  # the launchers make the first node the store's
+    refused = [k for k in culprits if k.reason.startswith("rendezvous: cannot reach")
+               and "refused" in k.reason]
+    if refused and len(refused) == len(culprits) and host not in records:
+        # Refused means nothing listened there: the host's preflight never came up (a late
+        # node still pulling its image, or one that never ran), not the nodes knocking.
+        return [Culprit(None, host, f"rendezvous host: never listened on the rendezvous port "
+                                    f"within the preflight's time: {len(refused)} node(s) were "
+                                    "refused; it started late or not at all")], \
+            [k.host for k in culprits] + [n for n in silent if n != host]
     if culprits:
         return culprits, silent
     for node in silent:
