@@ -302,3 +302,20 @@ def test_nodes_refused_by_a_late_host_blame_the_host(tmp_path):
     assert culprit["host"] == "a" and culprit["reason"].startswith("rendezvous host: never "
                                                                    "listened"), culprit
     assert [v.split(":")[0] for v in report["checks"][0]["figures"]["victims"]] == ["b"]
+
+
+def test_a_node_that_only_waited_is_a_victim_not_a_culprit(tmp_path):
+    """srun could not launch on c; a and b printed only torch's C++ warnings while waiting
+    for it in the rendezvous: c alone is named."""
+    (tmp_path / "launch").mkdir()
+    note = ("[W1130 23:28:27.714588602 socket.cpp:207] [c10d] The hostname of the client "
+            "socket cannot be retrieved. err=-3\n")
+    for node in ("a", "b"):
+        (tmp_path / "launch" / f"{node}.run.err").write_text(note)
+    (tmp_path / "launch" / "srun.run.err").write_text(SRUN.replace("bnode3", "c"))
+    proc = _launcher(tmp_path, "run", "a b c", "--exit", "233", "--launch-log",
+                     str(tmp_path / "launch" / "srun.run.err"))
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {k["host"]: k["reason"] for k in report["checks"][0]["culprits"]} == {
+        "c": "no worker started: task launch failed: Communication connection failure"}

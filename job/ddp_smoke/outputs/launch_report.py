@@ -40,23 +40,28 @@ CHECK = {"preflight": "preflight", "run": "launch"}
 REASON_CHARS = 300
 _EXCEPTION = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit)"
                         r"(?::\s|$)")
+_CXX_NOTE = re.compile(r"^\[[WI]\d{4} ")  # torch's C++ log: [W1130 23:28:27.71 file.cpp:207]
+_SHELL = re.compile(r"No such file or directory|command not found|Permission denied|"
+                    r"No module named")
 _PREFLIGHT_FAIL = re.compile(r"^ddp-smoke preflight: \S+ FAIL")
 _LAUNCH_FAILED = re.compile(r"failed on node (\S+?):\s*(.*)")
 _TASK_ENDED = re.compile(r"^srun: error: (\S+?): tasks? [\d,-]+: (.*)")
 
 
-def error_line(lines: list[str]) -> str:
+def error_line(lines: list[str], strict: bool = False) -> str:
     """The one line that says what went wrong: the kit's own (``ddp-smoke: error:``, a
     preflight FAIL), else a Python exception's line (``ModuleNotFoundError: …``, the first of a
-    chain: the cause), else an ``error:`` line, else the last line. Never a stack frame."""
-    lines = [x.strip() for x in lines if x.strip()]
+    chain: the cause), else an ``error:`` line or a shell's (``No such file …``), else (unless
+    ``strict``) the last line. Never a stack frame, never a warning or info line of torch's
+    C++ log (``[W1130 …]``: a node that merely waited prints those too)."""
+    lines = [x.strip() for x in lines if x.strip() and not _CXX_NOTE.match(x.strip())]
     for test in (lambda x: x.startswith("ddp-smoke: error:") or bool(_PREFLIGHT_FAIL.match(x)),
                  lambda x: bool(_EXCEPTION.match(x)),
-                 lambda x: "error:" in x.lower()):
+                 lambda x: "error:" in x.lower() or bool(_SHELL.search(x))):
         hit = next((x for x in lines if test(x)), None)
         if hit:
             return _short(hit)
-    return _short(lines[-1]) if lines else ""
+    return _short(lines[-1]) if lines and not strict else ""
 
 
 def _short(text: str) -> str:
@@ -168,7 +173,8 @@ def run_culprits(nodes: list[str], launch: dict[str, str], report_dir: str,
     for node in nodes:
         if worker_started(report_dir, node):
             continue
-        why = launch.get(node) or error_line(node_stderr(report_dir, node, "run").splitlines())
+        why = launch.get(node) or error_line(node_stderr(report_dir, node, "run").splitlines(),
+                                             strict=True)
         if why:
             culprits.append(Culprit(None, node, _short(f"no worker started: {why}")))
         else:
