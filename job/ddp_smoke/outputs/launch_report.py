@@ -38,6 +38,7 @@ from ..report import FAIL, CheckResult, Culprit, Report, ReportWriteError, write
 STAGES = ("preflight", "run")
 CHECK = {"preflight": "preflight", "run": "launch"}
 REASON_CHARS = 300
+SHOWN = 8  # culprits on the log's last line; a 512-node failure stays one readable line
 _EXCEPTION = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt|Exit)"
                         r"(?::\s|$)")
 _CXX_NOTE = re.compile(r"^\[[WI]\d{4} ")  # torch's C++ log: [W1130 23:28:27.71 file.cpp:207]
@@ -238,7 +239,8 @@ def culprit_text(report: dict) -> str:
     error = report.get("error")
     if error and not parts:
         parts.append(f"error: {error.get('message') if isinstance(error, dict) else error}")
-    return "; ".join(parts)
+    more = f"; (+{len(parts) - SHOWN} more in the report)" if len(parts) > SHOWN else ""
+    return "; ".join(parts[:SHOWN]) + more
 
 
 def last_line(verdict: str, detail: str, exit_code: int | None, path: str) -> str:
