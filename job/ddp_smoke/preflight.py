@@ -378,8 +378,7 @@ def line(record: dict) -> str:
 def _parser() -> argparse.ArgumentParser:
     from .cli import Parser
 
-    p = Parser(prog="python -m ddp_smoke preflight",
-               description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n", 1)[1])
+    p = Parser(prog="python -m ddp_smoke preflight", description=__doc__)
     p.add_argument("--report-dir", metavar="DIR",
                    help="check it is writable and write DIR/preflight/<node>.json")
     p.add_argument("--rdzv", metavar="HOST:PORT", help="the rendezvous endpoint to reach")
