@@ -54,7 +54,7 @@ CLUSTERS = ("slurm", "local")
 IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image from docker/
 # 8 CPUs per GPU: data loading and NCCL's proxy threads per rank; 8-GPU nodes have >= 64 cores.
 GPU_CPUS_PER_PROC = 8
-PREFLIGHT_TIMEOUT_S = 30.0  # a node's preflight, the rendezvous host's wait for the others
+PREFLIGHT_TIMEOUT_S = 30.0  # a node's preflight (torch import, CUDA initialisation)
 MAX_WAIT_S = 7 * 86400.0  # a week: longer is a typo, and time.monotonic arithmetic stays sane
 _NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
@@ -204,19 +204,17 @@ def _task(worker_args: list[str], gpus: bool) -> Any:
 def _preflight(worker_args: list[str], gpus: bool) -> None:
     """Preflight (ddp_smoke/preflight.py) in the first task of each node, before the worker:
     a node that cannot run it fails its task in seconds with the reason, and leaves its record
-    beside the report for :func:`submit`. Rank 0 hosts the store on MASTER_PORT later, so it
-    listens there meanwhile and every node's first task says hello."""
+    beside the report for :func:`submit`. Without the rendezvous check: the tasks start
+    together and the others connect to rank 0's MASTER_PORT at once, where a preflight
+    listener would answer them instead of the store (the worker bounds that wait itself)."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
     from . import preflight
 
     args = preflight._parser().parse_args([
         "--report-dir", worker_args[worker_args.index("--report-dir") + 1],
-        "--rdzv", f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        "--nodes", os.environ.get("SLURM_JOB_NUM_NODES", "1"),
         "--gpus", os.environ.get("SLURM_NTASKS_PER_NODE", "1") if gpus else "0",
-        "--timeout", str(PREFLIGHT_TIMEOUT_S)] + (["--serve"] if os.environ["RANK"] == "0"
-                                                  else []))
+        "--timeout", str(PREFLIGHT_TIMEOUT_S)])
     record = preflight.run(args)
     print(preflight.line(record), file=sys.stderr, flush=True)
     if not record["ok"]:
@@ -376,9 +374,12 @@ def _launch_report(job, p: Plan) -> dict | None:
             text = (job.task(task_id).stderr() or "") + "\n" + str(error)
             culprits.append(Culprit(task_id, hosts.get(task_id // per_node),
                                     launch_report.error_line(text.splitlines())))
+    failed = [k for k in culprits if launch_report.failed_preflight(k.reason)]
+    victims = [f"task {k.rank}: {k.reason}" for k in culprits if k not in failed] if failed \
+        else []  # the others then waited for a rank that never came
     nodes = [str(n) for n in range(int(p.parameters["nodes"]))]
-    report = launch_report.build("run", nodes, culprits, [], str(p.report_dir), run_id,
-                                 "submitit", {})
+    report = launch_report.build("preflight" if failed else "run", nodes, failed or culprits,
+                                 victims, str(p.report_dir), run_id, "submitit", {})
     try:
         write_report(report, str(p.report_dir))
     except ReportWriteError:

@@ -65,6 +65,11 @@ def error_line(lines: list[str], strict: bool = False) -> str:
     return _short(lines[-1]) if lines and not strict else ""
 
 
+def failed_preflight(line: str) -> bool:
+    """The line is a node's preflight FAIL line."""
+    return bool(_PREFLIGHT_FAIL.match(line))
+
+
 def _short(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 1] + "…"
@@ -204,8 +209,8 @@ def build(stage: str, nodes: list[str], culprits: list[Culprit], victims: list[s
                                 f"{len(nodes)} node(s)")
     figures = {"nodes_expected": nodes,
                "nodes_ok": [n for n in nodes if n not in bad and n not in victims],
-               "victims": [f"{n}: stopped by the launcher after the failure above"
-                           for n in victims],
+               "victims": [v if ": " in v else f"{v}: stopped by the launcher after the "
+                                                 "failure above" for v in victims],
                "preflight_s": {n: r.get("duration_s") for n, r in records.items()}}
     check = CheckResult(CHECK[stage], FAIL, summary, culprits, figures)
     return Report(version=__version__,
