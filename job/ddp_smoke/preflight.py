@@ -49,7 +49,10 @@ import threading
 import time
 
 from . import __version__
-from .config import ConfigError
+from .cli import Parser
+from .errors import ConfigError
+from .outputs.files import write_atomic
+from .outputs.launch_report import error_line
 
 RECORDS = "preflight"   # the records' folder under the report folder
 DEFAULT_TIMEOUT_S = 30.0
@@ -292,9 +295,7 @@ def finish_torch_probe(proc: subprocess.Popen, gpus: int, deadline: float) -> tu
 def first_error(text: str) -> str:
     """The line that says what went wrong in a traceback or a log: the exception's own line
     (``ModuleNotFoundError: …``), else an ``error:`` line, else the last line; never a stack."""
-    from .outputs.launch_report import error_line  # one reading of logs, for both sides
-
-    return error_line(text.splitlines())
+    return error_line(text.splitlines())  # one reading of logs, for both sides
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -360,8 +361,6 @@ def never_joined(joined: dict[str, str], nodes: int, timeout_s: float) -> str:
 
 
 def write_record(record: dict, report_dir: str) -> str:
-    from .report import write_atomic  # late: keeps `preflight --help` light
-
     path = os.path.join(report_dir, RECORDS, f"{record['node']}.json")
     write_atomic(path, json.dumps(record, indent=1) + "\n")
     return path
@@ -376,8 +375,6 @@ def line(record: dict) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .cli import Parser
-
     p = Parser(prog="python -m ddp_smoke preflight", description=__doc__)
     p.add_argument("--report-dir", metavar="DIR",
                    help="check it is writable and write DIR/preflight/<node>.json")

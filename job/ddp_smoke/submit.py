@@ -48,7 +48,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
+from . import preflight
+from .cli import Parser, parse_config
+from .errors import ConfigError, ReportWriteError
+from .model import Culprit
+from .outputs import launch_report
+from .outputs.report import as_dict, write_report
 
 CLUSTERS = ("slurm", "local")
 IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image from docker/
@@ -194,8 +199,7 @@ def _task(worker_args: list[str], gpus: bool) -> Any:
     os.environ["DDP_SMOKE_RUN_ID"] = run_id_of(submitit.JobEnvironment().job_id,
                                                os.environ.get("SLURM_RESTART_COUNT", "0"))
     _preflight(worker_args, gpus)
-    from . import harness
-    from .cli import parse_config
+    from . import harness  # late: torch only in the task, not on the submitting side
 
     code = harness.run(parse_config(worker_args))
     return code
@@ -209,8 +213,6 @@ def _preflight(worker_args: list[str], gpus: bool) -> None:
     listener would answer them instead of the store (the worker bounds that wait itself)."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
-    from . import preflight
-
     args = preflight._parser().parse_args([
         "--report-dir", worker_args[worker_args.index("--report-dir") + 1],
         "--gpus", os.environ.get("SLURM_NTASKS_PER_NODE", "1") if gpus else "0",
@@ -354,9 +356,6 @@ def _launch_report(job, p: Plan) -> dict | None:
     """No report from the worker: write the launcher's (ddp_smoke/outputs/launch_report.py),
     one culprit per failed task with its first error line and its node from the preflight
     records; returned, unless the folder holds another run's report (never overwritten)."""
-    from .outputs import launch_report
-    from .report import Culprit, ReportWriteError, write_report
-
     path = p.report_dir / "report.json"
     if path.exists():
         return None
@@ -384,7 +383,7 @@ def _launch_report(job, p: Plan) -> dict | None:
         write_report(report, str(p.report_dir))
     except ReportWriteError:
         pass  # the report still travels with the exception
-    return report.to_dict()
+    return as_dict(report)
 
 
 def _progress(enabled: bool):
@@ -397,8 +396,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
-    from .cli import Parser, parse_config
-
     ap = Parser(prog="ddp-smoke-submit", description=__doc__)
     ap.add_argument("--cluster", choices=CLUSTERS, default="local")
     ap.add_argument("--nodes", type=int, default=1)

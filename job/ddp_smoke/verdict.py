@@ -20,6 +20,8 @@ import json
 import sys
 from typing import Any
 
+from .outputs import launch_report
+
 MAX_CHARS = 1024  # well inside the kubelet's 4096-byte limit, whole words never needed
 
 
@@ -50,7 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m ddp_smoke.verdict REPORT.json``: print the line; 2 when unreadable."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--launcher"]:  # a launcher's verdict when no worker wrote one
-        from .outputs import launch_report
         return launch_report.main(args[1:])
     if len(args) != 1:
         print("ddp-smoke: error: usage: python -m ddp_smoke.verdict REPORT.json", file=sys.stderr)

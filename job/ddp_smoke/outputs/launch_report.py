@@ -33,7 +33,10 @@ import time
 from datetime import datetime, timezone
 
 from .. import __version__
-from ..report import FAIL, CheckResult, Culprit, Report, ReportWriteError, write_report
+from ..errors import ReportWriteError
+from ..model import FAIL, CheckResult, Culprit, Report
+from . import hosts
+from .report import write_report
 
 STAGES = ("preflight", "run")
 CHECK = {"preflight": "preflight", "run": "launch"}
@@ -298,9 +301,7 @@ def main(argv: list[str]) -> int:
         written = write_report(report, a.report_dir)
     except (ReportWriteError, OSError) as e:  # the line below still names the nodes
         written = f"(not written: {e})"
-    from .. import triage  # host lists and next steps, as the worker's report has them
-
-    triage.finish(report, a.report_dir, a.run_id)
+    hosts.finish(report, a.report_dir, a.run_id)  # host lists and next steps, as the worker's
     detail = culprit_text(report.to_dict())
     print(last_line(report.verdict, detail, a.exit_code, written), flush=True)
     return 1
