@@ -319,3 +319,20 @@ def test_a_node_that_only_waited_is_a_victim_not_a_culprit(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert {k["host"]: k["reason"] for k in report["checks"][0]["culprits"]} == {
         "c": "no worker started: task launch failed: Communication connection failure"}
+
+
+def test_nodes_that_could_not_reach_a_silent_head_store_blame_the_head(tmp_path):
+    """PREFLIGHT=0 and the first node started late: the others' torchrun timed out connecting
+    to its store, the head itself printed nothing (killed while still starting)."""
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "b.run.err").write_text(TORCH_STACK)
+    (tmp_path / "launch" / "srun.run.err").write_text(
+        "srun: error: b: task 1: Exited with exit code 1\nsrun: error: a: task 0: Terminated\n")
+    proc = _launcher(tmp_path, "run", "a b", "--exit", "143", "--launch-log",
+                     str(tmp_path / "launch" / "srun.run.err"))
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    [culprit] = report["checks"][0]["culprits"]
+    assert culprit["host"] == "a" and culprit["reason"].startswith(
+        "rendezvous host: its c10d store never answered: 1 node(s) could not connect"), culprit
+    assert report["checks"][0]["figures"]["victims"][0].startswith("b: ")

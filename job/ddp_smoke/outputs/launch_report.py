@@ -47,6 +47,9 @@ _EXCEPTION = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|I
 _CXX_NOTE = re.compile(r"^\[[WI]\d{4} ")  # torch's C++ log: [W1130 23:28:27.71 file.cpp:207]
 _SHELL = re.compile(r"No such file or directory|command not found|Permission denied|"
                     r"No module named")
+_REFUSED = re.compile(r"^rendezvous: cannot reach .*refused")
+_STORE_UNREACHED = re.compile(r"trying to connect to|failed to connect|connection to the C10d "
+                              r"store has failed|Connection refused", re.I)
 _PREFLIGHT_FAIL = re.compile(r"^ddp-smoke preflight: \S+ FAIL")
 _LAUNCH_FAILED = re.compile(r"failed on node (\S+?):\s*(.*)")
 _TASK_ENDED = re.compile(r"^srun: error: (\S+?): tasks? [\d,-]+: (.*)")
@@ -142,23 +145,16 @@ def preflight_culprits(nodes: list[str], records: dict[str, dict], launch: dict[
                 reason = "; ".join(f"{c['name']}: {c['detail']}" for c in failed)
                 culprits.append(Culprit(None, node, _short(reason)))
             continue
-        own = error_line(node_stderr(report_dir, node, "preflight").splitlines())
-        launched = launch.get(node, "")
-        why = launched if "launch failed" in launched else (own or launched)
+        why = _own_error(node, launch, node_stderr(report_dir, node, "preflight"))
         if why:
             culprits.append(Culprit(None, node, _short(why)))
         else:
             silent.append(node)
-    host = nodes[0] if nodes else None  # the launchers make the first node the store's
-    refused = [k for k in culprits if k.reason.startswith("rendezvous: cannot reach")
-               and "refused" in k.reason]
-    if refused and len(refused) == len(culprits) and host not in records:
-        # Refused means nothing listened there: the host's preflight never came up (a late
-        # node still pulling its image, or one that never ran), not the nodes knocking.
-        return [Culprit(None, host, f"rendezvous host: never listened on the rendezvous port "
-                                    f"within the preflight's time: {len(refused)} node(s) were "
-                                    "refused; it started late or not at all")], \
-            [k.host for k in culprits] + [n for n in silent if n != host]
+    # Refused means nothing listened there: the host's preflight never came up.
+    late = _late_host(nodes, culprits, silent, _REFUSED, "never listened on the rendezvous "
+                      "port within the preflight's time: {n} node(s) were refused")
+    if late:
+        return late
     if culprits:
         return culprits, silent
     for node in silent:
@@ -173,6 +169,28 @@ def preflight_culprits(nodes: list[str], records: dict[str, dict], launch: dict[
     return culprits, []
 
 
+def _own_error(node: str, launch: dict[str, str], stderr: str, strict: bool = False) -> str:
+    """A node's own evidence: srun could not launch it, else the first error it printed,
+    else srun's word that it exited with a status."""
+    launched = launch.get(node, "")
+    own = error_line(stderr.splitlines(), strict=strict)
+    return launched if "launch failed" in launched else (own or launched)
+
+
+def _late_host(nodes: list[str], culprits: list[Culprit], silent: list[str], pattern,
+               what: str) -> tuple[list[Culprit], list[str]] | None:
+    """When every failing node only failed to reach the rendezvous host, and the host (the
+    launchers make the first node the store's) said nothing of its own, the host is the one
+    that was late (an image still being pulled) or never ran; the others are its victims."""
+    host = nodes[0] if nodes else None
+    if not culprits or host not in silent or not all(pattern.search(k.reason)
+                                                     for k in culprits):
+        return None
+    reason = f"rendezvous host: {what.format(n=len(culprits))}; it started late or not at all"
+    return [Culprit(None, host, reason)], [f"{k.host}: {k.reason}" for k in culprits] + \
+        [n for n in silent if n != host]
+
+
 def run_culprits(nodes: list[str], launch: dict[str, str], report_dir: str,
                  exit_code: int | None) -> tuple[list[Culprit], list[str]]:
     """The nodes where no worker started, with the first error each printed (nodes with
@@ -182,12 +200,15 @@ def run_culprits(nodes: list[str], launch: dict[str, str], report_dir: str,
     for node in nodes:
         if worker_started(report_dir, node):
             continue
-        why = launch.get(node) or error_line(node_stderr(report_dir, node, "run").splitlines(),
-                                             strict=True)
+        why = _own_error(node, launch, node_stderr(report_dir, node, "run"), strict=True)
         if why:
             culprits.append(Culprit(None, node, _short(f"no worker started: {why}")))
         else:
             silent.append(node)
+    late = _late_host(nodes, culprits, silent, _STORE_UNREACHED, "its c10d store never "
+                      "answered: {n} node(s) could not connect to it")
+    if late:
+        return late
     if culprits:
         return culprits, silent
     culprits = [Culprit(None, n, "no worker started and torchrun printed nothing")
