@@ -135,7 +135,7 @@ def preflight_culprits(nodes: list[str], records: dict[str, dict], launch: dict[
     (srun ends every task once one fails: theirs were stopped, not broken)."""
     host_record = next((r for r in records.values() if "joined" in r), None)
     said_hello = set((host_record or {}).get("joined", {}).values())
-    culprits, silent = [], []
+    culprits, found = [], {}
     for node in nodes:
         record = records.get(node)
         if record is not None:
@@ -145,18 +145,13 @@ def preflight_culprits(nodes: list[str], records: dict[str, dict], launch: dict[
                 reason = "; ".join(f"{c['name']}: {c['detail']}" for c in failed)
                 culprits.append(Culprit(None, node, _short(reason)))
             continue
-        why = _own_error(node, launch, node_stderr(report_dir, node, "preflight"))
-        if why:
-            culprits.append(Culprit(None, node, _short(why)))
-        else:
-            silent.append(node)
+        found[node] = _own_error(node, launch, node_stderr(report_dir, node, "preflight"))
     # Refused means nothing listened there: the host's preflight never came up.
-    late = _late_host(nodes, culprits, silent, _REFUSED, "never listened on the rendezvous "
-                      "port within the preflight's time: {n} node(s) were refused")
-    if late:
-        return late
-    if culprits:
-        return culprits, silent
+    culprits, silent, blamed = _blame(nodes, culprits, found, "", _REFUSED, "never listened "
+                                      "on the rendezvous port within the preflight's time: "
+                                      "{n} node(s) were refused")
+    if blamed:
+        return blamed
     for node in silent:
         why = "no preflight record: the task never ran or was killed"
         if host_record is not None and node not in said_hello:
@@ -177,18 +172,24 @@ def _own_error(node: str, launch: dict[str, str], stderr: str, strict: bool = Fa
     return launched if "launch failed" in launched else (own or launched)
 
 
-def _late_host(nodes: list[str], culprits: list[Culprit], silent: list[str], pattern,
-               what: str) -> tuple[list[Culprit], list[str]] | None:
-    """When every failing node only failed to reach the rendezvous host, and the host (the
-    launchers make the first node the store's) said nothing of its own, the host is the one
-    that was late (an image still being pulled) or never ran; the others are its victims."""
+def _blame(nodes: list[str], culprits: list[Culprit], found: dict[str, str], prefix: str,
+           pattern, what: str):
+    """(culprits, silent nodes, verdict): the nodes with an error of their own (``found``:
+    node -> its error, "" when it said nothing) are culprits, and the verdict is them with the
+    silent ones as victims; None when no node said anything. But when every failing node only
+    failed to reach the rendezvous host, and the host (the launchers make the first node the
+    store's) said nothing, the host was late (an image still being pulled) or never ran."""
+    culprits = culprits + [Culprit(None, n, _short(prefix + why)) for n, why in found.items()
+                           if why]
+    silent = [n for n, why in found.items() if not why]
     host = nodes[0] if nodes else None
     if not culprits or host not in silent or not all(pattern.search(k.reason)
                                                      for k in culprits):
-        return None
+        return culprits, silent, (culprits, silent) if culprits else None
     reason = f"rendezvous host: {what.format(n=len(culprits))}; it started late or not at all"
-    return [Culprit(None, host, reason)], [f"{k.host}: {k.reason}" for k in culprits] + \
-        [n for n in silent if n != host]
+    return culprits, silent, ([Culprit(None, host, reason)],
+                              [f"{k.host}: {k.reason}" for k in culprits] +
+                              [n for n in silent if n != host])
 
 
 def run_culprits(nodes: list[str], launch: dict[str, str], report_dir: str,
@@ -196,21 +197,13 @@ def run_culprits(nodes: list[str], launch: dict[str, str], report_dir: str,
     """The nodes where no worker started, with the first error each printed (nodes with
     nothing of their own to say are victims when another node did); where all started,
     those whose worker printed an error; else one culprit naming no node."""
-    culprits, silent = [], []
-    for node in nodes:
-        if worker_started(report_dir, node):
-            continue
-        why = _own_error(node, launch, node_stderr(report_dir, node, "run"), strict=True)
-        if why:
-            culprits.append(Culprit(None, node, _short(f"no worker started: {why}")))
-        else:
-            silent.append(node)
-    late = _late_host(nodes, culprits, silent, _STORE_UNREACHED, "its c10d store never "
-                      "answered: {n} node(s) could not connect to it")
-    if late:
-        return late
-    if culprits:
-        return culprits, silent
+    found = {node: _own_error(node, launch, node_stderr(report_dir, node, "run"), strict=True)
+             for node in nodes if not worker_started(report_dir, node)}
+    culprits, silent, blamed = _blame(nodes, [], found, "no worker started: ", _STORE_UNREACHED,
+                                      "its c10d store never answered: {n} node(s) could not "
+                                      "connect to it")
+    if blamed:
+        return blamed
     culprits = [Culprit(None, n, "no worker started and torchrun printed nothing")
                 for n in silent]
     for node in nodes if not culprits else []:
