@@ -282,7 +282,7 @@ def finish_torch_probe(proc: subprocess.Popen, gpus: int, deadline: float) -> tu
         what = "CUDA initialisation" if gpus else "import torch"
         return False, f"{what} did not finish within the preflight timeout"
     if proc.returncode != 0:
-        return False, f"import torch failed: {first_error(err) or f'exit {proc.returncode}'}"
+        return False, f"import torch failed: {error_line(err.splitlines()) or f'exit {proc.returncode}'}"
     facts = json.loads(out.strip().splitlines()[-1])
     text = f"torch {facts['torch']} imported in {facts['import_s']:.1f} s"
     if gpus:
@@ -290,12 +290,6 @@ def finish_torch_probe(proc: subprocess.Popen, gpus: int, deadline: float) -> tu
             return False, f"{text}; CUDA sees {facts.get('gpus')} GPU(s), expected {gpus}"
         text += f"; CUDA {facts['cuda']} initialised {gpus} GPU(s)"
     return True, text
-
-
-def first_error(text: str) -> str:
-    """The line that says what went wrong in a traceback or a log: the exception's own line
-    (``ModuleNotFoundError: …``), else an ``error:`` line, else the last line; never a stack."""
-    return error_line(text.splitlines())  # one reading of logs, for both sides
 
 
 # -- the run --------------------------------------------------------------------------------
