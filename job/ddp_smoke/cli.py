@@ -12,6 +12,9 @@ Usage, per launcher:
   Slurm     sbatch slurm/ddp_smoke.sbatch
   Kubernetes kubectl apply -f k8s
   Python    ddp_smoke.submit.submit(...) / ddp-smoke-submit (submitit)
+  preflight python -m ddp_smoke preflight [--rdzv HOST:PORT] [--gpus N] [--report-dir DIR]
+            checks one node in seconds (kit, torch/CUDA, interfaces, rendezvous port, report
+            folder); the launchers run it on every node before torchrun
 
 Checks (in default order):
 {checks}

@@ -48,13 +48,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import preflight
 from .cli import Parser, parse_config
-from .errors import ConfigError
+from .errors import ConfigError, ReportWriteError
+from .model import Culprit
+from .outputs import launch_report
+from .outputs.report import as_dict, write_report
 
 CLUSTERS = ("slurm", "local")
 IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image from docker/
 # 8 CPUs per GPU: data loading and NCCL's proxy threads per rank; 8-GPU nodes have >= 64 cores.
 GPU_CPUS_PER_PROC = 8
+PREFLIGHT_TIMEOUT_S = 30.0  # a node's preflight (torch import, CUDA initialisation)
 MAX_WAIT_S = 7 * 86400.0  # a week: longer is a typo, and time.monotonic arithmetic stays sane
 _NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
@@ -194,10 +199,29 @@ def _task(worker_args: list[str], gpus: bool) -> Any:
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=gpus)
     os.environ["DDP_SMOKE_RUN_ID"] = run_id_of(submitit.JobEnvironment().job_id,
                                                os.environ.get("SLURM_RESTART_COUNT", "0"))
+    _preflight(worker_args, gpus)
     from . import harness  # late: torch only in the task, not on the submitting side
 
     code = harness.run(parse_config(worker_args))
     return code
+
+
+def _preflight(worker_args: list[str], gpus: bool) -> None:
+    """Preflight (ddp_smoke/preflight.py) in the first task of each node, before the worker:
+    a node that cannot run it fails its task in seconds with the reason, and leaves its record
+    beside the report for :func:`submit`. Without the rendezvous check: the tasks start
+    together and the others connect to rank 0's MASTER_PORT at once, where a preflight
+    listener would answer them instead of the store (the worker bounds that wait itself)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    args = preflight._parser().parse_args([
+        "--report-dir", worker_args[worker_args.index("--report-dir") + 1],
+        "--gpus", os.environ.get("SLURM_NTASKS_PER_NODE", "1") if gpus else "0",
+        "--timeout", str(PREFLIGHT_TIMEOUT_S)])
+    record = preflight.run(args)
+    print(preflight.line(record), file=sys.stderr, flush=True)
+    if not record["ok"]:
+        raise RuntimeError(preflight.line(record))
 
 
 def run_id_of(job_id: str, restart: str | int = 0) -> str:
@@ -255,8 +279,8 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     _wait(job, wait_timeout_s, say)
     report = _own_report(p.report_dir / "report.json", job.job_id)
     if report is None:
-        raise TaskDied(_death_notice(job) + _foreign(p.report_dir / "report.json"),
-                       job_id=job.job_id)
+        notice = _death_notice(job) + _foreign(p.report_dir / "report.json")
+        raise TaskDied(notice, report=_launch_report(job, p), job_id=job.job_id)
     if report["verdict"] != "pass":
         failed = SmokeFailed("", report, job.job_id)
         lines = [f"rank {k['rank']} ({k['host']}) at {k['check']}: {k['reason']}"
@@ -327,6 +351,40 @@ def _death_notice(job) -> str:
         parts.append(f"task {task_id} failed: {str(error).strip().splitlines()[0]}\n    "
                      + "\n    ".join(tail))
     return "\n".join(parts)
+
+
+def _launch_report(job, p: Plan) -> dict | None:
+    """No report from the worker: write the launcher's (ddp_smoke/outputs/launch_report.py),
+    one culprit per failed task with its first error line and its node from the preflight
+    records; returned, unless the folder holds another run's report (never overwritten)."""
+    path = p.report_dir / "report.json"
+    if path.exists():
+        return None
+    run_id = run_id_of(job.job_id, 0)
+    per_node = int(p.parameters["tasks_per_node"])
+    hosts = {r.get("node_rank"): r.get("node")
+             for r in launch_report.read_records(str(p.report_dir), run_id).values()}
+    culprits = []
+    for task_id in range(job.num_tasks):
+        try:
+            error = job.task(task_id).exception()
+        except Exception as e:  # noqa: BLE001 — submitit raises on unreadable results too
+            error = e
+        if error is not None:
+            text = (job.task(task_id).stderr() or "") + "\n" + str(error)
+            culprits.append(Culprit(task_id, hosts.get(task_id // per_node),
+                                    launch_report.error_line(text.splitlines())))
+    failed = [k for k in culprits if launch_report.failed_preflight(k.reason)]
+    victims = [f"task {k.rank}: {k.reason}" for k in culprits if k not in failed] if failed \
+        else []  # the others then waited for a rank that never came
+    nodes = [str(n) for n in range(int(p.parameters["nodes"]))]
+    report = launch_report.build("preflight" if failed else "run", nodes, failed or culprits,
+                                 victims, str(p.report_dir), run_id, "submitit", {})
+    try:
+        write_report(report, str(p.report_dir))
+    except ReportWriteError:
+        pass  # the report still travels with the exception
+    return as_dict(report)
 
 
 def _progress(enabled: bool):

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -678,6 +679,7 @@ def _run_pod(pod: ko.Pod, tmp_path: Path, rc: int = 1):
     # The venv's python3 first: the script runs `python3 -m ddp_smoke.verdict`.
     env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
            "FAKE_RC": str(rc), "FAKE_OUT": str(tmp_path / f"{pod.name}.json"),
+           "DDP_SMOKE_PREFLIGHT": "0",  # about torchrun's argv; preflight has its own test
            "TERMINATION_LOG": str(tmp_path / f"{pod.name}.termination-log")}
     if "REPORT_DIR" in env:
         env["REPORT_DIR"] = str(tmp_path / env["REPORT_DIR"].lstrip("/"))
@@ -717,12 +719,38 @@ def test_a_stale_report_is_never_logged_as_this_runs(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "torchrun").write_text("#!/bin/sh\nexit 1\n")  # rank 0 dies before writing
     (bin_dir / "torchrun").chmod(0o755)
-    env = {**pod.env, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+    env = {**pod.env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DDP_SMOKE_PREFLIGHT": "0",
            "REPORT_DIR": str(stale.parent), "TERMINATION_LOG": str(tmp_path / "msg")}
     proc = subprocess.run(pod.argv, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "ddp-smoke-report.json" not in proc.stdout, proc.stdout
     assert not stale.exists()
     assert "no report in this pod" in (tmp_path / "msg").read_text()
+
+
+def test_master_pod_names_the_node_ranks_that_never_joined(tmp_path):
+    """The Worker pod never starts (Pending, no image): the Master's preflight waits its
+    timeout for the hello, then stops before torchrun with a termination message that names
+    node rank 1."""
+    docs = ko.load_manifests(K8S)
+    master = ko.compute_pods(docs, pod_ips={"ddp-smoke-master-0": "127.0.0.1",
+                                            "ddp-smoke-worker-0": "10.9.0.3"})[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text("#!/bin/sh\necho torchrun ran; exit 1\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {**master.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),  # cluster DNS, offline
+           "DDP_SMOKE_PREFLIGHT_TIMEOUT": "4", "REPORT_DIR": str(tmp_path / "reports"),
+           "TERMINATION_LOG": str(tmp_path / "msg")}
+    proc = subprocess.run(master.argv, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "torchrun ran" not in proc.stdout, proc.stdout + proc.stderr
+    message = (tmp_path / "msg").read_text().strip()
+    assert message.startswith("ddp-smoke preflight: ") and " FAIL · " in message, message
+    assert "joined: node rank(s) 1 never joined within 4 s: 1 of 2 said hello" in message, message
+    assert "\n" not in message
 
 
 def test_indexed_job_pods_say_who_hosts_the_store(tmp_path):
