@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from . import __version__, checks, outputs
 from .checks.api import Context, Evidence
-from .config import preflight, report_dir as default_report_dir
+from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
 from .coordination import ending, forensics, keys, liveness, runtime
@@ -44,7 +44,7 @@ def run(cfg: dict[str, Any]) -> int:
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     env = LaunchEnv.from_environ()
     faults = parse_faults(cfg["fault"], cfg["checks"])
-    preflight.check_run(cfg, env.world_size)  # what `make smoke-local` checked before launch
+    prelaunch.check_run(cfg, env.world_size)  # what `make smoke-local` checked before launch
     for name in cfg["checks"]:  # imports cost seconds (DDP pulls in torch._dynamo): not timed
         checks.load(name)
     coord_t0 = time.monotonic()
@@ -56,7 +56,7 @@ def run(cfg: dict[str, Any]) -> int:
     outputs.check_writable(rdir if env.rank == 0 or cfg["report_dir"] or env.run_id_shared
                            else os.path.dirname(rdir) or ".")
     if env.rank == 0:
-        preflight.hold(rdir, env.run_id)  # one live run per folder
+        prelaunch.hold(rdir, env.run_id)  # one live run per folder
         outputs.prepare(rdir)  # a report left by another run must never read as this run's
     try:
         c = Coordinator(env, cfg, lambda may_host: _store(env, timeout, may_host), _publish,

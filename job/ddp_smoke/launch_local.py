@@ -30,7 +30,7 @@ import sys
 
 from . import outputs
 from .cli import parse_config, say_once
-from .config import preflight, report_dir
+from .config import prelaunch, report_dir
 from .config.launchenv import run_id as launcher_run_id
 from .errors import ConfigError
 
@@ -64,10 +64,10 @@ def prepare(argv: list[str]) -> tuple[int, list[str], str]:
     nproc, worker_args = _split(argv)
     cfg = parse_config(worker_args)
     rid = _run_id()
-    preflight.check_run(cfg, nproc)
+    prelaunch.check_run(cfg, nproc)
     folder = report_dir(cfg, rid)
     outputs.check_writable(folder)
-    preflight.hold(folder, rid, keep=False)  # another live run's folder: refused now
+    prelaunch.hold(folder, rid, keep=False)  # another live run's folder: refused now
     return nproc, worker_args, rid
 
 

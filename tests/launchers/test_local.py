@@ -176,21 +176,21 @@ def test_two_runs_started_together_each_own_a_folder(tmp_path):
 def test_a_folder_a_live_run_holds_is_refused(tmp_path):
     """The worker's claim on its folder: a second run naming the same --report-dir is bad
     input while the first lives (the kernel drops the claim when the holder exits)."""
-    from ddp_smoke.config import preflight
+    from ddp_smoke.config import prelaunch
     from ddp_smoke.errors import ConfigError
 
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from ddp_smoke.config import preflight; "
-        f"preflight.hold({str(tmp_path)!r}, 'first-run'); print('held', flush=True); "
+        "import sys, time; from ddp_smoke.config import prelaunch; "
+        f"prelaunch.hold({str(tmp_path)!r}, 'first-run'); print('held', flush=True); "
         "sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         with pytest.raises(ConfigError, match=r"in use by run first-run \(pid "):
-            preflight.hold(str(tmp_path), "second-run", keep=False)
+            prelaunch.hold(str(tmp_path), "second-run", keep=False)
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
-    preflight.hold(str(tmp_path), "second-run", keep=False)  # released with its process
+    prelaunch.hold(str(tmp_path), "second-run", keep=False)  # released with its process
 
 
 def test_submit_help_is_options_with_defaults():

@@ -29,7 +29,6 @@ import json
 import os
 import re
 import sys
-import time
 from datetime import datetime, timezone
 
 from .. import __version__
