@@ -109,7 +109,9 @@ class Report:
         """The report's own fields, the derived ones first (``hosts`` is added by outputs)."""
         body = dataclasses.asdict(self)
         return {"verdict": self.verdict, "run_id": self.run_id, "world_size": self.world_size,
-                "nodes": self.nodes, "backend": self.backend, **body}
+                "nodes": self.nodes, "backend": self.backend,
+                # the --fault spec when faults were injected on purpose (null: none were)
+                "injected": self.config.get("fault"), **body}
 
 
 def finite(data: Any) -> Any:
