@@ -49,6 +49,7 @@ import torch.distributed as dist
 from . import (__version__, blame, checks, comm, forensics, metrics, plot, repeat, runtime,
                summary, triage)
 from .config import ConfigError, report_dir as default_report_dir
+from .coordination import reach, stragglers
 from .faults import Injector, parse_faults
 from .report import (FAIL, SKIP, CheckResult, Culprit, Report, ReportWriteError,
                      check_from_dict, clear_stale, write_report)
@@ -346,6 +347,8 @@ class _Coordinator:
         reasons = {**posted(store, "abort"), **reasons}  # and those posted while we looked
         live = connected - set(dead)
         found = posted(store, "forensics")
+        # every live node leader's probes of the others (coordination/reach.py)
+        probed = posted(store, "reach", live & set(reach.leaders(store)), reach.WAIT_S)
         arrive = "connect" if stage == "init" else f"arrive/{self.key(stage)}"
         obs = f"obs/{self.key(stage)}"
         snap = blame.Snapshot(
@@ -354,7 +357,7 @@ class _Coordinator:
             arrived=ranks_with(store, arrive, world), finished=ranks_with(store, obs, world),
             dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != "stopped"},
             progress=beats,
-            where={r: f["where"] for r, f in found.items() if f.get("where")},
+            where={r: f["where"] for r, f in found.items() if f.get("where")}, reach=probed,
             store=f"{self.env.master_addr}:{self.env.master_port}", dead_after_s=DEAD_AFTER_S)
         verdict = blame.judge(snap)
         # Each live rank leaves its forensics once it sees the abort, maybe after this judge
@@ -367,6 +370,8 @@ class _Coordinator:
         figures = {"arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
                    "dead": sorted(dead), "victims": verdict.victims,
                    "progress": {str(r): p for r, p in sorted(beats.items())},
+                   "unreached": {str(r): p["failed"] for r, p in sorted(probed.items())
+                                 if p.get("failed")},
                    "aborts": [reasons[r] for r in sorted(reasons)]}
         judged = {c.name for it, c in self.judged if it == self.iteration}
         # Outside a check (process-group init, between checks) the run itself failed: "launch".
@@ -391,6 +396,7 @@ class _Coordinator:
             store.append("forensics/listed", f"{self.env.rank},")
         except Exception:  # noqa: BLE001 — the store is gone; the files are still there
             pass
+        reach.survey(store, self.env.rank)  # a node's leader: who it can still connect to
 
 
 def _beat(c: _Coordinator) -> None:
@@ -589,7 +595,9 @@ def run(cfg: dict[str, Any]) -> int:
     coord.report_dir = rdir
     coord.timings["load_checks_s"] = round(coord_t0 - t0, 4)
     coord.timings["connect_store_s"] = round(time.monotonic() - coord_t0, 4)
+    comm.RECORDER.keep = stragglers.keep_per_rank(env.world_size)
     _start_threads(coord)
+    reach.listen(env, coord.store)  # before the process group: its set-up may be what hangs
 
     store = coord.store
     ctx = None
@@ -707,6 +715,7 @@ def _run_check(coord: _Coordinator, ctx: Context, name: str) -> None:
     coord.arrive(store, f"arrive/{coord.key(name)}", f"every rank to arrive at {name}")
     coord.enter(name, timeout)  # a fresh bound for the work and the gather
     t = time.monotonic()
+    comm.RECORDER.spent()  # this check's collectives only
     try:
         ctx.faults.at_start()
         obs = {"ok": True, "data": module.run(ctx)}
@@ -714,6 +723,7 @@ def _run_check(coord: _Coordinator, ctx: Context, name: str) -> None:
         coord.abort(store, "error", _error_detail(e))
         raise _Stop from None
     obs["duration_s"] = round(time.monotonic() - t, 6)
+    obs["waits"] = comm.RECORDER.spent()  # seconds inside each collective: who waited for whom
     coord.post_observation(store, name, obs)
     if env.rank == 0:
         coord.post_result(store, _judge(module, name, coord.gather(store, name), coord))
@@ -728,6 +738,7 @@ def _judge(module, name: str, got: list[dict], coord: _Coordinator) -> CheckResu
         result = CheckResult(name, FAIL, summary=f"judge raised {type(e).__name__}: {e}",
                              culprits=[Culprit(None, None, traceback.format_exc(limit=3))])
     result.duration_s = max(g["duration_s"] for g in got)
+    stragglers.attach(result, [g.get("waits") for g in got], ev.culprit)
     return result
 
 
