@@ -30,7 +30,8 @@ import socket
 import threading
 import time
 
-from ..report import Culprit
+from ..model import Culprit
+from . import keys
 
 PROBE_S = 1.5          # one connect's timeout: a connect within the sandbox or a fabric takes ms
 ROUNDS = 2             # a target missed twice is unreachable
@@ -78,8 +79,8 @@ def listen(env, store) -> None:
         return
     try:
         _PROBE = Probe(route_address(env.master_addr, env.master_port))
-        store.set(f"probe/{env.rank}", json.dumps({"addr": _PROBE.addr, "port": _PROBE.port}))
-        store.append("probe/listed", f"{env.rank},")
+        store.set(keys.of(keys.PROBE, env.rank), json.dumps({"addr": _PROBE.addr, "port": _PROBE.port}))
+        store.append(keys.listed(keys.PROBE), f"{env.rank},")
     except Exception:  # noqa: BLE001 — no route, no socket, or the store is gone
         _PROBE = None
 
@@ -130,7 +131,8 @@ def connect_all(addrs: dict[int, tuple[str, int]], timeout_s: float) -> set[int]
 def leaders(store) -> list[int]:
     """The ranks that opened a probe (one per node)."""
     try:
-        listed = store.get("probe/listed").decode() if store.check(["probe/listed"]) else ""
+        key = keys.listed(keys.PROBE)
+        listed = store.get(key).decode() if store.check([key]) else ""
     except Exception:  # noqa: BLE001 — evidence gathering never raises
         return []
     return sorted({int(r) for r in listed.split(",") if r})
@@ -143,15 +145,16 @@ def survey(store, rank: int) -> None:
         return
     try:
         tried = targets(rank, leaders(store))
-        got = store.multi_get([f"probe/{r}" for r in tried]) if tried else []
+        got = store.multi_get([keys.of(keys.PROBE, r) for r in tried]) if tried else []
         addrs = {r: (p["addr"], p["port"]) for r, p in zip(tried, map(json.loads, got))}
         failed = set(addrs)
         for _ in range(ROUNDS):
             failed = connect_all({r: addrs[r] for r in failed}, PROBE_S)
             if not failed:
                 break
-        store.set(f"reach/{rank}", json.dumps({"tried": tried, "failed": sorted(failed)}))
-        store.append("reach/listed", f"{rank},")
+        store.set(keys.of(keys.REACH, rank), json.dumps({"tried": tried,
+                                                         "failed": sorted(failed)}))
+        store.append(keys.listed(keys.REACH), f"{rank},")
     except Exception:  # noqa: BLE001 — the store went away: nothing to tell
         pass
 

@@ -7,7 +7,7 @@ clock agreement between hosts is needed (the measure of Alibaba's C4D and of Byt
 straggler study: who waits for whom).
 
 For every collective k of a check (the k-th world collective is the same call on every rank,
-:mod:`ddp_smoke.comm`), with each rank's time inside ``t[r]``:
+:mod:`ddp_smoke.coordination.progress`), with each rank's time inside ``t[r]``:
 
 * the last arriver is the rank with the smallest ``t``;
 * the wait it caused is the median of the others' ``t`` minus its own: what the job lost;
