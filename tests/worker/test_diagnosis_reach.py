@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from tests.launch import Heartbeats
-from tests.multinode import Nodes, torchrun_argv
-from tests.sandbox.hosts import Host, HostSandbox, netns_pids, sandbox_fixture
+from tests.multinode import Nodes, store_of, torchrun_argv
+from tests.sandbox.hosts import Host, HostSandbox
 
 PREFIX, SUBNET = "dsr", "10.231.23.0/24"
 NODES = 4
@@ -127,19 +127,6 @@ def _link(report: dict, a: Host, b: Host) -> list:
     return [(None, None, ends)]
 
 
-def _store_port(box: HostSandbox) -> int:
-    """MASTER_PORT of the run, read from node 1's worker environment (the agent's store)."""
-    for pid in netns_pids(box.hosts[0].netns):
-        try:
-            env = dict(v.split("=", 1) for v in
-                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
-        except OSError:
-            continue
-        if "RANK" in env and "MASTER_PORT" in env:
-            return int(env["MASTER_PORT"])
-    raise LookupError("no worker yet")
-
-
 def _attempts(name: str):
     for attempt in range(REPEAT):
         print(f"\n{name}, attempt {attempt + 1} of {REPEAT}:")
@@ -163,7 +150,7 @@ def _in_compute(box: HostSandbox, nodes: Nodes) -> int:
     port = None
     for _ in range(600):
         try:
-            port = _store_port(box)
+            port = store_of(box.hosts[0])[1]
             break
         except LookupError:
             time.sleep(0.1)
