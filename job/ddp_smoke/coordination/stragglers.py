@@ -111,8 +111,9 @@ def attach(result, spent: list[list | None], culprit) -> None:
 
 
 def line(figure: dict) -> str | None:
-    """The figure in a few words, for the human summary (None when nothing was counted)."""
-    if not figure.get("collectives"):
+    """The figure in a few words, for the human summary (None for a check with too few
+    collectives to judge: a line under every check would be noise)."""
+    if figure.get("collectives", 0) < MIN_COUNTED:
         return None
     top = figure["most_last"][0] if figure["most_last"] else None
     most = (f"last most often: rank {top['rank']}, {top['last']} times, "
