@@ -27,14 +27,14 @@ WHEELHOUSE ?=
 PY_VERSION ?= 3.12
 
 .PHONY: help venv smoke-local test lint clean sandbox-up sandbox-down slurm-up slurm-try slurm-down \
-        image wheelhouse image-test bench
+        image wheelhouse image-test bench gpu-check
 
 help:  ## list the verbs
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install $(PIP_EXTRA) '$(TORCH_SPEC)' numpy pyyaml submitit
+	$(PIP) install $(PIP_EXTRA) '$(TORCH_SPEC)' numpy pyyaml submitit nvidia-ml-py
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -62,7 +62,7 @@ image:  ## build the worker image (IMAGE=…, BASE_IMAGE=…, WHEELHOUSE=wheelho
 
 wheelhouse:  ## wheels for an offline `make image WHEELHOUSE=wheelhouse` (PY_VERSION = the base's Python)
 	$(PYTHON) -m pip download --only-binary=:all: --python-version $(PY_VERSION) \
-	  --platform manylinux_2_28_x86_64 -d wheelhouse numpy pyyaml submitit setuptools
+	  --platform manylinux_2_28_x86_64 -d wheelhouse numpy pyyaml submitit nvidia-ml-py setuptools
 
 image-test: $(VENV)/.test  ## build and run the image on a private Docker engine (root)
 	$(PY) -m pytest tests/launchers/test_docker.py $(PYTEST_ARGS)
@@ -74,6 +74,9 @@ bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs t
 	$(PY) bench/phases.py 3
 	$(PY) bench/pairs_plan.py
 	$(PY) bench/coordination_scale.py --quick
+
+gpu-check: $(VENV)/.runtime  ## on a GPU machine (CUDA torch: TORCH_SPEC/PIP_EXTRA): NVML + health, SDC, every check on NCCL, a hang's Flight Recorder, compute vs h200 (<= 8 min)
+	bash bench/gpu_check.sh
 
 sandbox-up:  ## N network-namespace "nodes" (dsh-node1 …) on a private bridge, to try multi-node by hand (root)
 	$(PYTHON) -m tests.sandbox.hosts up $(N)

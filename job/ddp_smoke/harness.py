@@ -75,6 +75,8 @@ def run(cfg: dict[str, Any]) -> int:
         t = time.monotonic()
         ctx = _join(c, store, faults)
         c.timings["rendezvous_s"] = round(time.monotonic() - t, 4)
+        for name in cfg["checks"]:  # checks that watch the whole run start watching now
+            getattr(checks.load(name), "begin", lambda _: None)(ctx)
         t = time.monotonic()
         while True:
             ctx.faults.iteration = c.iteration
