@@ -3,8 +3,8 @@
 A real throttle (a cgroup CPU quota, as a thermally throttled or power-capped device is held
 back), put on rank 2's worker process for the whole of its checks, on a real 4-rank torchrun.
 The report must name exactly rank 2: by its sustained compute rate (compute) and by the
-collectives the others spent waiting for it (coordination/stragglers.py) in the bandwidth
-sweep, and nobody else anywhere. The same launch
+collectives the others spent waiting for it (coordination/stragglers.py) in the collectives
+check or the bandwidth sweep, and nobody else anywhere. The same launch
 without the quota names nobody. Three times each, in one test.
 """
 from __future__ import annotations
@@ -82,15 +82,20 @@ def test_throttled_rank_is_named_and_the_same_run_without_the_quota_names_none(t
             slow = _launch(tmp_path / f"slow{attempt}", quota)
         named = _named(slow)
         waits = next(c for c in slow["checks"] if c["name"] == "bandwidth")
+        said = [k["reason"] for c in slow["checks"] for k in c["culprits"]]
         print(f"\nattempt {attempt + 1}: quota {QUOTA:.0%} of a core on rank {SLOW_RANK}: report "
-              f"in {time.monotonic() - t:.1f} s, named {named}; "
-              f"{waits['culprits'][0]['reason'] if waits['culprits'] else '-'}")
-        # exactly rank 2: by its sustained compute, and by the waits of the checks with many
-        # collectives (the bandwidth sweep's hundreds; the collectives check's 25 mostly too)
-        assert {"compute", "bandwidth"} <= set(named) and all(
-            ranks == [SLOW_RANK] for ranks in named.values()), named
-        sweep = next(c for c in slow["checks"] if c["name"] == "bandwidth")
-        assert "waited for rank 2 in" in sweep["culprits"][0]["reason"]
+              f"in {time.monotonic() - t:.1f} s, named {named}; {said}")
+        # exactly rank 2, nobody else anywhere: by its sustained compute, and by the waits
+        # (in both checks with collectives it was the rank the others waited for most often;
+        # at least one of them has enough evidence to name it: a CPU quota runs the rank in
+        # bursts, so it is last in about half the collectives, and causes most of the waiting)
+        assert "compute" in named and all(ranks == [SLOW_RANK] for ranks in named.values()), \
+            named
+        checks = {c["name"]: c for c in slow["checks"]}
+        assert all(checks[n]["figures"]["waits"]["most_last"][0]["rank"] == SLOW_RANK
+                   for n in ("collectives", "bandwidth")), waits["figures"]["waits"]
+        assert any("waited for rank 2 in" in k["reason"] for n in ("collectives", "bandwidth")
+                   for k in checks[n]["culprits"]), named
         t = time.monotonic()
         healthy = _launch(tmp_path / f"healthy{attempt}", None)
         print(f"attempt {attempt + 1}: no quota: report in {time.monotonic() - t:.1f} s, "
