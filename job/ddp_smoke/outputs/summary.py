@@ -38,6 +38,9 @@ def render(report: Report, path: str) -> str:
             lines.append(f"  {'':<16} victims (stopped by the culprit, not at fault): ranks "
                          f"{', '.join(str(v['rank']) for v in victims[:16])}"
                          f"{' …' if len(victims) > 16 else ''}")
+    if cfg.get("fault"):
+        lines.append(f"# injected on purpose (--fault {cfg['fault']}): the failures it causes "
+                     "test the alerting path, not this cluster")
     passed = sum(c.status == PASS for c in report.checks)
     failed = [c.name for c in report.checks if c.status == FAIL]
     tail = f"; failed: {', '.join(failed)}" if failed else ""
