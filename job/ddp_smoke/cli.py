@@ -44,6 +44,9 @@ Exit status: 0 verdict pass · 1 verdict fail (the report says why) · 2 bad inp
 
 Failure modes: a rank that raises, dies, hangs or never arrives is named in the report; every
 wait is bounded by --timeout, after which each surviving rank exits 1 within a few seconds.
+A rank the others wait for in most collectives of a check is that check's straggler (figures
+  "waits"); when every rank waits, each node's leader probes the others outside the process
+  group, and a node nobody reaches or a link nobody crosses (both ends) is named.
 """
 from __future__ import annotations
 

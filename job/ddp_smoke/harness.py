@@ -31,7 +31,7 @@ from .checks.api import Context, Evidence
 from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
-from .coordination import ending, forensics, keys, liveness, runtime
+from .coordination import ending, forensics, keys, liveness, progress, reach, runtime, stragglers
 from .coordination.protocol import Coordinator, Stop, error_detail
 from .coordination.store import DEAD_AFTER_S, wait_key
 from .model import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict
@@ -68,7 +68,9 @@ def run(cfg: dict[str, Any]) -> int:
     c.report_dir = rdir
     c.timings["load_checks_s"] = round(coord_t0 - t0, 4)
     c.timings["connect_store_s"] = round(time.monotonic() - coord_t0, 4)
+    progress.RECORDER.keep = stragglers.keep_per_rank(env.world_size)
     liveness.start(c)
+    reach.listen(env, c.store)  # before the process group: its set-up may be what hangs
 
     store = c.store
     try:
@@ -174,6 +176,7 @@ def _run_check(c: Coordinator, ctx: Context, name: str) -> None:
     c.arrive(store, keys.of(keys.ARRIVE, c.key(name)), f"every rank to arrive at {name}")
     c.enter(name, timeout)  # a fresh bound for the work and the gather
     t = time.monotonic()
+    progress.RECORDER.spent()  # this check's collectives only
     try:
         ctx.faults.at_start()
         obs = {"ok": True, "data": module.run(ctx)}
@@ -181,6 +184,7 @@ def _run_check(c: Coordinator, ctx: Context, name: str) -> None:
         c.abort(store, keys.ERROR, error_detail(e))
         raise Stop from None
     obs["duration_s"] = round(time.monotonic() - t, 6)
+    obs["waits"] = progress.RECORDER.spent()  # seconds inside each collective: who waited
     c.post_observation(store, name, obs)
     if ctx.rank == 0:
         c.post_result(store, _judge(module, name, c.gather(store, name), c))
@@ -195,6 +199,7 @@ def _judge(module, name: str, got: list[dict], c: Coordinator) -> CheckResult:
         result = CheckResult(name, FAIL, summary=f"judge raised {type(e).__name__}: {e}",
                              culprits=[Culprit(None, None, traceback.format_exc(limit=3))])
     result.duration_s = max(g["duration_s"] for g in got)
+    stragglers.attach(result, [g.get("waits") for g in got], ev.culprit)
     return result
 
 

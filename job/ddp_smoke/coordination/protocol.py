@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..model import CheckResult, check_from_dict
-from . import forensics, keys
+from . import forensics, keys, reach
 from .store import DEAD_AFTER_S, POLL_MAX_S, STORE_OPS_PER_S, Silence, reads, try_get
 
 GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watchdog acts first
@@ -221,6 +221,7 @@ class Coordinator:
             store.append(keys.listed(keys.FORENSICS), f"{self.env.rank},")
         except Exception:  # noqa: BLE001 — the store is gone; the files are still there
             pass
+        reach.survey(store, self.env.rank)  # a node's leader: who it can still connect to
 
 
 def error_detail(e: BaseException) -> dict:
