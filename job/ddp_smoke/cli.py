@@ -19,15 +19,12 @@ Usage, per launcher:
 Checks (in default order):
 {checks}
 
-Report: rank 0 writes REPORT_DIR/report.json (atomically) and REPORT_DIR/junit.xml. Keys:
-  verdict "pass"|"fail", world_size, nodes, backend, ranks [{{rank, local_rank, host, …}}],
-  checks [{{name, status "pass"|"fail"|"skip", culprits [{{rank, host, reason}}], figures, …}}],
-  timings {{connect_store_s, rendezvous_s, checks_s, total_s}}, error, run_id,
-  hosts [{{host, verdict "good"|"suspect"|"bad", ranks, reasons}}]. Strict JSON (NaN/inf
-  figures are null); secrets redacted by name and shape; files made with your umask. Beside
-  it: bad_hosts.txt, suspect_hosts.txt, good_hosts.txt (one host a line); rank 0 prints the
-  drain/exclude/cordon commands for hosts that are not good, and runs the scontrol ones only
-  with --act slurm-drain.
+Report: rank 0 writes REPORT_DIR/report.json (atomically) and REPORT_DIR/junit.xml. Every
+  field of report.json is described in the JSON Schema this package ships,
+  ddp_smoke/outputs/report.schema.json. Strict JSON (NaN/inf figures are null); secrets
+  redacted by name and shape; files made with your umask. Beside it: bad_hosts.txt,
+  suspect_hosts.txt, good_hosts.txt (one host a line); rank 0 prints the drain/exclude/cordon
+  commands for hosts that are not good, and runs the scontrol ones only with --act slurm-drain.
 
 Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by torchrun or
   submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,

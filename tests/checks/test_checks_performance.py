@@ -14,7 +14,6 @@ Timing assertions only use the injected slowdowns, never absolute speeds.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
@@ -32,6 +31,7 @@ from ddp_smoke.outputs import plot
 from ddp_smoke.checks import bandwidth, compute
 from ddp_smoke.errors import ConfigError
 from ddp_smoke.checks.api import Evidence
+from tests import report_schema
 from tests.launch import BIN, REPO, free_port
 
 LAUNCH_TIMEOUT_S = 150  # every launch, together; each rank's own waits are bounded by --timeout
@@ -222,7 +222,7 @@ def runs(tmp_path_factory):
         logs = "\n".join((base / f"{name}-{i}.log").read_text() for i in range(len(ps)))
         report = base / name / "report.json"
         out[name] = {"codes": codes, "log": logs,
-                     "report": json.loads(report.read_text()) if report.exists() else None}
+                     "report": report_schema.read(report) if report.exists() else None}
     return out
 
 

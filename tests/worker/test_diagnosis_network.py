@@ -34,7 +34,7 @@ SMALL_SWEEP = """bandwidth:
 # Long enough to cut a node off in the middle (6 CPU-seconds per rank, no collective in it).
 MID_COMPUTE = "compute:\n  blocks: 60\n  block_s: 0.1\n"
 
-box = sandbox_fixture(PREFIX, SUBNET, NODES)
+box = sandbox_fixture(PREFIX, SUBNET, NODES, needs=("tc", "iptables"))
 _port = iter(range(29510, 29600))
 
 
