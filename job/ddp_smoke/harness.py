@@ -49,6 +49,7 @@ import torch.distributed as dist
 from . import (__version__, blame, checks, comm, forensics, metrics, plot, repeat, runtime,
                summary, triage)
 from .config import ConfigError, report_dir as default_report_dir
+from .coordination import last_resort, lost
 from .faults import Injector, parse_faults
 from .report import (FAIL, SKIP, CheckResult, Culprit, Report, ReportWriteError,
                      check_from_dict, clear_stale, write_report)
@@ -355,7 +356,7 @@ class _Coordinator:
             dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != "stopped"},
             progress=beats,
             where={r: f["where"] for r, f in found.items() if f.get("where")},
-            store=f"{self.env.master_addr}:{self.env.master_port}", dead_after_s=DEAD_AFTER_S)
+            store=self.env.store_address, dead_after_s=DEAD_AFTER_S)
         verdict = blame.judge(snap)
         # Each live rank leaves its forensics once it sees the abort, maybe after this judge
         # began: a culprit's innermost frame is worth a short wait.
@@ -367,7 +368,8 @@ class _Coordinator:
         figures = {"arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
                    "dead": sorted(dead), "victims": verdict.victims,
                    "progress": {str(r): p for r, p in sorted(beats.items())},
-                   "aborts": [reasons[r] for r in sorted(reasons)]}
+                   "aborts": [reasons[r] for r in sorted(reasons)],
+                   "writer": f"rank {self.env.rank}"}  # rank 0, or the survivor that took over
         judged = {c.name for it, c in self.judged if it == self.iteration}
         # Outside a check (process-group init, between checks) the run itself failed: "launch".
         name = stage if stage in self.checks and stage not in judged else "launch"
@@ -472,15 +474,23 @@ class _Watchdog(threading.Thread):
 
 
 def _give_up(c: _Coordinator, e: BaseException) -> None:
-    """The coordination store is gone (rank 0 hosted it, or its node is lost), or leaving
-    failed otherwise: say what this rank knows as one JSON line on stderr, and leave."""
-    stage, store = c.stage, f"{c.env.master_addr}:{c.env.master_port}"
-    lost = isinstance(e, (RuntimeError, OSError))  # c10d's store errors are RuntimeErrors
-    print(json.dumps({"ddp_smoke_rank": c.env.rank, "run_id": c.env.run_id, "stage": stage,
-                      "progress": comm.progress(), "error": f"{type(e).__name__}: {e}"[:300],
-                      "store": store, "aborted": True}), file=sys.stderr)
+    """The coordination store is gone (its host, rank 0 or the store host, or that node is
+    lost), or leaving failed otherwise: say what this rank knows as one JSON line on stderr,
+    and leave it as REPORT_DIR/lost/<rank>.json too, for the launcher to read
+    (:mod:`ddp_smoke.coordination.lost`)."""
+    stage, store = c.stage, c.env.store_address
+    gone = isinstance(e, (RuntimeError, OSError))  # c10d's store errors are RuntimeErrors
+    record = {"ddp_smoke_rank": c.env.rank, "run_id": c.env.run_id, "stage": stage,
+              "progress": comm.progress(), "error": f"{type(e).__name__}: {e}"[:300],
+              "store": store, "aborted": True, "host": runtime.hostname(),
+              "world_size": c.env.world_size,
+              "hosts": [r.get("host") for r in c.ranks] if c.ranks else None}
+    print(json.dumps(record), file=sys.stderr)
+    if c.report_dir:
+        lost.write(c.report_dir, c.env.rank, record)
+    holder = "the store host" if c.env.store else "rank 0"
     _leave(f"lost the coordination store at {store} during {stage} ({type(e).__name__}); "
-           "rank 0 or its node is gone" if lost else
+           f"{holder} or its node is gone" if gone else
            f"could not finish the aborted run at {stage}: {type(e).__name__}: {e}", code=1)
 
 
@@ -578,12 +588,13 @@ def run(cfg: dict[str, Any]) -> int:
     if env.rank == 0:
         _check_writable(rdir)
         clear_stale(rdir)  # a report left by another run must never read as this run's
+        lost.clear(rdir)   # and neither must its ranks' last words
 
     try:
         coord = _Coordinator(env, cfg, lambda may_host: _store(env, timeout, may_host),
                              started_at, t0)
     except (RuntimeError, OSError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
-        _leave(f"cannot reach the coordination store at {env.master_addr}:{env.master_port} "
+        _leave(f"cannot reach the coordination store at {env.store_address} "
                f"within {timeout} s: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
                code=1)
     coord.report_dir = rdir
@@ -599,6 +610,8 @@ def run(cfg: dict[str, Any]) -> int:
         pick = runtime.pick_backend(cfg["backend"])
         device, device_error = _bind(pick, env)
         store.set(f"rank/{env.rank}", json.dumps(runtime.rank_record(env, device)))
+        if env.store:  # the store host's report of last resort needs the run's shape
+            last_resort.post_meta(store, env.world_size, cfg, os.path.abspath(rdir), started_at)
         if pick == "nccl":
             store.add("backend/nccl", 1)
         coord.arrive(store, "connect", "every rank to connect")
@@ -631,12 +644,24 @@ def run(cfg: dict[str, Any]) -> int:
         pass
     except Exception as e:  # noqa: BLE001 — init or harness failure on this rank
         coord.abort(store, "error", _error_detail(e))
+    try:
+        return _finish(coord, store)
+    except (RuntimeError, OSError) as e:  # the store went away: one JSON line, no traceback
+        if coord.leaving:
+            raise
+        _give_up(coord, e)
+        return 1
+
+
+def _finish(coord: _Coordinator, store) -> int:
+    """After the checks: leave an aborted run, or wait for (or write) the report."""
+    env = coord.env
     if coord.aborted(store):
         _exit_aborted(coord, store)
         time.sleep(FINAL_WAIT_S + 2 * DEAD_AFTER_S)  # the watchdog owns the exit
         return 1
     if env.rank != 0:
-        verdict = _await_report(coord, store, timeout + FINAL_WAIT_S)
+        verdict = _await_report(coord, store, float(coord.cfg["timeout"]) + FINAL_WAIT_S)
         if verdict == "write":  # rank 0 died after the checks: write what it judged
             coord.abort(store, "stopped", {"why": "rank 0 stopped before writing the report"})
             coord.adopt_results(store)
@@ -648,7 +673,8 @@ def run(cfg: dict[str, Any]) -> int:
     report = coord.finalize(store, aborted=False)
     if report is None:  # the watchdog is finishing an abort and owns the exit
         time.sleep(FINAL_WAIT_S)
-    if not env.agent_store:  # rank 0 hosts the store: let the others read the verdict first
+    if not env.agent_store and not env.store:  # rank 0 hosts the store: let the others
+        # read the verdict first
         wait_key(store, "bye/all", 5.0, coord.poll_max)
     _shut_down(coord)
     return 0 if report is not None and report.verdict == "pass" and not coord.report_lost else 1
