@@ -146,6 +146,8 @@ class _Coordinator:
         self.poll_max = max(POLL_MAX_S, 4 * env.world_size / STORE_OPS_PER_S)
         # rank 0, while it waits for every rank's prefix/<rank>: (what it waits for, prefix)
         self.awaiting: tuple[str, str] | None = None
+        # another rank, while it waits for rank 0's prefix/all: what it waits for
+        self.following: str | None = None
         self.silence = Silence(DEAD_AFTER_S)  # every look at the heartbeats, kept: the judge
         self._forensics: dict | None = None  # this rank's own
 
@@ -194,8 +196,14 @@ class _Coordinator:
         if self.env.rank == 0:
             self.await_all(store, prefix, what)
             store.set(f"{prefix}/all", "1")
-        else:
+            return
+        with self._lock:  # meanwhile the watchdog watches rank 0's heartbeat
+            self.following = what
+        try:
             self.wait_for(store, [f"{prefix}/all"], what)
+        finally:
+            with self._lock:
+                self.following = None
 
     def await_all(self, store, prefix: str, what: str) -> None:
         """Rank 0: wait until every rank has posted ``prefix/<rank>``. Meanwhile its
@@ -454,7 +462,23 @@ class _Watchdog(threading.Thread):
             c.abort(store, "timeout", {"waiting_for": c.stage})
         if c.awaiting is not None:
             self.watch(store, *c.awaiting)
+        if c.following is not None:
+            self.follow(store, c.following)
         return c.aborted(store)
+
+    def follow(self, store, what: str) -> None:
+        """Another rank, while it waits for rank 0 to say that every rank arrived: rank 0
+        silent for DEAD_AFTER_S (killed, its node lost) stops the run now, not at the
+        deadline, and the lowest survivor writes the report. One read of rank 0's heartbeat
+        a period: at 4,096 ranks a fifth of the store's budget."""
+        c = self.coord
+        if time.monotonic() - self.looked < max(self.WATCH_S,
+                                                look_period(c.env.world_size, 4)):
+            return
+        self.looked = time.monotonic()
+        beat = beat_of(store, 0)
+        if beat is not None and c.silence.update({0: beat.get("n")}) == [0]:
+            c.abort(store, "lost", {"silent": [0], "waiting_for": what})
 
     def watch(self, store, what: str, prefix: str) -> None:
         """Rank 0, while its main thread waits for every rank's ``prefix/<rank>``: a rank
