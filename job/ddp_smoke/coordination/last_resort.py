@@ -4,17 +4,19 @@ Every rank posts the run's shape once, first one wins (:func:`post_meta`: world 
 report folder, start time), so the store host, which knows nothing of the run by itself, can
 read the store back: identities, heartbeats (stage and collective progress), results rank 0
 judged, aborts and forensics. :func:`build` judges the stage where the ranks went silent with
-the same rules as a rank would (:mod:`ddp_smoke.blame`), naming the ranks whose heartbeats
-stopped first as dead, and returns a Report of the worker's schema (:mod:`ddp_smoke.report`).
+the same rules as a rank would (:mod:`.blame`), naming the ranks whose heartbeats
+stopped first as dead, and returns a Report of the worker's schema (:mod:`ddp_smoke.model`).
 """
 from __future__ import annotations
 
 import json
 import time
 
-from .. import __version__, blame, repeat
-from ..report import FAIL, SKIP, CheckResult, Report, check_from_dict
-from ..storekeys import DEAD_AFTER_S, posted, ranks_with, reads, try_get
+from .. import __version__
+from ..model import FAIL, SKIP, CheckResult, Report, check_from_dict
+from ..outputs import repeat
+from . import blame, keys
+from .store import DEAD_AFTER_S, posted, ranks_with, reads, try_get
 
 WRITER = "store host"  # the report's `writer` figure when this module wrote it
 
@@ -23,11 +25,11 @@ def post_meta(store, world_size: int, cfg: dict, report_dir: str, started_at: st
     """Each rank, once connected: the run's shape for the store host (one call; first wins)."""
     meta = {"world_size": world_size, "config": cfg, "report_dir": report_dir,
             "started_at": started_at, "posted_at": time.time()}
-    store.compare_set("meta", "", json.dumps(meta, default=str))
+    store.compare_set(keys.META, "", json.dumps(meta, default=str))
 
 
 def read_meta(store) -> dict | None:
-    got = try_get(store, "meta")
+    got = try_get(store, keys.META)
     try:
         return json.loads(got) if got else None
     except ValueError:
@@ -52,26 +54,28 @@ def build(store, meta: dict, silent_at: dict[int, float], address: str,
     cfg = meta.get("config") or {}
     checks = list(cfg.get("checks") or [])
     everyone = range(world)
-    got = reads(store, "rank", everyone)
+    got = reads(store, keys.RANK, everyone)
     ranks = [got.get(r) or {"rank": r, "local_rank": None, "host": None,
                             "missing": "never connected to the store"} for r in everyone]
     hosts = [r.get("host") for r in ranks]
-    beats = reads(store, "beat", everyone)
+    beats = reads(store, keys.BEAT, everyone)
     gone = first_silent(silent_at)
     iteration = _iteration(store, checks)
     stage = _stage(store, checks, iteration, everyone) or next(
         (beats[r]["stage"] for r in gone if beats.get(r, {}).get("stage")), "init")
     judged = [(it, check_from_dict(json.loads(g))) for it in range(iteration + 1)
-              for name in checks if (g := try_get(store, f"result/{name}/{it}"))]
-    aborts = posted(store, "abort")
-    found = posted(store, "forensics")
-    arrive = "connect" if stage == "init" else f"arrive/{stage}/{iteration}"
+              for name in checks if (g := try_get(store, keys.of(keys.RESULT, keys.stage(name, it))))]
+    aborts = posted(store, keys.ABORT)
+    found = posted(store, keys.FORENSICS)
+    arrive = (keys.CONNECT if stage == "init" else
+              keys.of(keys.ARRIVE, keys.stage(stage, iteration)))
     snap = blame.Snapshot(
         stage=stage, world_size=world, timeout_s=float(cfg.get("timeout") or 0), hosts=hosts,
-        connected=ranks_with(store, "rank", everyone),
+        connected=ranks_with(store, keys.RANK, everyone),
         arrived=ranks_with(store, arrive, everyone),
-        finished=ranks_with(store, f"obs/{stage}/{iteration}", everyone), dead=set(gone),
-        aborts={r: a for r, a in aborts.items() if a.get("kind") != "stopped"},
+        finished=ranks_with(store, keys.of(keys.OBS, keys.stage(stage, iteration)),
+                            everyone), dead=set(gone),
+        aborts={r: a for r, a in aborts.items() if a.get("kind") != keys.STOPPED},
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
         store=address, dead_after_s=DEAD_AFTER_S)
     verdict = blame.judge(snap)
@@ -96,7 +100,7 @@ def build(store, meta: dict, silent_at: dict[int, float], address: str,
     results += [CheckResult(n, SKIP, summary=f"not run: the run stopped at {stage}")
                 for n in checks if n not in named]
     first = gone[0] if gone else None
-    run_id = (try_get(store, "run_id") or b"").decode() or str(meta.get("run_id") or "")
+    run_id = (try_get(store, keys.RUN_ID) or b"").decode() or str(meta.get("run_id") or "")
     return Report(
         version=__version__, started_at=str(meta.get("started_at") or ""),
         backend=_backend(store, cfg, world), world_size=world, ranks=ranks, checks=results,
@@ -114,7 +118,8 @@ def build(store, meta: dict, silent_at: dict[int, float], address: str,
 def _iteration(store, checks: list[str]) -> int:
     """The last iteration any rank arrived at (repeat mode; 0 otherwise)."""
     it = 0
-    while checks and try_get(store, f"arrive/{checks[0]}/{it + 1}/all") is not None:
+    while checks and try_get(
+            store, keys.every(keys.of(keys.ARRIVE, keys.stage(checks[0], it + 1)))) is not None:
         it += 1
     return it
 
@@ -122,7 +127,8 @@ def _iteration(store, checks: list[str]) -> int:
 def _stage(store, checks: list[str], iteration: int, everyone) -> str | None:
     """The last check any rank arrived at: a heartbeat's stage may be a beat old, and a run
     that dies fast dies between two beats."""
-    arrived = [n for n in checks if ranks_with(store, f"arrive/{n}/{iteration}", everyone)]
+    arrived = [n for n in checks if ranks_with(store, keys.of(keys.ARRIVE, keys.stage(n, iteration)),
+                                                   everyone)]
     return arrived[-1] if arrived else None
 
 
@@ -130,6 +136,6 @@ def _backend(store, cfg: dict, world: int) -> str:
     asked = cfg.get("backend") or "auto"
     if asked != "auto":
         return asked
-    nccl = try_get(store, "backend/nccl")
+    nccl = try_get(store, keys.BACKEND_NCCL)
     return "nccl" if nccl is not None and int(nccl) == world else "gloo"
 

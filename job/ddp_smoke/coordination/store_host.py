@@ -34,6 +34,8 @@ import sys
 import threading
 import time
 
+from . import keys
+
 ENV = "DDP_SMOKE_STORE"
 PREFIX = "ddp_smoke/0"  # the harness's PrefixStore (TORCHELASTIC_RESTART_COUNT 0: no restarts)
 LOOK_S = 0.25           # a look at the store: final, meta and every heartbeat, in ~4 calls
@@ -49,16 +51,16 @@ class Watch:
     """What the store host sees of the run: final or not, and when each heartbeat last moved."""
 
     def __init__(self, store):
-        from ..storekeys import Silence, DEAD_AFTER_S
+        from .store import DEAD_AFTER_S, Silence
         self.store, self.meta = store, None
         self.silence = Silence(DEAD_AFTER_S)
         self.moved: dict[int, float] = {}  # rank -> monotonic time its counter last moved
 
     def look(self) -> str | None:
         """One look; returns the final verdict when set."""
-        from ..storekeys import read_beats, try_get
+        from .store import read_beats, try_get
         from . import last_resort
-        final = try_get(self.store, "final")
+        final = try_get(self.store, keys.FINAL)
         if final is not None:
             return final.decode()
         if self.meta is None:
@@ -76,14 +78,14 @@ class Watch:
         return time.monotonic() - max(self.moved.values())
 
     def bye(self) -> bool:
-        from ..storekeys import try_get
-        return try_get(self.store, "bye/all") is not None
+        from .store import try_get
+        return try_get(self.store, keys.every(keys.BYE)) is not None
 
 
 def serve(watch: Watch, address: str, report_dir: str | None, max_s: float,
           over: threading.Event) -> int:
     """Watch the run until it is final (0) or no rank can write (last resort: 1)."""
-    from ..storekeys import DEAD_AFTER_S
+    from .store import DEAD_AFTER_S
     silent_s = 3 * DEAD_AFTER_S  # the harness's TAKEOVER_S: survivors had their chance
     end = time.monotonic() + max_s
     while time.monotonic() < end:
@@ -109,7 +111,8 @@ def serve(watch: Watch, address: str, report_dir: str | None, max_s: float,
 
 
 def _last_resort(watch: Watch, address: str, report_dir: str | None, why: str) -> int:
-    from ..report import ReportWriteError, write_report
+    from ..errors import ReportWriteError
+    from ..outputs.report import write_report
     from ..verdict import line
     from . import last_resort
     report = last_resort.build(watch.store, watch.meta, dict(watch.moved), address, why)
