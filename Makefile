@@ -44,8 +44,10 @@ $(VENV)/.test: $(VENV)/.runtime
 
 venv: $(VENV)/.runtime  ## create .venv/ (torch, numpy, pyyaml, submitit, this package)
 
+# The store host holds the coordination store (not torchrun's agent): a report even when rank 0 dies.
 smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, LEVEL=quick, ARGS=…)
-	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m ddp_smoke \
+	$(PY) -m ddp_smoke.coordination.store_host --host 127.0.0.1 --report-dir $(REPORT_DIR) -- \
+	  $(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m ddp_smoke \
 	  --backend gloo --level $(LEVEL) --report-dir $(REPORT_DIR) $(ARGS)
 
 test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docker, manifests)

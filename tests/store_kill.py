@@ -46,11 +46,14 @@ def workers(run_id: str | None = None, marker: str | None = None) -> dict[int, i
 
 def store_of(text: str):
     """A client of the store host whose line is in ``text``, on the harness's prefix."""
-    import torch.distributed as dist
     m = STORE_LINE.search(text)
-    if not m:
-        return None
-    raw = dist.TCPStore(m.group(1), int(m.group(2)), 1, False, datetime.timedelta(seconds=10),
+    return store_at(m.group(1), int(m.group(2))) if m else None
+
+
+def store_at(host: str, port: int, timeout_s: float = 10):
+    """A client of the store host at ``host:port``, on the harness's prefix."""
+    import torch.distributed as dist
+    raw = dist.TCPStore(host, port, 1, False, datetime.timedelta(seconds=timeout_s),
                         wait_for_workers=False)
     return dist.PrefixStore("ddp_smoke/0", raw)
 

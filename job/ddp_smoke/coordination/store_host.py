@@ -2,6 +2,7 @@
 
     python -m ddp_smoke.coordination.store_host --host ADDR [--port P] [--report-dir DIR]
     python -m ddp_smoke.coordination.store_host --host ADDR --report-dir DIR -- COMMAND …
+    python -m ddp_smoke.coordination.store_host --plan TORCHRUN_OPTIONS…   (see plan())
 
 Hosts a c10d TCPStore (the server; plain TCPStore calls only) and prints ``ADDR:PORT`` as its
 first line on stdout. The workers use it when DDP_SMOKE_STORE=ADDR:PORT is in their
@@ -130,6 +131,13 @@ def _last_resort(watch: Watch, address: str, report_dir: str | None, why: str) -
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--plan"]:  # the image's entrypoint: where is this node's store host?
+        try:
+            print(*plan(argv[1:]))
+        except ValueError as e:
+            print(f"ddp-smoke: error: store host: {e}", file=sys.stderr)
+            return 2
+        return 0
     command = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(prog="python -m ddp_smoke.coordination.store_host",
@@ -195,6 +203,98 @@ def main(argv: list[str] | None = None) -> int:
         watcher.join(0.5)
     own = result[0] if result else 1
     return rc if own == 0 else own
+
+
+def start_detached(host: str, report_dir: str, max_s: float, timeout_s: float = 60.0) -> str:
+    """Start a store host in a session of its own (a launcher that is itself one of the ranks'
+    processes: submit's task 0); return its address once it listens. It outlives the caller:
+    the caller's death is what it is for. Raises RuntimeError when it does not start."""
+    import select
+    proc = subprocess.Popen([sys.executable, "-m", "ddp_smoke.coordination.store_host",
+                             "--host", host, "--report-dir", report_dir, "--max-s", str(max_s)],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    if not select.select([proc.stdout], [], [], timeout_s)[0]:
+        proc.kill()
+        raise RuntimeError(f"the store host did not start within {timeout_s:g} s")
+    line = proc.stdout.readline().decode().strip()
+    if not line:
+        raise RuntimeError(f"the store host exited with status {proc.wait()}")
+    return line
+
+
+def publish_address(path: str, address: str) -> None:
+    """Leave the store host's address where the other ranks' launchers wait for it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(address + "\n")
+    os.replace(tmp, path)  # whole or absent
+
+
+def await_address(path: str, timeout_s: float) -> str:
+    """The address :func:`publish_address` left at ``path``; RuntimeError after ``timeout_s``."""
+    end, pause = time.monotonic() + timeout_s, 0.05
+    while time.monotonic() < end:
+        try:
+            with open(path) as f:
+                got = f.read().strip()
+            if got:
+                return got
+        except OSError:
+            pass
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)
+    raise RuntimeError(f"no store host address at {path} within {timeout_s:g} s (task 0 "
+                       "starts the store host: did it start?)")
+
+
+def plan(torchrun_args: list[str], hostname: str | None = None,
+         addresses: set[str] | None = None) -> tuple[str, str]:
+    """Where a node's store host is, from its torchrun options: ``("host", ADDR:PORT)`` on the
+    node that hosts torchrun's rendezvous (it runs the store host), ``("join", ADDR:PORT)`` on
+    the others. Every node derives the same address from the same ``--rdzv-endpoint``: the
+    endpoint's host, its port + 1 (one more port the first node accepts). The rendezvous host
+    is decided as torchrun decides it: ``is_host`` in ``--rdzv-conf``, else the endpoint names
+    this machine (its hostname, FQDN, ``--local-addr`` or an address of its own).
+    ``--standalone`` (one node): ``("host", "127.0.0.1:0")``, a free port. ValueError when
+    the options say neither."""
+    opts: dict[str, str] = {}
+    it = iter(torchrun_args)
+    for arg in it:
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("_", "-")  # torchrun takes --rdzv_endpoint and --rdzv-endpoint
+        if not eq and name != "standalone":
+            value = next(it, "")
+        opts[name] = value
+    if "standalone" in opts:
+        return "host", "127.0.0.1:0"
+    endpoint = opts.get("rdzv-endpoint") or (
+        f"{opts['master-addr']}:{opts.get('master-port', '29500')}" if "master-addr" in opts
+        else "")
+    if not endpoint:
+        raise ValueError("no --rdzv-endpoint (or --master-addr) among the torchrun options: "
+                         "the nodes cannot agree on where the store host is")
+    host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "29400")
+    if not port.isdigit():
+        raise ValueError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT")
+    conf = dict(kv.partition("=")[::2] for kv in opts.get("rdzv-conf", "").split(",") if kv)
+    if "is-host" in opts or "is_host" in conf:
+        here = str(conf.get("is_host", opts.get("is-host"))).lower() in ("1", "true")
+    elif "node-rank" in opts and "rdzv-endpoint" not in opts:
+        here = opts["node-rank"] == "0"  # static rendezvous: node 0 hosts the master
+    else:
+        name = hostname or socket.gethostname()
+        mine = {"localhost", "127.0.0.1", name, socket.getfqdn(name), opts.get("local-addr")}
+        here = host in mine | (addresses if addresses is not None else _own_addresses())
+    return ("host" if here else "join"), f"{host}:{int(port) + 1}"
+
+
+def _own_addresses() -> set[str]:
+    from .runtime import interface_addresses  # torch is imported here anyway
+    return set(interface_addresses().values())
 
 
 if __name__ == "__main__":
