@@ -64,7 +64,8 @@ def build(store, meta: dict, silent_at: dict[int, float], address: str,
     stage = _stage(store, checks, iteration, everyone) or next(
         (beats[r]["stage"] for r in gone if beats.get(r, {}).get("stage")), "init")
     judged = [(it, check_from_dict(json.loads(g))) for it in range(iteration + 1)
-              for name in checks if (g := try_get(store, keys.of(keys.RESULT, keys.stage(name, it))))]
+              for name in checks
+              if (g := try_get(store, keys.of(keys.RESULT, keys.stage(name, it))))]
     aborts = posted(store, keys.ABORT)
     found = posted(store, keys.FORENSICS)
     arrive = (keys.CONNECT if stage == "init" else
@@ -127,8 +128,8 @@ def _iteration(store, checks: list[str]) -> int:
 def _stage(store, checks: list[str], iteration: int, everyone) -> str | None:
     """The last check any rank arrived at: a heartbeat's stage may be a beat old, and a run
     that dies fast dies between two beats."""
-    arrived = [n for n in checks if ranks_with(store, keys.of(keys.ARRIVE, keys.stage(n, iteration)),
-                                                   everyone)]
+    arrived = [n for n in checks
+               if ranks_with(store, keys.of(keys.ARRIVE, keys.stage(n, iteration)), everyone)]
     return arrived[-1] if arrived else None
 
 
