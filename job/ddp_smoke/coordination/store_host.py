@@ -88,7 +88,7 @@ def serve(watch: Watch, address: str, report_dir: str | None, max_s: float,
     """Watch the run until it is final (0) or no rank can write (last resort: 1)."""
     from .store import DEAD_AFTER_S
     silent_s = 3 * DEAD_AFTER_S  # the harness's TAKEOVER_S: survivors had their chance
-    end = time.monotonic() + max_s
+    end, over_at = time.monotonic() + max_s, None
     while time.monotonic() < end:
         final = watch.look()
         if final is not None:
@@ -98,14 +98,21 @@ def serve(watch: Watch, address: str, report_dir: str | None, max_s: float,
                 over.wait(LOOK_S)
             return 0
         quiet = watch.all_silent_for()
-        if over.is_set() or (quiet is not None and quiet > silent_s):
+        if over.is_set() and over_at is None:
+            over_at = time.monotonic()
+        # The launcher says the run is over (srun ended, or the job is being cancelled): a
+        # rank still beating may be writing the report; it gets DEAD_AFTER_S of silence, or
+        # LINGER_S at most, before this host writes instead.
+        ended = over_at is not None and (quiet is None or quiet > DEAD_AFTER_S
+                                         or time.monotonic() - over_at > LINGER_S)
+        if ended or (quiet is not None and quiet > silent_s):
             if watch.meta is None:
                 _say("no rank ever posted the run's shape: nothing to report")
                 return 0 if over.is_set() else 1
-            why = ("the launcher ended with no report written" if over.is_set() else
+            why = ("the launcher ended with no report written" if ended else
                    f"every heartbeat silent for {quiet:.1f} s and no report written")
             return _last_resort(watch, address, report_dir, why)
-        over.wait(LOOK_S)
+        time.sleep(LOOK_S)  # (over.wait would return at once once set)
     _say(f"no verdict within --max-s {max_s:g} s")
     return _last_resort(watch, address, report_dir, f"no verdict within {max_s:g} s") \
         if watch.meta is not None else 1
@@ -117,6 +124,10 @@ def _last_resort(watch: Watch, address: str, report_dir: str | None, why: str) -
     from ..verdict import line
     from . import last_resort
     report = last_resort.build(watch.store, watch.meta, dict(watch.moved), address, why)
+    try:  # a rank that still lives waits for `final` instead of taking over: no rank number
+        watch.store.compare_set(keys.WRITER, "", str(watch.meta["world_size"]))
+    except (RuntimeError, OSError):
+        pass
     folder = report_dir or watch.meta.get("report_dir") or "."
     try:
         path = write_report(report, folder)
@@ -125,6 +136,7 @@ def _last_resort(watch: Watch, address: str, report_dir: str | None, why: str) -
         print(report.to_json_line(), file=sys.stderr, flush=True)
         return 1
     _say(f"no rank wrote the report ({why}); wrote {path}")
+    watch.store.set(keys.FINAL, report.verdict)  # the ranks still waiting leave now
     _say(line(report.to_dict()))
     return 1
 
