@@ -46,7 +46,7 @@ venv: $(VENV)/.runtime  ## create .venv/ (torch, numpy, pyyaml, submitit, this p
 
 # The store host holds the coordination store (not torchrun's agent): a report even when rank 0 dies.
 smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, LEVEL=quick, ARGS=…)
-	$(PY) -m ddp_smoke.coordination.store_host --host 127.0.0.1 --report-dir $(REPORT_DIR) -- \
+	$(PY) -m ddp_smoke.store_host --host 127.0.0.1 --report-dir $(REPORT_DIR) -- \
 	  $(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m ddp_smoke \
 	  --backend gloo --level $(LEVEL) --report-dir $(REPORT_DIR) $(ARGS)
 

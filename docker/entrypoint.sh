@@ -101,7 +101,7 @@ if [[ -n "$report_dir" ]] \
     echo "ddp-smoke: run $DDP_SMOKE_RUN_ID, report $report_dir/report.json" >&2
 fi
 
-# The coordination store in a process of its own (python -m ddp_smoke.coordination.store_host),
+# The coordination store in a process of its own (python -m ddp_smoke.store_host),
 # so that rank 0's death does not take it down: a survivor writes the report, or the store host
 # when every rank is gone. One node: always. Several: when the launcher sets
 # DDP_SMOKE_STORE=auto on every node; the node that hosts torchrun's rendezvous (is_host, or
@@ -109,11 +109,11 @@ fi
 # same address from the same endpoint (nodes started otherwise must then set it too).
 store=()
 if [[ "${DDP_SMOKE_STORE:-}" == auto || " ${torchrun_args[*]} " == *" --standalone "* ]]; then
-    read -r role address < <(python -m ddp_smoke.coordination.store_host --plan \
+    read -r role address < <(python -m ddp_smoke.store_host --plan \
                                  "${torchrun_args[@]}") || exit 2
     export DDP_SMOKE_STORE="$address"
     if [[ "$role" == host ]]; then
-        store=(python -m ddp_smoke.coordination.store_host --host "${address%:*}"
+        store=(python -m ddp_smoke.store_host --host "${address%:*}"
                --port "${address##*:}" ${report_dir:+--report-dir "$report_dir"} --)
     fi
 fi

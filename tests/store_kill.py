@@ -33,7 +33,7 @@ def workers(run_id: str | None = None, marker: str | None = None) -> dict[int, i
             continue
         if b"ddp_smoke" not in cmd or b"torch.distributed.run" in cmd or b"RANK" not in env:
             continue
-        if b"ddp_smoke.coordination.store_host" in cmd:
+        if b"ddp_smoke.store_host" in cmd:
             continue
         if run_id is not None and env.get(b"DDP_SMOKE_RUN_ID") != run_id.encode():
             continue

@@ -31,7 +31,7 @@ from .checks.api import Context, Evidence
 from .config import report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
-from .coordination import ending, forensics, keys, last_resort, liveness, lost, runtime
+from .coordination import ending, forensics, hosting, keys, liveness, lost, runtime
 from .coordination.protocol import Coordinator, Stop, error_detail
 from .coordination.store import DEAD_AFTER_S, wait_key
 from .errors import ConfigError
@@ -132,7 +132,7 @@ def _join(c: Coordinator, store, faults: list) -> Context:
     device, device_error = _bind(pick, env)
     store.set(keys.of(keys.RANK, env.rank), json.dumps(runtime.rank_record(env, device)))
     if env.store:  # the store host's report of last resort needs the run's shape
-        last_resort.post_meta(store, env.world_size, cfg, os.path.abspath(c.report_dir),
+        hosting.post_meta(store, env.world_size, cfg, os.path.abspath(c.report_dir),
                               c.started_at)
     if pick == "nccl":
         store.add(keys.BACKEND_NCCL, 1)

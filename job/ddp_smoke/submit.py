@@ -49,7 +49,9 @@ from pathlib import Path
 from typing import Any
 
 from .cli import Parser, parse_config
+from .coordination import hosting, lost
 from .errors import ConfigError
+from .verdict import from_lost
 
 CLUSTERS = ("slurm", "local")
 IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image from docker/
@@ -207,15 +209,13 @@ def _store_host(report_dir: str, run_id: str, max_s: float) -> None:
     """The coordination store in a process of its own on rank 0's node, so that rank 0's
     death does not take it down (DDP_SMOKE_STORE): task 0 starts it and leaves its address
     in the (shared) report folder; the other tasks wait for that file."""
-    from .coordination import store_host
-
     path = os.path.join(report_dir, "store", run_id)
     if os.environ["RANK"] == "0":
-        address = store_host.start_detached(os.environ["MASTER_ADDR"], report_dir, max_s)
-        store_host.publish_address(path, address)
+        address = hosting.start_detached(os.environ["MASTER_ADDR"], report_dir, max_s)
+        hosting.publish_address(path, address)
     else:
-        address = store_host.await_address(path, STORE_WAIT_S)
-    os.environ[store_host.ENV] = address
+        address = hosting.await_address(path, STORE_WAIT_S)
+    os.environ[hosting.ENV] = address
 
 
 def run_id_of(job_id: str, restart: str | int = 0) -> str:
@@ -301,9 +301,6 @@ def _own_report(path: Path, job_id: str) -> dict | None:
 
 def _survivors(report_dir: Path, job_id: str) -> str:
     """What the ranks that lost the coordination store left (:mod:`ddp_smoke.verdict`)."""
-    from .coordination import lost
-    from .verdict import from_lost
-
     records = {r: v for r, v in lost.read(str(report_dir)).items()
                if str(v.get("run_id", "")).startswith(run_id_of(job_id, ""))}
     return f"\n{from_lost(records)}" if records else ""

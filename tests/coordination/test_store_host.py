@@ -16,7 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from ddp_smoke import verdict
-from ddp_smoke.coordination import keys, last_resort, lost, store_host
+from ddp_smoke.coordination import hosting, keys, lost
+from ddp_smoke.outputs import last_resort
 from ddp_smoke.model import Report
 from tests.launch import REPO, free_port
 
@@ -39,18 +40,18 @@ from tests.launch import REPO, free_port
      ("join", "m:1235")),
 ])
 def test_every_node_derives_the_same_store_address(args, want):
-    assert store_host.plan(args, hostname="me", addresses={"10.0.0.9"}) == want
+    assert hosting.plan(args, hostname="me", addresses={"10.0.0.9"}) == want
 
 
 def test_a_plan_without_an_endpoint_is_refused():
     with pytest.raises(ValueError, match="rdzv-endpoint"):
-        store_host.plan(["--nnodes=2"], hostname="me", addresses=set())
+        hosting.plan(["--nnodes=2"], hostname="me", addresses=set())
 
 
 def _store():
     raw = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10),
                         wait_for_workers=False)
-    return dist.PrefixStore(store_host.PREFIX, raw)
+    return dist.PrefixStore(hosting.PREFIX, raw)
 
 
 def test_last_resort_names_the_ranks_that_went_silent_first(tmp_path):
@@ -59,8 +60,8 @@ def test_last_resort_names_the_ranks_that_went_silent_first(tmp_path):
     store host, with environment's posted result kept."""
     store = _store()
     cfg = {"checks": ["environment", "ddp_step"], "timeout": 20, "backend": "gloo"}
-    last_resort.post_meta(store, 3, cfg, str(tmp_path), "2026-01-01T00:00:00+00:00")
-    last_resort.post_meta(store, 3, {"checks": []}, "/elsewhere", "x")  # the first one stands
+    hosting.post_meta(store, 3, cfg, str(tmp_path), "2026-01-01T00:00:00+00:00")
+    hosting.post_meta(store, 3, {"checks": []}, "/elsewhere", "x")  # the first one stands
     for r in range(3):
         store.set(keys.of(keys.RANK, r), json.dumps({"rank": r, "local_rank": 0,
                                                     "host": f"node{r}"}))
@@ -70,7 +71,7 @@ def test_last_resort_names_the_ranks_that_went_silent_first(tmp_path):
     store.set(keys.RUN_ID, "run-7")
     store.set(keys.of(keys.RESULT, keys.stage("environment", 0)),
               json.dumps({"name": "environment", "status": "pass", "summary": "ok"}))
-    meta = last_resort.read_meta(store)
+    meta = hosting.read_meta(store)
     assert meta["report_dir"] == str(tmp_path)
     now = time.monotonic()
     report = last_resort.build(store, meta, {0: now, 1: now - 0.2, 2: now - 3.0},

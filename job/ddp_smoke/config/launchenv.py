@@ -5,7 +5,7 @@ Kubernetes manifests): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (r
 LOCAL_WORLD_SIZE, GROUP_RANK (else SLURM_NODEID), TORCHELASTIC_RUN_ID,
 TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT, SUBMITIT_FOLDER, SLURM_JOB_ID,
 SLURM_STEP_ID, SLURM_RESTART_COUNT, DDP_SMOKE_RUN_ID and DDP_SMOKE_STORE (``host:port`` of a
-store host process, :mod:`ddp_smoke.coordination.store_host`, that then holds the coordination
+store host process, :mod:`ddp_smoke.store_host`, that then holds the coordination
 store instead of the torchrun agent or rank 0). A malformed one is a ConfigError
 (one line, exit 2) on every rank, before any rank connects.
 
@@ -107,7 +107,7 @@ def store_address(environ=os.environ) -> tuple[str, int] | None:
     if not host or any(c.isspace() or c in "/\0" for c in host) or not port.isdigit() \
             or not 1 <= int(port) <= 65535:
         raise ConfigError(f"DDP_SMOKE_STORE={raw!r}: expected HOST:PORT of the store host "
-                          "(python -m ddp_smoke.coordination.store_host prints it)")
+                          "(python -m ddp_smoke.store_host prints it)")
     return host, int(port)
 
 

@@ -87,7 +87,7 @@ def connect_store(env: LaunchEnv, timeout_s: float, may_host: bool = True) -> di
     Rank 0 hosts the store when no torchrun agent does (submitit, plain env launchers), on
     its first connection only (``may_host``); later connections are clients of it. With
     DDP_SMOKE_STORE every rank is a client of the launcher's store host, which no rank's
-    death takes down (:mod:`ddp_smoke.coordination.store_host`).
+    death takes down (:mod:`ddp_smoke.store_host`).
     """
     if env.store is not None:
         return dist.TCPStore(env.store[0], env.store[1], env.world_size, False,

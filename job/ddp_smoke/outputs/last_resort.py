@@ -1,39 +1,29 @@
 """The report of last resort: written by the store host when no rank can write one.
 
-Every rank posts the run's shape once, first one wins (:func:`post_meta`: world size, config,
-report folder, start time), so the store host, which knows nothing of the run by itself, can
-read the store back: identities, heartbeats (stage and collective progress), results rank 0
-judged, aborts and forensics. :func:`build` judges the stage where the ranks went silent with
-the same rules as a rank would (:mod:`.blame`), naming the ranks whose heartbeats
-stopped first as dead, and returns a Report of the worker's schema (:mod:`ddp_smoke.model`).
+Every rank posts the run's shape once, first one wins
+(:func:`ddp_smoke.coordination.hosting.post_meta`: world size, config, report folder, start
+time), so the store host, which knows nothing of the run by itself, can read the store back:
+identities, heartbeats (stage and collective progress), results rank 0 judged, aborts and
+forensics. :func:`build` judges the stage where the ranks went silent with the same rules as a
+rank would (:mod:`ddp_smoke.coordination.blame`), naming the ranks whose heartbeats stopped
+first as dead, and returns a Report of the worker's schema (:mod:`ddp_smoke.model`).
 """
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 from .. import __version__
+from ..coordination import blame, keys
+from ..coordination.store import DEAD_AFTER_S, posted, ranks_with, reads, try_get
+from ..errors import ReportWriteError
 from ..model import FAIL, SKIP, CheckResult, Report, check_from_dict
-from ..outputs import repeat
-from . import blame, keys
-from .store import DEAD_AFTER_S, posted, ranks_with, reads, try_get
+from . import repeat
+from .report import write_report
 
 WRITER = "store host"  # the report's `writer` figure when this module wrote it
 
-
-def post_meta(store, world_size: int, cfg: dict, report_dir: str, started_at: str) -> None:
-    """Each rank, once connected: the run's shape for the store host (one call; first wins)."""
-    meta = {"world_size": world_size, "config": cfg, "report_dir": report_dir,
-            "started_at": started_at, "posted_at": time.time()}
-    store.compare_set(keys.META, "", json.dumps(meta, default=str))
-
-
-def read_meta(store) -> dict | None:
-    got = try_get(store, keys.META)
-    try:
-        return json.loads(got) if got else None
-    except ValueError:
-        return None
 
 
 def first_silent(silent_at: dict[int, float]) -> list[int]:
@@ -140,3 +130,26 @@ def _backend(store, cfg: dict, world: int) -> str:
     nccl = try_get(store, keys.BACKEND_NCCL)
     return "nccl" if nccl is not None and int(nccl) == world else "gloo"
 
+
+def write(watch, address: str, report_dir: str | None, why: str) -> int:
+    """Build and write the report from what ``watch`` saw and the store holds; set ``final``
+    so that a rank still waiting leaves. Returns 1 (the run failed, and no rank said so)."""
+    report = build(watch.store, watch.meta, dict(watch.moved), address, why)
+    try:  # a rank that still lives waits for `final` instead of taking over: no rank number
+        watch.store.compare_set(keys.WRITER, "", str(watch.meta["world_size"]))
+    except (RuntimeError, OSError):
+        pass
+    folder = report_dir or watch.meta.get("report_dir") or "."
+    try:
+        path = write_report(report, folder)
+    except (ReportWriteError, OSError) as e:
+        say(f"error: {e}; the report follows as one JSON line")
+        print(report.to_json_line(), file=sys.stderr, flush=True)
+        return 1
+    say(f"no rank wrote the report ({why}); wrote {path}")
+    watch.store.set(keys.FINAL, report.verdict)  # the ranks still waiting leave now
+    return 1
+
+
+def say(message: str) -> None:
+    print(f"ddp-smoke store host: {message}", file=sys.stderr, flush=True)
