@@ -55,14 +55,6 @@ def read_meta(store) -> dict | None:
         return None
 
 
-def read_meta(store) -> dict | None:
-    got = try_get(store, keys.META)
-    try:
-        return json.loads(got) if got else None
-    except ValueError:
-        return None
-
-
 class Watch:
     """What the store host sees of the run: final or not, and when each heartbeat last moved."""
 
