@@ -20,7 +20,7 @@ import pytest
 from tests import store_kill
 from tests.sandbox.slurm import slurm_fixture
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "slurm" / "ddp_smoke.sbatch"
+TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "ddp_smoke.sbatch"
 MACHINE = ["--gpus-per-node=0", "--cpus-per-task=2", "--nodes=3"]
 TIMEOUT_S = 30  # the worker's stage deadline: the report must come within it + 10 s
 
