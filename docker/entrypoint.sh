@@ -113,8 +113,8 @@ if [[ "${DDP_SMOKE_STORE:-}" == auto || " ${torchrun_args[*]} " == *" --standalo
                                  "${torchrun_args[@]}") || exit 2
     export DDP_SMOKE_STORE="$address"
     if [[ "$role" == host ]]; then
-        store=(python -m ddp_smoke.store_host --host "${address%:*}"
-               --port "${address##*:}" ${report_dir:+--report-dir "$report_dir"} --)
+        # (its report of last resort goes where the ranks said they write theirs)
+        store=(python -m ddp_smoke.store_host --host "${address%:*}" --port "${address##*:}" --)
     fi
 fi
 
