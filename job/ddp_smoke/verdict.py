@@ -18,6 +18,10 @@ which prints the report's line when there is one (of run ID, when given); else, 
 that lost the coordination store left their word in ``REPORT_DIR/lost/`` (see
 :mod:`ddp_smoke.coordination.lost`), a FAIL line built from those files naming the ranks and
 nodes that went silent; exit 2 when neither is there.
+
+``python -m ddp_smoke.verdict --launcher …`` is the launchers' side (the sbatch, the image's
+entrypoint): it writes the report when the worker never started and prints the job log's last
+line; see :mod:`ddp_smoke.outputs.launch_report`.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import sys
 from typing import Any
 
 from .coordination import lost
+from .outputs import launch_report
 
 MAX_CHARS = 1024  # well inside the kubelet's 4096-byte limit, whole words never needed
 
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m ddp_smoke.verdict REPORT.json``: print the line; 2 when unreadable.
     ``--dir REPORT_DIR [--run-id ID]``: the folder's line (see above); 2 when none."""
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--launcher"]:  # a launcher's verdict when no worker wrote one
+        return launch_report.main(args[1:])
     if args[:1] == ["--dir"] and len(args) in (2, 4) and (len(args) == 2
                                                          or args[2] == "--run-id"):
         got = from_folder(args[1], args[3] if len(args) == 4 else None)
