@@ -204,8 +204,14 @@ def _task(worker_args: list[str], gpus: bool, store_max_s: float = 3600.0) -> An
     run_id = run_id_of(submitit.JobEnvironment().job_id,
                        os.environ.get("SLURM_RESTART_COUNT", "0"))
     os.environ["DDP_SMOKE_RUN_ID"] = run_id
-    _preflight(worker_args, gpus)
-    _store_host(worker_args[worker_args.index("--report-dir") + 1], run_id, store_max_s)
+    report_dir = worker_args[worker_args.index("--report-dir") + 1]
+    try:
+        _preflight(worker_args, gpus)
+    except RuntimeError:  # no store host then: the others go on as before and wait no longer
+        if os.environ["RANK"] == "0":
+            hosting.publish_address(os.path.join(report_dir, "store", run_id), "none")
+        raise
+    _store_host(report_dir, run_id, store_max_s)
     from . import harness  # late: torch only in the task, not on the submitting side
 
     code = harness.run(parse_config(worker_args))
@@ -222,7 +228,8 @@ def _store_host(report_dir: str, run_id: str, max_s: float) -> None:
         hosting.publish_address(path, address)
     else:
         address = hosting.await_address(path, STORE_WAIT_S)
-    os.environ[hosting.ENV] = address
+    if address != "none":  # task 0 failed before it could start one
+        os.environ[hosting.ENV] = address
 
 
 def _preflight(worker_args: list[str], gpus: bool) -> None:
