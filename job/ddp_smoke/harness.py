@@ -31,7 +31,8 @@ from .checks.api import Context, Evidence
 from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
-from .coordination import ending, forensics, keys, liveness, progress, reach, runtime, stragglers
+from .coordination import (ending, forensics, hosting, keys, liveness, lost, progress, reach,
+                           runtime, stragglers)
 from .coordination.protocol import Coordinator, Stop, error_detail
 from .coordination.store import DEAD_AFTER_S, wait_key
 from .model import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict
@@ -58,12 +59,13 @@ def run(cfg: dict[str, Any]) -> int:
     if env.rank == 0:
         prelaunch.hold(rdir, env.run_id)  # one live run per folder
         outputs.prepare(rdir)  # a report left by another run must never read as this run's
+        lost.clear(rdir)  # nor its ranks' last words
     try:
         c = Coordinator(env, cfg, lambda may_host: _store(env, timeout, may_host), _publish,
                         started_at, t0)
     except (RuntimeError, OSError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
-        ending.leave(f"cannot reach the coordination store at {env.master_addr}:"
-                     f"{env.master_port} within {timeout} s: "
+        ending.leave(f"cannot reach the coordination store at {env.store_address} "
+                     f"within {timeout} s: "
                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", code=1)
     c.report_dir = rdir
     c.timings["load_checks_s"] = round(coord_t0 - t0, 4)
@@ -95,6 +97,18 @@ def run(cfg: dict[str, Any]) -> int:
         pass
     except Exception as e:  # noqa: BLE001 — init or harness failure on this rank
         c.abort(store, keys.ERROR, error_detail(e))
+    try:
+        return _finish(c, store)
+    except (RuntimeError, OSError) as e:  # the store went away: one JSON line, no traceback
+        if c.leaving:
+            raise
+        ending.give_up(c, e)
+        return 1
+
+
+def _finish(c: Coordinator, store) -> int:
+    """After the checks: leave an aborted run, or wait for (or write) the report."""
+    env, timeout = c.env, float(c.cfg["timeout"])
     if c.aborted(store):
         ending.exit_aborted(c, store)
         time.sleep(ending.FINAL_WAIT_S + 2 * DEAD_AFTER_S)  # the watchdog owns the exit
@@ -112,7 +126,8 @@ def run(cfg: dict[str, Any]) -> int:
     verdict = ending.finalize(c, store, aborted=False)
     if verdict is None:  # the watchdog is finishing an abort and owns the exit
         time.sleep(ending.FINAL_WAIT_S)
-    if not env.agent_store:  # rank 0 hosts the store: let the others read the verdict first
+    if not env.agent_store and not env.store:  # rank 0 hosts the store: let the others read
+        # the verdict first
         wait_key(store, keys.every(keys.BYE), 5.0, c.poll_max)
     liveness.shut_down(c)
     return 0 if verdict == "pass" else 1
@@ -124,6 +139,9 @@ def _join(c: Coordinator, store, faults: list) -> Context:
     pick = runtime.pick_backend(cfg["backend"])
     device, device_error = _bind(pick, env)
     store.set(keys.of(keys.RANK, env.rank), json.dumps(runtime.rank_record(env, device)))
+    if env.store:  # the store host's report of last resort needs the run's shape
+        hosting.post_meta(store, env.world_size, cfg, os.path.abspath(c.report_dir),
+                              c.started_at)
     if pick == "nccl":
         store.add(keys.BACKEND_NCCL, 1)
     c.arrive(store, keys.CONNECT, "every rank to connect")

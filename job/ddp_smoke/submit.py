@@ -50,15 +50,19 @@ from typing import Any
 
 from . import preflight
 from .cli import Parser, parse_config
+from .coordination import hosting, lost
 from .errors import ConfigError, ReportWriteError
 from .model import Culprit
 from .outputs import launch_report
 from .outputs.report import as_dict, write_report
+from .verdict import from_lost
 
 CLUSTERS = ("slurm", "local")
 IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image from docker/
 # 8 CPUs per GPU: data loading and NCCL's proxy threads per rank; 8-GPU nodes have >= 64 cores.
 GPU_CPUS_PER_PROC = 8
+STORE_WAIT_S = 300.0  # a task waits this long for task 0's store host (nodes start unevenly)
+LAST_RESORT_S = 15.0  # after the job: the store host's report of last resort comes within this
 PREFLIGHT_TIMEOUT_S = 30.0  # a node's preflight (torch import, CUDA initialisation)
 MAX_WAIT_S = 7 * 86400.0  # a week: longer is a typo, and time.monotonic arithmetic stays sane
 _NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run")
@@ -186,7 +190,7 @@ def _submitit_version() -> str:
     return submitit.__version__
 
 
-def _task(worker_args: list[str], gpus: bool) -> Any:
+def _task(worker_args: list[str], gpus: bool, store_max_s: float = 3600.0) -> Any:
     """What each submitit task runs: export the env contract, then the worker, in-process."""
     import submitit
 
@@ -197,13 +201,35 @@ def _task(worker_args: list[str], gpus: bool) -> Any:
                                "the submitting side: install the same version in both (the "
                                "image pickles and unpickles submitit's objects)")
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=gpus)
-    os.environ["DDP_SMOKE_RUN_ID"] = run_id_of(submitit.JobEnvironment().job_id,
-                                               os.environ.get("SLURM_RESTART_COUNT", "0"))
-    _preflight(worker_args, gpus)
+    run_id = run_id_of(submitit.JobEnvironment().job_id,
+                       os.environ.get("SLURM_RESTART_COUNT", "0"))
+    os.environ["DDP_SMOKE_RUN_ID"] = run_id
+    report_dir = worker_args[worker_args.index("--report-dir") + 1]
+    try:
+        _preflight(worker_args, gpus)
+    except RuntimeError:  # no store host then: the others go on as before and wait no longer
+        if os.environ["RANK"] == "0":
+            hosting.publish_address(os.path.join(report_dir, "store", run_id), "none")
+        raise
+    _store_host(report_dir, run_id, store_max_s)
     from . import harness  # late: torch only in the task, not on the submitting side
 
     code = harness.run(parse_config(worker_args))
     return code
+
+
+def _store_host(report_dir: str, run_id: str, max_s: float) -> None:
+    """The coordination store in a process of its own on rank 0's node, so that rank 0's
+    death does not take it down (DDP_SMOKE_STORE): task 0 starts it and leaves its address
+    in the (shared) report folder; the other tasks wait for that file."""
+    path = os.path.join(report_dir, "store", run_id)
+    if os.environ["RANK"] == "0":
+        address = hosting.start_detached(os.environ["MASTER_ADDR"], report_dir, max_s)
+        hosting.publish_address(path, address)
+    else:
+        address = hosting.await_address(path, STORE_WAIT_S)
+    if address != "none":  # task 0 failed before it could start one
+        os.environ[hosting.ENV] = address
 
 
 def _preflight(worker_args: list[str], gpus: bool) -> None:
@@ -272,14 +298,20 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     extra = {"slurm_python": p.python} if p.python and cluster == "slurm" else {}
     executor = submitit.AutoExecutor(folder=p.folder / "%j", cluster=cluster, **extra)
     executor.update_parameters(**p.parameters)
-    job = executor.submit(_task, p.worker_args, bool(p.parameters.get("gpus_per_node")))
+    job = executor.submit(_task, p.worker_args, bool(p.parameters.get("gpus_per_node")),
+                          60.0 * p.parameters["timeout_min"])
     say = _progress(sys.stderr.isatty() if progress is None else progress)
     say(f"submitted job {job.job_id} ({cluster}, {p.parameters['nodes']} node(s) x "
         f"{p.parameters['tasks_per_node']}); folder {p.folder}")
     _wait(job, wait_timeout_s, say)
     report = _own_report(p.report_dir / "report.json", job.job_id)
+    end = time.monotonic() + LAST_RESORT_S
+    while report is None and time.monotonic() < end:  # every rank died: the store host writes
+        time.sleep(0.5)
+        report = _own_report(p.report_dir / "report.json", job.job_id)
     if report is None:
-        notice = _death_notice(job) + _foreign(p.report_dir / "report.json")
+        notice = (_death_notice(job) + _survivors(p.report_dir, job.job_id)
+                  + _foreign(p.report_dir / "report.json"))
         raise TaskDied(notice, report=_launch_report(job, p), job_id=job.job_id)
     if report["verdict"] != "pass":
         failed = SmokeFailed("", report, job.job_id)
@@ -298,6 +330,13 @@ def _own_report(path: Path, job_id: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return report if isinstance(report, dict) and owns(report, job_id) else None
+
+
+def _survivors(report_dir: Path, job_id: str) -> str:
+    """What the ranks that lost the coordination store left (:mod:`ddp_smoke.verdict`)."""
+    records = {r: v for r, v in lost.read(str(report_dir)).items()
+               if str(v.get("run_id", "")).startswith(run_id_of(job_id, ""))}
+    return f"\n{from_lost(records)}" if records else ""
 
 
 def _foreign(path: Path) -> str:

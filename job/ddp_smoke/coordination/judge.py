@@ -35,7 +35,7 @@ def judge_abort(c, store) -> set[int]:
         dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != keys.STOPPED},
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
         reach=probed,
-        store=f"{c.env.master_addr}:{c.env.master_port}", dead_after_s=DEAD_AFTER_S)
+        store=c.env.store_address, dead_after_s=DEAD_AFTER_S)
     verdict = blame.judge(snap)
     # Each live rank leaves its forensics once it sees the abort, maybe after this judge
     # began: a culprit's innermost frame is worth a short wait.
@@ -49,7 +49,8 @@ def judge_abort(c, store) -> set[int]:
                "progress": {str(r): p for r, p in sorted(beats.items())},
                "unreached": {str(r): p["failed"] for r, p in sorted(probed.items())
                              if p.get("failed")},
-               "aborts": [reasons[r] for r in sorted(reasons)]}
+               "aborts": [reasons[r] for r in sorted(reasons)],
+               "writer": f"rank {c.env.rank}"}  # rank 0, or the survivor that took over
     judged = {k.name for it, k in c.judged if it == c.iteration}
     # Outside a check (process-group init, between checks) the run itself failed: "launch".
     name = stage if stage in c.checks and stage not in judged else "launch"

@@ -28,6 +28,7 @@ probe/<r>               node leader  its reachability probe's address and port (
 probe/listed            node leader  "r," appended once the probe is open: the node leaders
 reach/<r>               node leader  after an abort: the leaders it tried and could not reach
 reach/listed            node leader  "r," appended once its findings are posted
+meta                    first rank   the run's shape for the store host (JSON; compare-and-set)
 ======================  ===========  ==================================================
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from __future__ import annotations
 RANK, BACKEND_NCCL, CONNECT, RUN_ID = "rank", "backend/nccl", "connect", "run_id"
 ARRIVE, OBS, RESULT, NEXT = "arrive", "obs", "result", "next"
 BEAT, ABORT, FORENSICS, WAITING = "beat", "abort", "forensics", "waiting"
-WRITER, FINAL, BYE = "writer", "final", "bye"
+WRITER, FINAL, BYE, META = "writer", "final", "bye", "meta"
 PROBE, REACH = "probe", "reach"
 
 # Abort kinds (``kind`` in abort/<r>), and what each means.
