@@ -52,8 +52,7 @@ def run(cfg: dict[str, Any]) -> int:
     timeout = float(cfg["timeout"])
     rdir = default_report_dir(cfg, env.run_id)
     # Every rank writes there (forensics, NCCL logs): an unwritable folder is bad input on
-    # every rank before any connects, not a report of last resort from whoever is left. Other
-    # ranks may not know the run id yet (rank 0 may draw it): they test the parent.
+    # every rank before any connects. Ranks that may not know the run id test the parent.
     outputs.check_writable(rdir if env.rank == 0 or cfg["report_dir"] or env.run_id_shared
                            else os.path.dirname(rdir) or ".")
     if env.rank == 0:
@@ -126,8 +125,7 @@ def _finish(c: Coordinator, store) -> int:
     verdict = ending.finalize(c, store, aborted=False)
     if verdict is None:  # the watchdog is finishing an abort and owns the exit
         time.sleep(ending.FINAL_WAIT_S)
-    if not env.agent_store and not env.store:  # rank 0 hosts the store: let the others read
-        # the verdict first
+    if not env.agent_store and not env.store:  # rank 0 hosts the store: the others read first
         wait_key(store, keys.every(keys.BYE), 5.0, c.poll_max)
     liveness.shut_down(c)
     return 0 if verdict == "pass" else 1
