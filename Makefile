@@ -45,6 +45,7 @@ $(VENV)/.test: $(VENV)/.runtime
 venv: $(VENV)/.runtime  ## create .venv/ (torch, numpy, pyyaml, submitit, this package)
 
 smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, LEVEL=quick, ARGS=…)
+	DDP_SMOKE_SECRET=$$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n') \
 	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m ddp_smoke \
 	  --backend gloo --level $(LEVEL) --report-dir $(REPORT_DIR) $(ARGS)
 

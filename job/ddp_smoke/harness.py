@@ -22,7 +22,9 @@ works the same for gloo and NCCL and still works when a collective is stuck:
   every rank exits 1.
 
 How the store's keys are searched and read back, and what the heartbeats say about who is
-alive, is :mod:`ddp_smoke.storekeys`.
+alive, is :mod:`ddp_smoke.storekeys`. Every record is signed with the run's secret and checked
+when read (:mod:`ddp_smoke.coordination.signing`): nothing written from outside the run is
+evidence.
 
 The writer is rank 0; when rank 0 is gone (its heartbeat stopped) the lowest surviving rank
 takes over, from the results rank 0 posted to the store as it judged each check. When the
@@ -49,12 +51,13 @@ import torch.distributed as dist
 from . import (__version__, blame, checks, comm, forensics, metrics, plot, repeat, runtime,
                summary, triage)
 from .config import ConfigError, report_dir as default_report_dir
+from .coordination import signing
 from .faults import Injector, parse_faults
 from .report import (FAIL, SKIP, CheckResult, Culprit, Report, ReportWriteError,
                      check_from_dict, clear_stale, write_report)
 from .storekeys import (BEAT_S, DEAD_AFTER_S, POLL_MAX_S, STORE_OPS_PER_S, Silence, beat_of,
-                        dead_ranks, look_period, next_waiting, posted, ranks_with, read_beats,
-                        reads, try_get, wait_key)
+                        dead_ranks, listed, look_period, next_waiting, posted, ranks_with,
+                        read_beats, reads, try_get, wait_key)
 
 FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
 TAKEOVER_S = 3 * DEAD_AFTER_S  # rank 0 silent this long, before writing: a survivor writes
@@ -179,17 +182,18 @@ class _Coordinator:
             pass
 
     def aborted(self, store) -> bool:
-        return store.check(["abort/listed"])
+        """A rank listed a genuine abort (a list written from outside the run is no abort)."""
+        return store.check(["abort/listed"]) and bool(listed(store, "abort"))
 
     def key(self, stage: str) -> str:
         """A stage's store key: the check name and the iteration."""
         return f"{stage}/{self.iteration}"
 
-    def arrive(self, store, prefix: str, what: str) -> None:
-        """Post ``prefix/<rank>`` and wait until every rank has (or raise _Stop). Rank 0
+    def arrive(self, store, prefix: str, what: str, mine: str = "1") -> None:
+        """Post ``prefix/<rank>`` (``mine``) and wait until every rank has (or raise _Stop). Rank 0
         waits for all of them in one call and then raises ``prefix/all``, which every other
         rank waits for: two store calls per rank, whatever the world size."""
-        store.set(f"{prefix}/{self.env.rank}", "1")
+        store.set(f"{prefix}/{self.env.rank}", mine)
         if self.env.rank == 0:
             self.await_all(store, prefix, what)
             store.set(f"{prefix}/all", "1")
@@ -265,7 +269,7 @@ class _Coordinator:
                         checks=self._with_unrun(), config=self.cfg, timings=self.timings,
                         error=self._first_error(store) if aborted else None,
                         forensics=self._all_forensics(found),
-                        run_id=self.env.run_id)
+                        run_id=self.env.run_id, security=signing.section(store))
         try:
             path = write_report(report, self.report_dir)
             plot.write_busbw_png(report, self.report_dir)  # only with matplotlib installed
@@ -339,7 +343,7 @@ class _Coordinator:
         ids = self._identities(store)
         # A few store calls per kind of key, not one per rank: 4,096 ranks are judged in
         # 0.15 s after a watched abort (bench/coordination_scale.py).
-        connected = ranks_with(store, "rank", world)
+        connected = {r for r, i in enumerate(ids) if "missing" not in i}  # genuine records
         reasons = posted(store, "abort")
         terminated = {r for r, a in reasons.items() if a["kind"] == "terminated"}
         dead, beats = dead_ranks(store, sorted(connected), terminated, self.silence)
@@ -464,9 +468,11 @@ class _Watchdog(threading.Thread):
             return
         self.looked = time.monotonic()
         world = range(self.coord.env.world_size)
-        beats = read_beats(store, world)
-        silent = self.coord.silence.update({r: (beats.get(r) or {}).get("n") for r in world})
-        gone = [r for r in silent if r in beats and not store.check([f"{prefix}/{r}"])]
+        forged: set[int] = set()  # heartbeats written from outside: no sign of death
+        beats = read_beats(store, world, forged)
+        silent = self.coord.silence.update({r: (beats.get(r) or {}).get("n") for r in world},
+                                           forged)
+        gone = [r for r in silent if r in beats and try_get(store, f"{prefix}/{r}") is None]
         if gone:
             self.coord.abort(store, "lost", {"silent": gone, "waiting_for": what})
 
@@ -523,6 +529,8 @@ def _await_report(c: _Coordinator, store, timeout_s: float) -> str | None:
     period = min(TAKEOVER_S / 3, look_period(c.env.world_size, 10))
     while time.monotonic() < end:
         if wait_key(store, "final", period, c.poll_max):
+            # A counter cannot be signed (the store adds integers): "bye" only tells the
+            # store's host when it may stop serving; it is never evidence.
             if store.add("bye", 1) == c.env.world_size - 1:
                 store.set("bye/all", "1")  # rank 0, if it hosts the store, may leave now
             return store.get("final").decode()
@@ -599,18 +607,21 @@ def run(cfg: dict[str, Any]) -> int:
         pick = runtime.pick_backend(cfg["backend"])
         device, device_error = _bind(pick, env)
         store.set(f"rank/{env.rank}", json.dumps(runtime.rank_record(env, device)))
-        if pick == "nccl":
-            store.add("backend/nccl", 1)
-        coord.arrive(store, "connect", "every rank to connect")
+        coord.arrive(store, "connect", "every rank to connect", mine=pick)
+        # The first records from the other ranks: another secret or build stops here (exit 2)
+        picks = signing.peers(store, [f"connect/{r}" for r in range(env.world_size)]
+                              if env.rank == 0 else ["connect/0"])
+        if env.rank == 0:
+            signing.forget_local_secret()  # every rank read it before it connected
         rdir, env = _adopt_run_id(coord, store), coord.env
-        coord.backend = _agree_backend(coord, store, cfg["backend"], pick)
+        coord.backend = _agree_backend(coord, store, cfg["backend"], pick, picks)
         runtime.nccl_log_env(coord.backend, rdir)  # before NCCL's first init: transport check
         if device_error:
             coord.abort(store, "error", {"type": "DeviceError", "message": device_error,
                                          "reason": device_error})
             raise _Stop
         forensics.flight_recorder_env(rdir)  # before the process group is created
-        runtime.init_process_group(env, coord.backend, device, store, timeout + 15)
+        runtime.init_process_group(env, coord.backend, device, store.raw, timeout + 15)
         coord.timings["rendezvous_s"] = round(time.monotonic() - t, 4)
         coord.ranks = [json.loads(v) for v in
                        store.multi_get([f"rank/{r}" for r in range(env.world_size)])]
@@ -629,6 +640,9 @@ def run(cfg: dict[str, Any]) -> int:
         coord.enter("finish", None)
     except _Stop:
         pass
+    except ConfigError as e:  # another secret or build on some rank: one line, exit 2
+        print(f"ddp-smoke: error: {e}", file=sys.stderr)
+        _leave(None, code=2)
     except Exception as e:  # noqa: BLE001 — init or harness failure on this rank
         coord.abort(store, "error", _error_detail(e))
     if coord.aborted(store):
@@ -675,10 +689,17 @@ def _bind(pick: str, env: runtime.LaunchEnv) -> tuple[torch.device, str | None]:
         return torch.device("cpu"), str(e)
 
 
-def _agree_backend(coord: _Coordinator, store, requested: str, pick: str) -> str:
+def _agree_backend(coord: _Coordinator, store, requested: str, pick: str,
+                   picks: list[bytes]) -> str:
     """Every rank runs the backend all agree on; with ``auto``, a node without usable CUDA
-    among GPU nodes is named, not left to hang in NCCL's rendezvous."""
-    cuda_ranks = store.add("backend/nccl", 0)
+    among GPU nodes is named, not left to hang in NCCL's rendezvous. Rank 0 counts the
+    ranks that picked NCCL from their signed connect records (``picks``) and posts the count
+    (a counter in the store could be raised by anyone)."""
+    if coord.env.rank == 0:
+        cuda_ranks = sum(p == b"nccl" for p in picks)
+        store.set("backend", str(cuda_ranks))
+    else:
+        cuda_ranks = int(store.get("backend"))
     backend, problem = runtime.agree_backend(requested, pick, cuda_ranks, coord.env.world_size)
     if problem is None:
         return backend
@@ -742,7 +763,12 @@ def _error_detail(e: BaseException) -> dict:
 def _store(env: runtime.LaunchEnv, timeout: float, may_host: bool):
     raw = runtime.connect_store(env, timeout, may_host=may_host)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"ddp_smoke/{restart}", raw)
+    return signed_store(raw, f"ddp_smoke/{restart}", env)
+
+
+def signed_store(raw, scope: str, env: runtime.LaunchEnv) -> signing.SignedStore:
+    """The harness's view of a store connection: the kit's prefix, every record signed."""
+    return signing.wrap(dist.PrefixStore(scope, raw), scope, env)
 
 
 def _start_threads(coord: _Coordinator) -> None:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shlex
 import subprocess
 import sys
@@ -179,8 +180,9 @@ def _submitit_version() -> str:
     return submitit.__version__
 
 
-def _task(worker_args: list[str], gpus: bool) -> Any:
-    """What each submitit task runs: export the env contract, then the worker, in-process."""
+def _task(worker_args: list[str], gpus: bool, secret: str | None = None) -> Any:
+    """What each submitit task runs: export the env contract, then the worker, in-process.
+    ``secret``: the run's signing secret (``DDP_SMOKE_SECRET``), drawn by :func:`submit`."""
     import submitit
 
     if worker_args[:1] == ["--submitit-version"]:
@@ -190,6 +192,8 @@ def _task(worker_args: list[str], gpus: bool) -> Any:
                                "the submitting side: install the same version in both (the "
                                "image pickles and unpickles submitit's objects)")
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=gpus)
+    if secret:
+        os.environ["DDP_SMOKE_SECRET"] = secret
     os.environ["DDP_SMOKE_RUN_ID"] = run_id_of(submitit.JobEnvironment().job_id,
                                                os.environ.get("SLURM_RESTART_COUNT", "0"))
     from . import harness
@@ -244,10 +248,13 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     check_wait_timeout(wait_timeout_s)
     p = plan(cluster, **kwargs)
     p.folder.mkdir(parents=True, exist_ok=True)
+    # submitit's pickles carry the run's signing secret: the folder is the user's alone
+    os.chmod(p.folder, p.folder.stat().st_mode & ~0o077)
     extra = {"slurm_python": p.python} if p.python and cluster == "slurm" else {}
     executor = submitit.AutoExecutor(folder=p.folder / "%j", cluster=cluster, **extra)
     executor.update_parameters(**p.parameters)
-    job = executor.submit(_task, p.worker_args, bool(p.parameters.get("gpus_per_node")))
+    job = executor.submit(_task, p.worker_args, bool(p.parameters.get("gpus_per_node")),
+                          secrets.token_hex(32))  # one per run: nothing from outside is evidence
     say = _progress(sys.stderr.isatty() if progress is None else progress)
     say(f"submitted job {job.job_id} ({cluster}, {p.parameters['nodes']} node(s) x "
         f"{p.parameters['tasks_per_node']}); folder {p.folder}")
