@@ -29,9 +29,9 @@ Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by
   submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,
   SLURM_* (SLURMD_NODENAME names the node to drain), NODE_NAME in a pod (spec.nodeName, for
   kubectl), DDP_SMOKE_RUN_ID (the run id, when the launcher knows one unique per run; see
-  ddp_smoke/launchenv.py), DDP_SMOKE_SECRET (the run's signing secret, 64 hex digits, the same
-  on every rank: set by the kit's launchers; one node makes its own; see README "Who can write
-  the verdict"); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
+  ddp_smoke/config/launchenv.py), DDP_SMOKE_SECRET (the run's signing secret, 64 hex digits,
+  the same on every rank: set by the kit's launchers; one node makes its own; see README "Who
+  can write the verdict"); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
 
 Repeat mode: --repeat N or --duration S runs the checks again and again; each check's result
   then holds every iteration's figures, failures per rank, busbw p50/p99 per size, and says
@@ -53,8 +53,9 @@ import os
 import sys
 
 from . import __version__, checks
-from .config import ConfigError, load_file, resolve
-from .launchenv import LaunchEnv
+from .config import load_file, resolve
+from .config.launchenv import LaunchEnv
+from .errors import ConfigError
 
 
 def _manual() -> str:
@@ -108,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
                         "check; default: the profile's, else any one network on every node)")
     p.add_argument("--fault", metavar="RANK:KIND@CHECK",
                    help="inject a fault (crash|raise|hang|slow|corrupt) to test alerting; "
-                        "see ddp_smoke/faults.py")
+                        "see ddp_smoke/config/faults.py")
     p.add_argument("--repeat", metavar="N", type=int,
                    help="run the checks N times in one process group; a fault seen in some "
                         "iterations only is flagged intermittent (default 1)")

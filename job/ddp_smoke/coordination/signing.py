@@ -49,10 +49,12 @@ import tempfile
 import threading
 import time
 
-from ..config import ConfigError
+from .. import redact
+from ..errors import ConfigError
+from . import keys
 
 ENV = "DDP_SMOKE_SECRET"
-SECURITY = "security/listed"
+SECURITY = keys.listed(keys.SECURITY)
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _TAIL = re.compile(rb"^[0-9a-f]{40}$")
 _MAX_FINDINGS = 100  # a flood of forgeries is reported, not stored without end
@@ -89,8 +91,7 @@ def run_secret(env, environ=os.environ) -> bytes | None:
 
 
 def _remember(secret: bytes) -> bytes:
-    from .. import redact  # the report's redaction knows the value itself, wherever it shows
-    redact.forget_value(secret.hex())
+    redact.forget_value(secret.hex())  # the report's redaction knows the value itself
     return secret
 
 
