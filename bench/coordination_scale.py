@@ -1,7 +1,7 @@
 """Benchmark: the harness's store coordination with N simulated ranks on one TCPStore.
 
 Not a test: it prints numbers. Each simulated rank is a real ``coordination.protocol.Coordinator`` with
-its own three store connections (main, watchdog, heartbeat, each a ``PrefixStore`` over a
+its own three store connections (main, watchdog, heartbeat, each a signed ``PrefixStore`` over a
 TCPStore client, as the harness makes them) and its own main thread; its heartbeat
 (``liveness.beat_once``) and watchdog (``liveness.Watchdog.step``) run at the kit's periods,
 driven for all ranks of a worker by one thread each (12,288 threads on 2 cores would measure
@@ -46,6 +46,7 @@ import datetime
 import json
 import os
 import resource
+import secrets
 import statistics
 import subprocess
 import sys
@@ -89,8 +90,7 @@ class _Left(BaseException):
 
 
 def worker(args) -> None:
-    import torch.distributed as dist  # once per process, not per rank
-
+    from ddp_smoke import harness  # torch, once per process, not per rank
     from ddp_smoke.config.launchenv import LaunchEnv
     from ddp_smoke.coordination import ending, forensics, liveness, protocol
 
@@ -106,15 +106,15 @@ def worker(args) -> None:
     hook = threading.excepthook
     threading.excepthook = lambda a: None if issubclass(a.exc_type, _Left) else hook(a)
 
-    world, timeout = args.world, datetime.timedelta(seconds=args.timeout)
+    world = args.world
     names = [f"c{i}" for i in range(args.checks)] + ["abort_here"]
     cfg = {"checks": names, "timeout": args.timeout}
 
-    def connect(rank):
-        def one(may_host):
-            raw = dist.TCPStore("127.0.0.1", args.port, world, False, timeout,
-                                wait_for_workers=False)
-            return Counted(dist.PrefixStore("ddp_smoke/0", raw))
+    def connect(env):
+        def one(may_host):  # as the harness connects: a signed PrefixStore over a client
+            signed = harness._store(env, args.timeout, may_host=False)
+            signed.raw = Counted(signed.raw)  # counts the store's calls, not the wrapper's
+            return signed
         return one
 
     ranks = range(args.lo, args.hi)
@@ -123,7 +123,7 @@ def worker(args) -> None:
         env = LaunchEnv(rank=r, world_size=world, local_rank=r, local_world_size=world,
                                 group_rank=0, master_addr="127.0.0.1", master_port=args.port,
                                 agent_store=True, launcher="bench", run_id="bench")
-        coords[r] = protocol.Coordinator(env, cfg, connect(r), lambda *a: "fail", "bench",
+        coords[r] = protocol.Coordinator(env, cfg, connect(env), lambda *a: "fail", "bench",
                                         time.monotonic())
         coords[r].report_dir = "/nonexistent"
     out = {r: {} for r in ranks}
@@ -322,6 +322,7 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
     # at one GIL, and each store call wakes a thread. At 4,096 ranks a check took 1.5 s
     # with 2 processes, 0.66–1.0 s with 4, 0.34–0.38 s with 8 and 0.30 s with 16.
     procs = max(1, min(procs, world // 4))
+    secret = secrets.token_hex(32)  # the run's, as a launcher hands it to every rank
     # Rank 0, which gathers and judges, has a process of its own, as it has a node of its
     # own in a cluster: its timings are the store's, not those of a GIL shared with 1,000
     # simulated ranks.
@@ -333,7 +334,7 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
          "--world", str(world), "--lo", str(lo), "--hi", str(hi), "--checks", str(checks),
          "--steady-s", str(steady_s), "--timeout", str(timeout)],
         stdout=subprocess.PIPE, stderr=log, text=True,
-        env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
+        env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", "DDP_SMOKE_SECRET": secret})
         for (lo, hi), log in zip(zip(bounds, bounds[1:]), logs)]
     ranks, alive, end = {}, 0, time.monotonic() + timeout * 3
     try:

@@ -60,6 +60,10 @@ has_option() {  # has_option NAME ARGS…: true when ARGS contain --NAME or --NA
 # stalls for the store's 300 s connect timeout.
 if [[ ${#torchrun_args[@]} -eq 0 ]]; then
     torchrun_args=(--standalone --local-addr=127.0.0.1)
+    # The run's signing secret (every store record is signed with it). One node: made here.
+    # Several containers: the launcher gives every one the same DDP_SMOKE_SECRET.
+    DDP_SMOKE_SECRET="${DDP_SMOKE_SECRET:-$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')}"
+    export DDP_SMOKE_SECRET
 fi
 
 # nvidia-smi is mounted by the NVIDIA container toolkit only when GPUs are given (--gpus);

@@ -30,7 +30,9 @@ Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by
   submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,
   SLURM_* (SLURMD_NODENAME names the node to drain), NODE_NAME in a pod (spec.nodeName, for
   kubectl), DDP_SMOKE_RUN_ID (the run id, when the launcher knows one unique per run: letters,
-  digits, . _ -, up to 128); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
+  digits, . _ -, up to 128), DDP_SMOKE_SECRET (the run's signing secret, 64 hex digits, the same
+  on every rank: set by the kit's launchers; one node makes its own; see README "Who can write
+  the verdict"); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
 
 Repeat mode: --repeat N or --duration S runs the checks again and again; each check's result
   then holds every iteration's figures, failures per rank, busbw p50/p99 per size, and says

@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import json
 import os
+import sys
 import time
 import traceback
 from typing import Any
@@ -32,9 +33,10 @@ from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
 from .coordination import (ending, forensics, hosting, keys, liveness, lost, progress, reach,
-                           runtime, stragglers)
+                           runtime, signing, stragglers)
 from .coordination.protocol import Coordinator, Stop, error_detail
 from .coordination.store import DEAD_AFTER_S, wait_key
+from .errors import ConfigError
 from .model import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict
 from .outputs import repeat
 
@@ -94,6 +96,9 @@ def run(cfg: dict[str, Any]) -> int:
         c.enter("finish", None)
     except Stop:
         pass
+    except ConfigError as e:  # a rank of another secret or build: one line, exit 2
+        print(f"ddp-smoke: error: {e}", file=sys.stderr)
+        ending.leave(None, code=2)
     except Exception as e:  # noqa: BLE001 — init or harness failure on this rank
         c.abort(store, keys.ERROR, error_detail(e))
     try:
@@ -140,19 +145,20 @@ def _join(c: Coordinator, store, faults: list) -> Context:
     if env.store:  # the store host's report of last resort needs the run's shape
         hosting.post_meta(store, env.world_size, cfg, os.path.abspath(c.report_dir),
                               c.started_at)
-    if pick == "nccl":
-        store.add(keys.BACKEND_NCCL, 1)
-    c.arrive(store, keys.CONNECT, "every rank to connect")
+    c.arrive(store, keys.CONNECT, "every rank to connect", mine=pick)
+    # the first records of the others: another secret or build stops here (exit 2)
+    picks = signing.peers(store, [keys.of(keys.CONNECT, r) for r in range(env.world_size)]
+                          if env.rank == 0 else [keys.of(keys.CONNECT, 0)])
     c.env = env = runtime.share_run_id(env, store)
     c.report_dir = rdir = default_report_dir(cfg, env.run_id)  # named after rank 0's id
-    c.backend = _agree_backend(c, store, cfg["backend"], pick)
+    c.backend = c.agree_backend(store, cfg["backend"], pick, picks)
     runtime.nccl_log_env(c.backend, rdir)  # before NCCL's first init: transport check
     if device_error:
         c.abort(store, keys.ERROR, {"type": "DeviceError", "message": device_error,
                                     "reason": device_error})
         raise Stop
     forensics.flight_recorder_env(rdir)  # before the process group is created
-    runtime.init_process_group(env, c.backend, device, store, float(cfg["timeout"]) + 15)
+    runtime.init_process_group(env, c.backend, device, store.raw, float(cfg["timeout"]) + 15)
     c.ranks = [json.loads(v) for v in
                store.multi_get([keys.of(keys.RANK, r) for r in range(env.world_size)])]
     return Context(env, c.backend, device, cfg,
@@ -166,21 +172,6 @@ def _bind(pick: str, env: LaunchEnv) -> tuple[torch.device, str | None]:
         return runtime.bind_device(pick, env.local_rank), None
     except runtime.DeviceError as e:
         return torch.device("cpu"), str(e)
-
-
-def _agree_backend(c: Coordinator, store, requested: str, pick: str) -> str:
-    """Every rank runs the backend all agree on; with ``auto``, a node without usable CUDA
-    among GPU nodes is named, not left to hang in NCCL's rendezvous."""
-    cuda_ranks = store.add(keys.BACKEND_NCCL, 0)
-    backend, problem = runtime.agree_backend(requested, pick, cuda_ranks, c.env.world_size)
-    if problem is None:
-        return backend
-    if pick != backend:  # this rank is the odd one out
-        c.abort(store, keys.ERROR, {"type": "BackendMismatch", "message": problem,
-                                    "reason": problem.format(host=runtime.hostname())})
-    else:
-        c.abort(store, keys.STOPPED, {"why": "another rank cannot use the agreed backend"})
-    raise Stop
 
 
 def _run_check(c: Coordinator, ctx: Context, name: str) -> None:
@@ -240,11 +231,12 @@ def _publish(c: Coordinator, error: dict | None, found: list[dict]) -> str:
                 for n in c.checks if n not in done]
     report = Report(version=__version__, started_at=c.started_at, backend=c.backend,
                     world_size=c.env.world_size, ranks=c.ranks, checks=results, config=c.cfg,
-                    timings=c.timings, error=error, forensics=found, run_id=c.env.run_id)
+                    timings=c.timings, error=error, forensics=found, run_id=c.env.run_id,
+                    security=signing.section(c.store))
     return outputs.publish(report, c.report_dir, c.env.run_id)
 
 
 def _store(env: LaunchEnv, timeout: float, may_host: bool):
     raw = runtime.connect_store(env, timeout, may_host=may_host)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"ddp_smoke/{restart}", raw)
+    scope = f"ddp_smoke/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return signing.wrap(dist.PrefixStore(scope, raw), scope, env)  # every record signed

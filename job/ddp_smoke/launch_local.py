@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         say_once(f"ddp-smoke: error: {e}")
         return 2
     os.environ["DDP_SMOKE_RUN_ID"] = rid
+    # the run's signing secret (coordination/signing.py): every rank's, in their environment
+    os.environ.setdefault("DDP_SMOKE_SECRET", secrets.token_hex(32))
     # torchrun sets 1 itself when unset, after a four-line banner saying so; the same value.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cores = _cores()

@@ -85,11 +85,15 @@ class Report:
     error: dict[str, Any] | None = None
     forensics: list[dict[str, Any]] = field(default_factory=list)  # per rank, after an abort
     run_id: str = ""
+    # {"signed": bool, "findings": [{"key", "rank", "why", "seen_by", "value"}]}: records in
+    # the store that failed their signature check (ddp_smoke.coordination.signing)
+    security: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         # Copies: the config and the results are the harness's own objects.
         self.config, self.ranks, self.error = (redact.tree(self.config),
                                                redact.tree(self.ranks), redact.tree(self.error))
+        self.security = redact.tree(self.security)  # findings quote what a forger wrote
         self.checks = [dataclasses.replace(
             c, summary=redact.scrub(c.summary), figures=redact.tree(c.figures),
             notes=redact.tree(c.notes),

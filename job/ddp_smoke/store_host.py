@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -33,7 +34,7 @@ import sys
 import threading
 import time
 
-from .coordination import hosting
+from .coordination import hosting, signing
 from .outputs import last_resort
 
 MAX_S = 86400.0
@@ -73,14 +74,23 @@ def main(argv: list[str] | None = None) -> int:
               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
     address = f"{a.host}:{raw.port}"
-    store = dist.PrefixStore(hosting.PREFIX, raw)
+    # The run's records are signed (coordination/signing.py): this process reads them with the
+    # run's secret. Starting the run itself (-- COMMAND), it makes the secret when none is given.
+    secret = os.environ.get(signing.ENV) or (secrets.token_hex(32) if command else None)
+    if secret is not None and not signing.HEX64.match(secret):
+        print(f"ddp-smoke: error: store host: {signing.ENV}: expected 64 hex digits",
+              file=sys.stderr)
+        return 2
+    store = signing.SignedStore(dist.PrefixStore(hosting.PREFIX, raw), hosting.PREFIX,
+                                bytes.fromhex(secret) if secret else None, rank=-1)
     print(address, flush=True)
     hosting.say(f"serving the coordination store at {address} (pid {os.getpid()})")
     over = threading.Event()  # the launcher says the run is over: no rank is left
     child = None
     if command:
         try:
-            child = subprocess.Popen(command, env={**os.environ, hosting.ENV: address})
+            child = subprocess.Popen(command, env={**os.environ, hosting.ENV: address,
+                                                   **({signing.ENV: secret} if secret else {})})
         except OSError as e:
             print(f"ddp-smoke: error: store host: cannot run {command[0]}: {e.strerror}",
                   file=sys.stderr)

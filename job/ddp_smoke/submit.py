@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shlex
 import subprocess
 import sys
@@ -223,11 +224,14 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     check_wait_timeout(wait_timeout_s)
     p = plan(cluster, **kwargs)
     p.folder.mkdir(parents=True, exist_ok=True)
+    # submitit's pickles carry the run's signing secret: the folder is the user's alone
+    os.chmod(p.folder, p.folder.stat().st_mode & ~0o077)
     extra = {"slurm_python": p.python} if p.python and cluster == "slurm" else {}
     executor = submitit.AutoExecutor(folder=p.folder / "%j", cluster=cluster, **extra)
     executor.update_parameters(**p.parameters)
     job = executor.submit(task.run, p.worker_args, bool(p.parameters.get("gpus_per_node")),
-                          60.0 * p.parameters["timeout_min"])
+                          60.0 * p.parameters["timeout_min"],
+                          secrets.token_hex(32))  # one per run: nothing from outside is evidence
     say = _progress(sys.stderr.isatty() if progress is None else progress)
     say(f"submitted job {job.job_id} ({cluster}, {p.parameters['nodes']} node(s) x "
         f"{p.parameters['tasks_per_node']}); folder {p.folder}")

@@ -19,8 +19,10 @@ def submitit_version() -> str:
     return submitit.__version__
 
 
-def run(worker_args: list[str], gpus: bool, store_max_s: float = 3600.0) -> Any:
-    """What each submitit task runs: export the env contract, then the worker, in-process."""
+def run(worker_args: list[str], gpus: bool, store_max_s: float = 3600.0,
+        secret: str | None = None) -> Any:
+    """What each submitit task runs: export the env contract, then the worker, in-process.
+    ``secret``: the run's signing secret (``DDP_SMOKE_SECRET``), drawn by the submitting side."""
     import submitit
 
     if worker_args[:1] == ["--submitit-version"]:
@@ -30,6 +32,8 @@ def run(worker_args: list[str], gpus: bool, store_max_s: float = 3600.0) -> Any:
                                "the submitting side: install the same version in both (the "
                                "image pickles and unpickles submitit's objects)")
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=gpus)
+    if secret:
+        os.environ["DDP_SMOKE_SECRET"] = secret
     run_id = run_id_of(submitit.JobEnvironment().job_id,
                        os.environ.get("SLURM_RESTART_COUNT", "0"))
     os.environ["DDP_SMOKE_RUN_ID"] = run_id

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from ddp_smoke.config.launchenv import LaunchEnv
-from ddp_smoke.coordination import ending, judge, keys, liveness
+from ddp_smoke.coordination import ending, judge, keys, liveness, signing
 from ddp_smoke.coordination.protocol import Coordinator, Stop
 from ddp_smoke.coordination.store import Silence
 from tests.launch import free_port
@@ -33,7 +33,9 @@ def world():
         def connect(may_host):
             raw = dist.TCPStore("127.0.0.1", port, n, False, datetime.timedelta(seconds=10),
                                 wait_for_workers=False)
-            return dist.PrefixStore("ddp_smoke/0", raw)
+            # as the harness connects: every record signed with the run's one secret
+            return signing.SignedStore(dist.PrefixStore("ddp_smoke/0", raw), "ddp_smoke/0",
+                                       b"t" * 32, 0)
 
         coords = []
         for r in range(n):
@@ -70,8 +72,8 @@ def test_the_wire_format_is_unchanged():
     assert keys.listed(keys.ABORT) == "abort/listed"
     assert keys.listed(keys.FORENSICS) == "forensics/listed"
     assert keys.of(keys.OBS, keys.stage("bandwidth", 0)) + "/3" == "obs/bandwidth/0/3"
-    assert (keys.FINAL, keys.WRITER, keys.every(keys.BYE), keys.BACKEND_NCCL, keys.RUN_ID) == (
-        "final", "writer", "bye/all", "backend/nccl", "run_id")
+    assert (keys.FINAL, keys.WRITER, keys.every(keys.BYE), keys.BACKEND, keys.RUN_ID) == (
+        "final", "writer", "bye/all", "backend", "run_id")
     assert keys.ABORT_KINDS == ("error", "timeout", "terminated", "lost", "stopped")
 
 

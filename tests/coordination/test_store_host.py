@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from ddp_smoke import verdict
-from ddp_smoke.coordination import hosting, keys, lost
+from ddp_smoke.coordination import signing, hosting, keys, lost
 from ddp_smoke.outputs import last_resort
 from ddp_smoke.model import Report
 from tests.launch import REPO, free_port
@@ -49,9 +49,12 @@ def test_a_plan_without_an_endpoint_is_refused():
 
 
 def _store():
+    """The store as the ranks and the store host see it: every record signed with the run's
+    secret (coordination/signing.py)."""
     raw = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10),
                         wait_for_workers=False)
-    return dist.PrefixStore(hosting.PREFIX, raw)
+    return signing.SignedStore(dist.PrefixStore(hosting.PREFIX, raw), hosting.PREFIX,
+                               bytes(range(32)), rank=-1)
 
 
 def test_last_resort_names_the_ranks_that_went_silent_first(tmp_path):

@@ -17,7 +17,7 @@ def judge_abort(c, store) -> set[int]:
     """
     stage, world = c.stage, range(c.env.world_size)
     ids = c.identities(store)
-    connected = ranks_with(store, keys.RANK, world)
+    connected = {r for r, i in enumerate(ids) if "missing" not in i}  # genuine records
     reasons = posted(store, keys.ABORT)
     terminated = {r for r, a in reasons.items() if a["kind"] == keys.TERMINATED}
     dead, beats = dead_ranks(store, sorted(connected), terminated, c.silence)
@@ -27,11 +27,14 @@ def judge_abort(c, store) -> set[int]:
     # every live node leader's probes of the others (reach.py)
     probed = posted(store, keys.REACH, live & set(reach.leaders(store)), reach.WAIT_S)
     arrive = keys.CONNECT if stage == "init" else keys.of(keys.ARRIVE, c.key(stage))
+    # A rank that posted its observation arrived first: only the others' arrivals are read
+    # (each record read is checked against the run's secret; 4,096 of them cost ~10 ms)
+    finished = ranks_with(store, keys.of(keys.OBS, c.key(stage)), world)
     snap = blame.Snapshot(
         stage=stage, world_size=c.env.world_size, timeout_s=float(c.cfg["timeout"]),
         hosts=[i.get("host") for i in ids], connected=connected,
-        arrived=ranks_with(store, arrive, world),
-        finished=ranks_with(store, keys.of(keys.OBS, c.key(stage)), world),
+        arrived=finished | ranks_with(store, arrive, [r for r in world if r not in finished]),
+        finished=finished,
         dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != keys.STOPPED},
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
         reach=probed,

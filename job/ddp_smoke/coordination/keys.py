@@ -8,8 +8,10 @@ strings are a wire format: ranks of different builds share one store, so they ne
 key                     written by   what it holds
 ======================  ===========  ==================================================
 rank/<r>                every rank   its identity record (JSON); also "it connected"
-backend/nccl            every rank   counter: ranks that can run NCCL
-connect/<r>, /all       every rank   arrival at the start; ``/all`` raised by rank 0
+backend/nccl            (retired)    was a counter of NCCL ranks: anyone could raise it
+connect/<r>, /all       every rank   arrival at the start, holding the rank's backend pick;
+                                     ``/all`` raised by rank 0
+backend                 rank 0       how many connect records picked nccl
 run_id                  rank 0       the run id every rank adopts
 arrive/<stage>/<r>      every rank   arrival at a check; ``/all`` raised by rank 0
 obs/<stage>/<r>         every rank   its observation of a check (JSON)
@@ -29,15 +31,21 @@ probe/listed            node leader  "r," appended once the probe is open: the n
 reach/<r>               node leader  after an abort: the leaders it tried and could not reach
 reach/listed            node leader  "r," appended once its findings are posted
 meta                    first rank   the run's shape for the store host (JSON; compare-and-set)
+security/listed         every rank   records that failed their signature check (JSON items)
 ======================  ===========  ==================================================
+
+Every value is signed with the run's secret (:mod:`.signing`): ``value.<fingerprint><mac>``;
+a ``/listed`` key holds one signed item per line. Counters (``bye``) cannot be signed and are
+never evidence; existence alone (``check``, ``wait``) only ever decides timing.
 """
 from __future__ import annotations
 
-RANK, BACKEND_NCCL, CONNECT, RUN_ID = "rank", "backend/nccl", "connect", "run_id"
+RANK, CONNECT, RUN_ID = "rank", "connect", "run_id"
 ARRIVE, OBS, RESULT, NEXT = "arrive", "obs", "result", "next"
 BEAT, ABORT, FORENSICS, WAITING = "beat", "abort", "forensics", "waiting"
 WRITER, FINAL, BYE, META = "writer", "final", "bye", "meta"
 PROBE, REACH = "probe", "reach"
+BACKEND, SECURITY = "backend", "security"
 
 # Abort kinds (``kind`` in abort/<r>), and what each means.
 ERROR = "error"            # the check or the harness raised on that rank

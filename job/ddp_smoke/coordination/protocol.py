@@ -19,8 +19,9 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..model import CheckResult, check_from_dict
-from . import forensics, keys, reach
-from .store import DEAD_AFTER_S, POLL_MAX_S, STORE_OPS_PER_S, Silence, reads, try_get
+from . import forensics, keys, reach, runtime, signing
+from .store import (DEAD_AFTER_S, POLL_MAX_S, STORE_OPS_PER_S, Silence, listed, reads,
+                    try_get)
 
 GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watchdog acts first
 # Messages of backend errors seen by a rank whose peer vanished: the rank is a victim.
@@ -116,13 +117,14 @@ class Coordinator:
             pass
 
     def aborted(self, store) -> bool:
-        return store.check([keys.listed(keys.ABORT)])
+        """A rank listed a genuine abort (a list written from outside the run is no abort)."""
+        return store.check([keys.listed(keys.ABORT)]) and bool(listed(store, keys.ABORT))
 
-    def arrive(self, store, prefix: str, what: str) -> None:
-        """Post ``prefix/<rank>`` and wait until every rank has (or raise Stop). Rank 0
+    def arrive(self, store, prefix: str, what: str, mine: str = "1") -> None:
+        """Post ``prefix/<rank>`` (``mine``) and wait until every rank has (or raise Stop). Rank 0
         waits for all of them in one call and then raises ``prefix/all``, which every other
         rank waits for: two store calls per rank, whatever the world size."""
-        store.set(keys.of(prefix, self.env.rank), "1")
+        store.set(keys.of(prefix, self.env.rank), mine)
         if self.env.rank == 0:
             self.await_all(store, prefix, what)
             store.set(keys.every(prefix), "1")
@@ -212,6 +214,26 @@ class Coordinator:
                                         "missing": "never connected to the store"}
                       for r in range(self.env.world_size)]
         return self.ranks
+
+    def agree_backend(self, store, requested: str, pick: str, picks: list) -> str:
+        """Every rank runs the backend all agree on; with ``auto``, a node without usable CUDA
+        among GPU nodes is named, not left to hang in NCCL's rendezvous. Rank 0 counts the NCCL
+        picks in the signed connect records and posts the count (a store counter is unsigned)."""
+        if self.env.rank == 0:
+            signing.forget_local_secret()  # every rank read it before it connected
+            store.set(keys.BACKEND, str(cuda_ranks := sum(p == b"nccl" for p in picks)))
+        else:
+            cuda_ranks = int(store.get(keys.BACKEND))
+        world = self.env.world_size
+        backend, problem = runtime.agree_backend(requested, pick, cuda_ranks, world)
+        if problem is None:
+            return backend
+        if pick != backend:  # this rank is the odd one out
+            self.abort(store, keys.ERROR, {"type": "BackendMismatch", "message": problem,
+                                           "reason": problem.format(host=runtime.hostname())})
+        else:
+            self.abort(store, keys.STOPPED, {"why": "another rank cannot use the agreed backend"})
+        raise Stop
 
     def host(self, rank: int) -> str | None:
         return self.ranks[rank].get("host") if 0 <= rank < len(self.ranks) else None

@@ -5,6 +5,10 @@ after an abort, the report's writer reads it as evidence. Here: how many calls a
 on it (a budget that stretches the periods of large worlds), how groups of per-rank keys are
 searched (halving, and lists a rank appends itself to), and what the heartbeats say about who
 is alive. Evidence gathering never raises: the store may be going away.
+
+The store is a :class:`ddp_smoke.coordination.signing.SignedStore`: evidence is read with
+``peek``, which drops a record that fails its check (it reads as absent and is reported); a key
+that merely exists proves nothing until its record is read.
 """
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ STORE_OPS_PER_S = 20000  # ... within a budget on the one store: pauses grow wit
 
 
 def try_get(store, key: str) -> bytes | None:
+    """The genuine record at ``key``, or None (absent, failed its check, or no store)."""
     try:
-        return store.get(key) if store.check([key]) else None
+        return store.peek([key])[0] if store.check([key]) else None
     except Exception:  # noqa: BLE001 — evidence gathering never raises
         return None
 
@@ -40,12 +45,16 @@ class Silence:
         self.after_s, self.last, self.moved = after_s, {}, {}
         self._lock = threading.Lock()
 
-    def update(self, beats: dict) -> list[int]:
-        """Record one look (rank -> counter); return the silent ranks among them."""
+    def update(self, beats: dict, tampered=()) -> list[int]:
+        """Record one look (rank -> counter); return the silent ranks among them. A rank in
+        ``tampered`` (its heartbeat record was written from outside the run) counts as moving:
+        a forger must not make a live rank look dead."""
         now = time.monotonic()
         with self._lock:
             for r, n in beats.items():
-                if r not in self.last:
+                if r in tampered:
+                    self.last[r] = self.moved[r] = (n, now)
+                elif r not in self.last:
                     self.last[r] = (n, now)
                 elif self.last[r][0] != n:
                     self.last[r] = self.moved[r] = (n, now)
@@ -97,25 +106,34 @@ def existing(store, keys: list[str]) -> list[str]:
     return existing(store, keys[:half]) + existing(store, keys[half:])
 
 
-def ranks_with(store, prefix: str, ranks) -> set[int]:
-    """Ranks r in ``ranks`` for which ``prefix/r`` exists."""
+def _genuine(store, prefix: str, ranks, forged: set | None = None) -> dict[int, bytes]:
+    """The genuine record at ``prefix/r`` of each rank r in ``ranks`` that has one: the keys
+    that exist, then their records in one read. Ranks whose record failed its check are
+    added to ``forged``."""
     keys = existing(store, [f"{prefix}/{r}" for r in ranks])
-    return {int(k.rsplit("/", 1)[1]) for k in keys}
+    got = store.peek(keys) if keys else []
+    if forged is not None:
+        forged.update(int(k.rsplit("/", 1)[1]) for k, g in zip(keys, got) if g is None)
+    return {int(k.rsplit("/", 1)[1]): g for k, g in zip(keys, got) if g is not None}
 
 
-def reads(store, prefix: str, ranks) -> dict[int, dict]:
+def ranks_with(store, prefix: str, ranks) -> set[int]:
+    """Ranks r in ``ranks`` that posted ``prefix/r`` (a genuine record, not just the key)."""
+    return set(_genuine(store, prefix, ranks))
+
+
+def reads(store, prefix: str, ranks, forged: set | None = None) -> dict[int, dict]:
     """The JSON posted at ``prefix/r`` by each rank in ``ranks`` that posted one, in one
-    read (evidence gathering never raises)."""
+    read (evidence gathering never raises); ranks whose record failed, into ``forged``."""
     try:
-        have = sorted(ranks_with(store, prefix, ranks))
-        got = store.multi_get([f"{prefix}/{r}" for r in have]) if have else []
-        return {r: json.loads(g) for r, g in zip(have, got)}
+        return {r: json.loads(g)
+                for r, g in sorted(_genuine(store, prefix, ranks, forged).items())}
     except Exception:  # noqa: BLE001
         return {}
 
 
-def read_beats(store, ranks) -> dict[int, dict]:
-    return reads(store, "beat", ranks)
+def read_beats(store, ranks, forged: set | None = None) -> dict[int, dict]:
+    return reads(store, "beat", ranks, forged)
 
 
 def dead_ranks(store, ranks, exclude, silence: Silence) -> tuple[list[int], dict[int, dict]]:
@@ -125,8 +143,9 @@ def dead_ranks(store, ranks, exclude, silence: Silence) -> tuple[list[int], dict
     for all ranks), after DEAD_AFTER_S when a rank is dead and nobody was."""
     end, latest = time.monotonic() + DEAD_AFTER_S + BEAT_S, {}
     while True:
-        latest.update(read_beats(store, ranks))
-        silent = silence.update({r: (latest.get(r) or {}).get("n") for r in ranks})
+        forged: set[int] = set()
+        latest.update(read_beats(store, ranks, forged))
+        silent = silence.update({r: (latest.get(r) or {}).get("n") for r in ranks}, forged)
         if not silence.undecided(ranks) or time.monotonic() > end:
             break
         time.sleep(BEAT_S)
@@ -141,17 +160,22 @@ def posted(store, prefix: str, wait_for=(), timeout_s: float = 0.0) -> dict[int,
     try:
         end, pause = time.monotonic() + timeout_s, 0.01
         while True:
-            listed = (store.get(f"{prefix}/listed").decode()
-                      if store.check([f"{prefix}/listed"]) else "")
-            ranks = sorted({int(r) for r in listed.split(",") if r})
+            ranks = listed(store, prefix)
             if set(wait_for) <= set(ranks) or time.monotonic() > end:
                 break
             time.sleep(pause)
             pause = min(2 * pause, 0.2)
-        got = store.multi_get([f"{prefix}/{r}" for r in ranks]) if ranks else []
-        return {r: json.loads(g) for r, g in zip(ranks, got)}
+        got = store.peek([f"{prefix}/{r}" for r in ranks]) if ranks else []
+        return {r: json.loads(g) for r, g in zip(ranks, got) if g is not None}
     except Exception:  # noqa: BLE001
         return {}
+
+
+def listed(store, prefix: str) -> list[int]:
+    """The ranks that listed themselves under ``prefix/listed`` (signed items only)."""
+    key = f"{prefix}/listed"
+    text = store.get(key).decode() if store.check([key]) else ""
+    return sorted({int(r) for r in text.split(",") if r.strip().isdigit()})
 
 
 def next_waiting(store, rank: int, world: int) -> int:

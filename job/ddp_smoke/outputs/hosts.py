@@ -275,6 +275,19 @@ def _finish(proc, deadline: float) -> str | None:
     return (output.strip().splitlines() or [f"scontrol exit {proc.returncode}"])[-1]
 
 
+def _untrusted(security: dict) -> str | None:
+    """Why ``--act`` must not act on this run's verdict, if it must not: the store held
+    records the run did not write, or its records were not signed."""
+    if security.get("findings"):
+        return (f"--act slurm-drain: nothing drained: the store held "
+                f"{len(security['findings'])} record(s) not written by this run (see the "
+                "report's security section); drain by hand after a look")
+    if security and not security.get("signed"):
+        return ("--act slurm-drain: nothing drained: this run's records were not signed "
+                "(no DDP_SMOKE_SECRET from the launcher)")
+    return None
+
+
 def finish(report, report_dir: str, run_id: str) -> None:
     """Rank 0, after the report is written: host lists, next steps, ``--act``. Never raises:
     the verdict is already on disk and must reach every rank."""
@@ -284,8 +297,12 @@ def finish(report, report_dir: str, run_id: str) -> None:
             write_atomic(os.path.join(report_dir, name), text)
         config = get_field(report, "config") or {}
         act = config.get("act")
-        lines = render(hosts, run_id, report_dir, act, injected=config.get("fault"))
-        if act == "slurm-drain":
+        refused = _untrusted(get_field(report, "security") or {}) if act else None
+        lines = render(hosts, run_id, report_dir, None if refused else act,
+                       injected=config.get("fault"))
+        if refused:
+            lines.append(f"# {refused}")
+        elif act == "slurm-drain":
             lines += [f"# {m}" for m in drain(hosts, run_id)]
         if lines:
             print("\n".join(lines), flush=True)

@@ -127,7 +127,7 @@ def _backend(store, cfg: dict, world: int) -> str:
     asked = cfg.get("backend") or "auto"
     if asked != "auto":
         return asked
-    nccl = try_get(store, keys.BACKEND_NCCL)
+    nccl = try_get(store, keys.BACKEND)  # rank 0's count of the ranks that can run NCCL
     return "nccl" if nccl is not None and int(nccl) == world else "gloo"
 
 

@@ -38,6 +38,7 @@ def render(report: Report, path: str) -> str:
             lines.append(f"  {'':<16} victims (stopped by the culprit, not at fault): ranks "
                          f"{', '.join(str(v['rank']) for v in victims[:16])}"
                          f"{' …' if len(victims) > 16 else ''}")
+    lines.extend(security_lines(report.security))
     if cfg.get("fault"):
         lines.append(f"# injected on purpose (--fault {cfg['fault']}): the failures it causes "
                      "test the alerting path, not this cluster")
@@ -47,6 +48,19 @@ def render(report: Report, path: str) -> str:
     lines.append(f"verdict: {report.verdict.upper()} — {passed}/{len(report.checks)} checks "
                  f"passed in {report.timings.get('total_s', 0):.2f} s{tail} · report {path}")
     return "\n".join(lines)
+
+
+def security_lines(security: dict) -> list[str]:
+    """What the store's signature checks found: records written from outside the run (never
+    evidence), or a run whose records were not signed."""
+    out = [f"# SECURITY: a record for rank {f.get('rank')} under {f.get('key')} was not "
+           f"written by this run ({f.get('why')}; seen by rank {f.get('seen_by')}); it was "
+           "ignored" for f in security.get("findings", [])[:20]]
+    if security and not security.get("signed"):
+        out.append("# SECURITY: this run's store records were not signed (several nodes and no "
+                   "DDP_SMOKE_SECRET from the launcher): anyone who reaches the store could have "
+                   "written them")
+    return out
 
 
 def print_report(report: Report, path: str) -> None:
