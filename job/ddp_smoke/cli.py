@@ -12,10 +12,18 @@ Usage, per launcher:
   Kubernetes kubectl apply -f k8s
   Python    ddp_smoke.submit.submit(...) / ddp-smoke-submit (submitit)
 
+Reading runs (no torch, no launcher; the first word picks the command):
+  ddp-smoke render REPORT.json [-o OUT.html]   rebuild report.html from any report.json
+  ddp-smoke history ROOT [--margin F] [--window N] [--min-runs N]
+            every run under ROOT: per host and GPU each figure across runs, its trend, and
+            the ones degrading (more than history.margin below their own median)
+
 Checks (in default order):
 {checks}
 
-Report: rank 0 writes REPORT_DIR/report.json (atomically) and REPORT_DIR/junit.xml. Keys:
+Report: rank 0 writes REPORT_DIR/report.json (atomically), REPORT_DIR/junit.xml and
+  REPORT_DIR/report.html (one self-contained page: verdict, culprits, next commands, hosts,
+  charts, timeline; with each host's history when ROOT holds earlier runs). Keys:
   verdict "pass"|"fail", world_size, nodes, backend, ranks [{{rank, local_rank, host, …}}],
   checks [{{name, status "pass"|"fail"|"skip", culprits [{{rank, host, reason}}], figures, …}}],
   timings {{connect_store_s, rendezvous_s, checks_s, total_s}}, error, run_id,
@@ -131,8 +139,17 @@ def parse_config(argv: list[str] | None = None) -> dict:
     return resolve(file_values, flags, source=args.config or "config")
 
 
+COMMANDS = {"render": "ddp_smoke.outputs.page", "history": "ddp_smoke.outputs.history"}
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m ddp_smoke``; exits 0 (pass), 1 (fail) or 2 (bad input)."""
+    """Entry point of ``python -m ddp_smoke`` and ``ddp-smoke``: the worker (flags only), or a
+    command named by the first word (``render``, ``history``); exits 0 (pass), 1 (fail) or 2
+    (bad input)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        import importlib
+        sys.exit(importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]))
     try:
         cfg = parse_config(argv)  # before importing torch: bad input fails fast
         LaunchEnv.from_environ()  # the launcher's variables too (the harness reads them again)

@@ -50,6 +50,7 @@ from . import (__version__, blame, checks, comm, forensics, metrics, plot, repea
                summary, triage)
 from .config import ConfigError, report_dir as default_report_dir
 from .faults import Injector, parse_faults
+from .outputs import page
 from .report import (FAIL, SKIP, CheckResult, Culprit, Report, ReportWriteError,
                      check_from_dict, clear_stale, write_report)
 from .storekeys import (BEAT_S, DEAD_AFTER_S, POLL_MAX_S, STORE_OPS_PER_S, Silence, beat_of,
@@ -269,6 +270,7 @@ class _Coordinator:
         try:
             path = write_report(report, self.report_dir)
             plot.write_busbw_png(report, self.report_dir)  # only with matplotlib installed
+            page.write(report, self.report_dir)  # report.html; never raises
         except (ReportWriteError, OSError) as e:  # full, over quota, read-only, stale NFS
             path, self.report_lost = f"(not written: {e})", True
             print(f"ddp-smoke: error: {e}; the report follows as one JSON line",

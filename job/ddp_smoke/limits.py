@@ -157,6 +157,10 @@ RULES: dict[str, Any] = {
     "compute.blocks": Int(1, 1000),
     "compute.block_s": Real(0.0, 600.0, lo_open=True),
     "compute.hbm": Any_(),
+    "history.margin": MARGIN,
+    "history.margin_cpu": MARGIN,
+    "history.window": Int(1, 10000),
+    "history.min_runs": Int(1, 10000),
 }
 
 # (key, other key): key must be >= the other.

@@ -224,7 +224,7 @@ def _unlink(path: str) -> None:
         pass
 
 
-REPORT_FILES = ("report.json", "junit.xml", "busbw.png")
+REPORT_FILES = ("report.json", "junit.xml", "busbw.png", "report.html")
 
 
 def clear_stale(report_dir: str) -> list[str]:
