@@ -65,7 +65,7 @@ wheelhouse:  ## wheels for an offline `make image WHEELHOUSE=wheelhouse` (PY_VER
 	  --platform manylinux_2_28_x86_64 -d wheelhouse numpy pyyaml submitit setuptools
 
 image-test: $(VENV)/.test  ## build and run the image on a private Docker engine (root)
-	$(PY) -m pytest tests/test_docker.py $(PYTEST_ARGS)
+	$(PY) -m pytest tests/launchers/test_docker.py $(PYTEST_ARGS)
 
 bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs the tutorial, busbw vs a loop, phases, pair planner
 	@echo "# bench on $$(nproc) CPUs; load average now: $$(cut -d' ' -f1-3 /proc/loadavg)"

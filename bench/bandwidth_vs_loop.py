@@ -25,10 +25,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddp_smoke import config, runtime
+from ddp_smoke import config
+from ddp_smoke.coordination import runtime
 from ddp_smoke.checks import bandwidth
-from ddp_smoke.faults import Injector
-from ddp_smoke.harness import Context, Evidence
+from ddp_smoke.config.faults import Injector
+from ddp_smoke.checks.api import Context, Evidence
 
 # Written out again on purpose (not imported from ddp_smoke.perf): an independent reference.
 _FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n}

@@ -1,9 +1,9 @@
 """Benchmark: the harness's store coordination with N simulated ranks on one TCPStore.
 
-Not a test: it prints numbers. Each simulated rank is a real ``harness._Coordinator`` with
+Not a test: it prints numbers. Each simulated rank is a real ``coordination.protocol.Coordinator`` with
 its own three store connections (main, watchdog, heartbeat, each a ``PrefixStore`` over a
-TCPStore client, as ``harness._store`` makes them) and its own main thread; its heartbeat
-(``harness._beat_once``) and watchdog (``harness._Watchdog.step``) run at the kit's periods,
+TCPStore client, as the harness makes them) and its own main thread; its heartbeat
+(``liveness.beat_once``) and watchdog (``liveness.Watchdog.step``) run at the kit's periods,
 driven for all ranks of a worker by one thread each (12,288 threads on 2 cores would measure
 the scheduler, not the protocol). No process group, no collective: only the store protocol.
 The store is one libuv TCPStore hosted by this process; the ranks live in ``--procs`` worker
@@ -19,11 +19,11 @@ Per world size N it measures, in one simulated run:
 * an abort: at one more check the last rank dies (its heartbeat stops) and the middle one
   stalls (alive, never posts); ranks far from 0, so that no search that stops early hides.
   Rank 0's main thread waits in ``gather`` while its watchdog notices the silent heartbeat
-  and aborts ("detect"); then ``_Coordinator._judge_abort`` names the culprits ("judge"),
+  and aborts ("detect"); then ``judge.judge_abort`` names the culprits ("judge"),
   while every other rank goes through the real ``_exit_aborted`` and waits for the report,
   as its watchdog does once it sees the abort (here the rank's main thread stands in for its
   watchdog; its own parked store wait costs the store nothing while it waits). Process exit
-  (``_leave``) and the stack files (``forensics.dump``) are replaced in the workers, nothing
+  (``ending.leave``) and the stack files (``forensics.dump``) are replaced in the workers, nothing
   else.
 
     .venv/bin/python bench/coordination_scale.py            # --quick: N = 64 … 4096, ~1 min
@@ -32,7 +32,7 @@ Per world size N it measures, in one simulated run:
 Columns: store calls per check (all ranks), per rank, per rank less the waits that timed out
 (each followed by a look at the abort list: none, unless a watchdog failed to act), rank
 0's median seconds per check, heartbeat + watchdog calls per second, seconds from the
-death to the abort, seconds and store calls of ``_judge_abort`` (the culprits named), how many
+death to the abort, seconds and store calls of ``judge_abort`` (the culprits named), how many
 live ranks' forensics the report lists and how long the writer waited for them after judging
 (at most ``FORENSICS_WAIT_S``), the culprits.
 
@@ -91,7 +91,8 @@ class _Left(BaseException):
 def worker(args) -> None:
     import torch.distributed as dist  # once per process, not per rank
 
-    from ddp_smoke import forensics, harness, runtime
+    from ddp_smoke.config.launchenv import LaunchEnv
+    from ddp_smoke.coordination import ending, forensics, liveness, protocol
 
     # first, a low fd: the watchdogs select() on it, and select() takes fds below 1024 only
     pipe_r, _pipe_w = os.pipe()  # never written: the watchdogs' select just times out
@@ -100,7 +101,7 @@ def worker(args) -> None:
 
     def leave(message, code):
         raise _Left(code)
-    harness._leave = leave
+    ending.leave = leave
     forensics.dump = lambda report_dir, rank: {"where": "bench: simulated rank"}
     hook = threading.excepthook
     threading.excepthook = lambda a: None if issubclass(a.exc_type, _Left) else hook(a)
@@ -119,18 +120,19 @@ def worker(args) -> None:
     ranks = range(args.lo, args.hi)
     coords = {}
     for r in ranks:
-        env = runtime.LaunchEnv(rank=r, world_size=world, local_rank=r, local_world_size=world,
+        env = LaunchEnv(rank=r, world_size=world, local_rank=r, local_world_size=world,
                                 group_rank=0, master_addr="127.0.0.1", master_port=args.port,
                                 agent_store=True, launcher="bench", run_id="bench")
-        coords[r] = harness._Coordinator(env, cfg, connect(r), "bench", time.monotonic())
+        coords[r] = protocol.Coordinator(env, cfg, connect(r), lambda *a: "fail", "bench",
+                                        time.monotonic())
         coords[r].report_dir = "/nonexistent"
     out = {r: {} for r in ranks}
     seen = {r: threading.Event() for r in ranks}  # set when the rank's watchdog saw the abort
     if 0 in coords:
-        coords[0].finalized = True  # the bench judges on rank 0 itself, below; no report file
+        coords[0].claim_finish()  # the bench judges on rank 0 itself, below; no report file
     drivers = [threading.Thread(target=_drive_beats, args=(coords,), daemon=True),
                threading.Thread(target=_drive_watchdogs,
-                                args=({r: harness._Watchdog(c, pipe_r) for r, c in coords.items()},
+                                args=({r: liveness.Watchdog(c, pipe_r) for r, c in coords.items()},
                                       seen), daemon=True)]
     for t in drivers:
         t.start()
@@ -161,9 +163,9 @@ def _progress(out: dict, lo: int) -> None:
 
 
 def _drive_beats(coords: dict) -> None:
-    """Every rank's heartbeat, one ``harness._beat_once`` per rank per period, from one
+    """Every rank's heartbeat, one ``liveness.beat_once`` per rank per period, from one
     thread: a thread per rank and per role would measure this machine's scheduler."""
-    from ddp_smoke import harness, storekeys
+    from ddp_smoke.coordination import liveness, store as storekeys
     n = dict.fromkeys(coords, 0)
     period = storekeys.look_period(next(iter(coords.values())).env.world_size, 2)
     while True:
@@ -171,14 +173,14 @@ def _drive_beats(coords: dict) -> None:
         for r, c in coords.items():
             if not c.stop.is_set():
                 n[r] += 1
-                harness._beat_once(c, c.beat_store, n[r])
+                liveness.beat_once(c, c.beat_store, n[r])
         time.sleep(max(0.0, period - (time.monotonic() - t)))
 
 
 def _drive_watchdogs(dogs: dict, seen: dict) -> None:
-    """Every rank's watchdog, one ``_Watchdog.step`` per rank per period, from one thread.
+    """Every rank's watchdog, one ``Watchdog.step`` per rank per period, from one thread.
     A rank whose watchdog saw the abort is told (``seen``) and looked at no more."""
-    from ddp_smoke import storekeys
+    from ddp_smoke.coordination import store as storekeys
     period = storekeys.look_period(next(iter(dogs.values())).coord.env.world_size, 2)
     while True:
         t = time.monotonic()
@@ -190,7 +192,7 @@ def _drive_watchdogs(dogs: dict, seen: dict) -> None:
 
 
 def _rank_main(c, out, args, names, seen) -> None:
-    from ddp_smoke import harness, storekeys
+    from ddp_smoke.coordination import ending, protocol, store as storekeys
     r, store = c.env.rank, c.store
     side = lambda: c.beat_store.total() + c.wd_store.total()  # noqa: E731
     out["marks"] = marks = [time.monotonic()]
@@ -224,7 +226,7 @@ def _rank_main(c, out, args, names, seen) -> None:
         _abort_scenario(c, out, args, names[-1], seen)
     except _Left:
         pass
-    except harness._Stop:
+    except protocol.Stop:
         if r == 0:  # an abort before the staged one: say whose, and let everyone leave
             got = storekeys.posted(store, "abort")
             out["error"] = "aborted before the staged fault: " + "; ".join(
@@ -233,7 +235,7 @@ def _rank_main(c, out, args, names, seen) -> None:
             store.set("final", "fail")
             return
         try:
-            harness._exit_aborted(c, store)
+            ending.exit_aborted(c, store)
         except _Left:
             pass
     finally:
@@ -245,7 +247,7 @@ def _rank_main(c, out, args, names, seen) -> None:
 def _abort_scenario(c, out, args, name, seen) -> None:
     """The last rank dies after arriving, the middle one stalls; the others finish and wait
     for the next check."""
-    from ddp_smoke import harness, storekeys
+    from ddp_smoke.coordination import ending, judge, store as storekeys
     r, store = c.env.rank, c.store
     c.enter(name, args.timeout)
     c.arrive(store, f"arrive/{c.key(name)}", f"every rank to arrive at {name}")
@@ -259,7 +261,7 @@ def _abort_scenario(c, out, args, name, seen) -> None:
         c.post_observation(store, name, {"ok": True, "data": {}, "duration_s": 0.0})
     if r != 0:  # the rank's watchdog takes over once it sees the abort
         if seen.wait(args.timeout):
-            harness._exit_aborted(c, c.wd_store)
+            ending.exit_aborted(c, c.wd_store)
         return
     gathered = threading.Event()
     threading.Thread(target=lambda: (c.gather(store, name), gathered.set()),
@@ -271,11 +273,11 @@ def _abort_scenario(c, out, args, name, seen) -> None:
     wd, n = c.wd_store, c.wd_store.total()  # the watchdog judges, on its own connection
     t = time.monotonic()
     c.leave_forensics(wd)  # as _exit_aborted does, before it judges
-    live = c._judge_abort(wd)
+    live = judge.judge_abort(c, wd)
     out["judge_s"] = time.monotonic() - t
     out["judge_ops"] = wd.total() - n
     t = time.monotonic()  # then, as finalize does: the live ranks' forensics for the report
-    listed = storekeys.posted(wd, "forensics", live, harness.FORENSICS_WAIT_S)
+    listed = storekeys.posted(wd, "forensics", live, judge.FORENSICS_WAIT_S)
     out["forensics"] = [len(set(listed) & live), len(live), time.monotonic() - t]
     res = c.judged[-1][1]
     out["culprits"] = [x.rank for x in res.culprits]

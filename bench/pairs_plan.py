@@ -19,7 +19,7 @@ import argparse
 import random
 import time
 
-from ddp_smoke import perf
+from ddp_smoke.checks import perf
 from ddp_smoke.checks._pairs import margin
 
 GOOD_GBPS, SLOW_GBPS = 10.0, 3.0

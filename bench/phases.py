@@ -73,9 +73,10 @@ def traced(kind: str, argv: list[str]) -> None:
         _dump()
         return
     from ddp_smoke import cli, harness
+    from ddp_smoke.coordination import ending, liveness
     _wrap(harness, "run", "harness_run")
-    _wrap(harness._Coordinator, "finalize", "finalize")
-    _wrap(harness, "_shut_down", "shutdown")
+    _wrap(ending, "finalize", "finalize")
+    _wrap(liveness, "shut_down", "shutdown")
     exit_now = os._exit
 
     def leave(code):

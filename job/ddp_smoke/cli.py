@@ -37,7 +37,7 @@ Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by
   submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,
   SLURM_* (SLURMD_NODENAME names the node to drain), NODE_NAME in a pod (spec.nodeName, for
   kubectl), DDP_SMOKE_RUN_ID (the run id, when the launcher knows one unique per run; see
-  ddp_smoke/launchenv.py); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
+  ddp_smoke/config/launchenv.py); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
 
 Repeat mode: --repeat N or --duration S runs the checks again and again; each check's result
   then holds every iteration's figures, failures per rank, busbw p50/p99 per size, and says
@@ -59,8 +59,10 @@ import os
 import sys
 
 from . import __version__, checks
-from .config import ConfigError, load_file, resolve
-from .launchenv import LaunchEnv
+from .config import load_file, resolve
+from .config.launchenv import LaunchEnv
+from .errors import ConfigError
+from .outputs import history, page
 
 
 def _manual() -> str:
@@ -114,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
                         "check; default: the profile's, else any one network on every node)")
     p.add_argument("--fault", metavar="RANK:KIND@CHECK",
                    help="inject a fault (crash|raise|hang|slow|corrupt) to test alerting; "
-                        "see ddp_smoke/faults.py")
+                        "see ddp_smoke/config/faults.py")
     p.add_argument("--repeat", metavar="N", type=int,
                    help="run the checks N times in one process group; a fault seen in some "
                         "iterations only is flagged intermittent (default 1)")
@@ -139,7 +141,37 @@ def parse_config(argv: list[str] | None = None) -> dict:
     return resolve(file_values, flags, source=args.config or "config")
 
 
-COMMANDS = {"render": "ddp_smoke.outputs.page", "history": "ddp_smoke.outputs.history"}
+def _render(argv: list[str]) -> str:
+    p = Parser(prog="ddp-smoke render",
+               description="Rebuild report.html from a report.json (any version, partial too); "
+                           "with each host's history when its folder's parent holds other runs.")
+    p.add_argument("report", metavar="REPORT.json")
+    p.add_argument("-o", "--output", metavar="OUT.html",
+                   help="where to write the page (default: report.html beside the report)")
+    args = p.parse_args(argv)
+    return page.render_file(args.report, args.output)
+
+
+def _history(argv: list[str]) -> str:
+    d = history.defaults()
+    p = Parser(prog="ddp-smoke history",
+               description="Every report.json under ROOT (one folder per run): per host and per "
+                           "GPU, each figure across runs, its trend, and those degrading. Keeps "
+                           f"an SQLite index, ROOT/{history.INDEX_NAME}, rebuilt when stale.")
+    p.add_argument("root", metavar="ROOT", help="the folder of runs (e.g. reports/)")
+    p.add_argument("--margin", type=float, metavar="F",
+                   help=f"fraction below its median that marks a figure degrading (default: "
+                        f"each run's history.margin: {d['margin']} on GPU, {d['margin_cpu']} "
+                        "on CPU)")
+    p.add_argument("--window", type=int, metavar="N",
+                   help=f"earlier runs the median is over (default {d['window']})")
+    p.add_argument("--min-runs", type=int, metavar="N",
+                   help=f"earlier runs needed to judge (default {d['min_runs']})")
+    args = p.parse_args(argv)
+    return history.run(args.root, args.margin, args.window, args.min_runs)
+
+
+COMMANDS = {"render": _render, "history": _history}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,9 +179,13 @@ def main(argv: list[str] | None = None) -> None:
     command named by the first word (``render``, ``history``); exits 0 (pass), 1 (fail) or 2
     (bad input)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in COMMANDS:
-        import importlib
-        sys.exit(importlib.import_module(COMMANDS[argv[0]]).main(argv[1:]))
+    if argv and argv[0] in COMMANDS:  # no torch, no launcher: reading runs anywhere
+        try:
+            print(COMMANDS[argv[0]](argv[1:]), flush=True)
+        except ConfigError as e:
+            print(f"ddp-smoke: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(0)
     try:
         cfg = parse_config(argv)  # before importing torch: bad input fails fast
         LaunchEnv.from_environ()  # the launcher's variables too (the harness reads them again)

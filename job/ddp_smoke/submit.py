@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
+from .cli import Parser, parse_config
+from .errors import ConfigError
 
 CLUSTERS = ("slurm", "local")
 IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image from docker/
@@ -192,8 +193,7 @@ def _task(worker_args: list[str], gpus: bool) -> Any:
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=gpus)
     os.environ["DDP_SMOKE_RUN_ID"] = run_id_of(submitit.JobEnvironment().job_id,
                                                os.environ.get("SLURM_RESTART_COUNT", "0"))
-    from . import harness
-    from .cli import parse_config
+    from . import harness  # late: torch only in the task, not on the submitting side
 
     code = harness.run(parse_config(worker_args))
     return code
@@ -338,8 +338,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
-    from .cli import Parser, parse_config
-
     ap = Parser(prog="ddp-smoke-submit", description=__doc__)
     ap.add_argument("--cluster", choices=CLUSTERS, default="local")
     ap.add_argument("--nodes", type=int, default=1)

@@ -5,29 +5,22 @@ proves, the culprit it can name, when it skips) and which defines two functions:
 
 ``run(ctx) -> dict``
     Runs on every rank, collectives included, and returns this rank's observation as
-    JSON-able data. ``ctx`` is a :class:`ddp_smoke.harness.Context` (rank, world size, device,
+    JSON-able data. ``ctx`` is a :class:`ddp_smoke.checks.api.Context` (rank, world size, device,
     config section, fault injector …). Exceptions are the harness's business: it records them,
     names the rank and stops the run.
 ``judge(ev) -> CheckResult``
-    Runs on rank 0 only, with every rank's observation (:class:`ddp_smoke.harness.Evidence`),
+    Runs on rank 0 only, with every rank's observation (:class:`ddp_smoke.checks.api.Evidence`),
     and decides status, summary, figures and culprits. Pure: no collectives, no I/O.
 
-A check's options live in ``defaults.yaml`` under a section named after it, so their types are
-validated like every other key; an optional ``validate(section)`` raises ConfigError for bad
-values, which the harness calls on every rank before connecting (exit 2, one line).
+A check's options live in ``config/defaults.yaml`` under a section named after it, so their
+types and ranges are validated like every other key (``config/rules.py``) before any rank
+connects. The check names, in default order, are ``config.rules.CHECKS``.
 """
 import importlib
 
-REGISTRY = {
-    "environment": "ddp_smoke.checks.environment",
-    "ddp_step": "ddp_smoke.checks.ddp_step",
-    "sampler_epochs": "ddp_smoke.checks.sampler_epochs",
-    "collectives": "ddp_smoke.checks.collectives",
-    "storage": "ddp_smoke.checks.storage",
-    "bandwidth": "ddp_smoke.checks.bandwidth",
-    "transport": "ddp_smoke.checks.transport",
-    "compute": "ddp_smoke.checks.compute",
-}
+from ..config.rules import CHECKS
+
+REGISTRY = {name: f"{__name__}.{name}" for name in CHECKS}
 
 
 def load(name: str):

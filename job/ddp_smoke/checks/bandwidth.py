@@ -7,12 +7,12 @@ and counts wrong elements (which also warms the size up), then ``warmup_iters`` 
 then timed ones, each after a barrier (synchronised per iteration like all_reduce_bench); CUDA
 events time a GPU. Timed iterations: as many as fit ``time_per_size_s`` at the slowest rank's
 untimed run (its slowest warm-up, else the checked run), within ``min_iters`` … ``iters``; fixed
-before the first timed call, and agreed across ranks. ``level`` (``ddp_smoke.levels``) sets
+before the first timed call, and agreed across ranks. ``level`` (``ddp_smoke.config.levels``) sets
 these.
 Per size, as nccl-tests (its JSON name in brackets): size_bytes [size], count, type,
 time_us [time] = mean over ranks of each rank's mean (+ time_us_min/max across ranks),
 algbw_gbps [alg_bw] = S / time, busbw_gbps [bus_bw] = algbw × factor, nwrong; GB = 1e9 B.
-Definitions: ``ddp_smoke.perf``. A profile (``--profile``) may set busbw floors; the sweep then
+Definitions: ``ddp_smoke.checks.perf``. A profile (``--profile``) may set busbw floors; the sweep then
 reaches their sizes, and a run below a floor fails, saying by how much.
 
 Pairs (multi-node): the first rank of each node (its leader) exchanges ``pair_bytes_*`` with
@@ -33,11 +33,11 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .. import comm, perf, profiles
-from ..config import ConfigError
-from ..report import FAIL, PASS, CheckResult
-from ..timing import Clock
-from . import _pairs
+from ..config import profiles
+from ..coordination import progress as comm
+from ..model import FAIL, PASS, CheckResult
+from . import _pairs, perf
+from ._timing import Clock
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SWEPT = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -59,18 +59,6 @@ def run(ctx) -> dict:
             "sweep_s": sweep_s, "pairs_s": time.monotonic() - t}
 
 
-def validate(cfg: dict) -> None:
-    """Reject bad options before any rank connects (exit 2, one line)."""
-    bad = [c for c in cfg["collectives"] if c not in SWEPT]
-    if bad or not cfg["collectives"]:
-        raise ConfigError(f"key 'bandwidth.collectives' = {cfg['collectives']!r}: expected "
-                          f"one or more of {', '.join(SWEPT)}")
-    if cfg["dtype"] not in DTYPES:
-        raise ConfigError(f"key 'bandwidth.dtype' = {cfg['dtype']!r}: expected one of "
-                          f"{', '.join(DTYPES)}")
-    if cfg["step_factor"] < 2 or cfg["min_bytes"] < 1 or cfg["min_iters"] < 1:
-        raise ConfigError("keys 'bandwidth.step_factor' >= 2, 'bandwidth.min_bytes' >= 1 and "
-                          "'bandwidth.min_iters' >= 1 expected")
 
 
 def _sizes(ctx, cfg: dict, profile: dict, nodes: int) -> list[int]:

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..config import ConfigError
-from ..report import FAIL, PASS, SKIP, CheckResult
+from ..coordination import progress as comm
+from ..model import FAIL, PASS, SKIP, CheckResult
 
 OPS = ("all_reduce_sum", "all_reduce_max", "all_gather", "reduce_scatter", "broadcast",
        "all_to_all", "send_recv")
@@ -221,16 +220,6 @@ def _dtypes(ctx, opts) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def validate(opts: dict) -> None:
-    """Reject bad options before any rank connects (exit 2, one line)."""
-    for key in ("dtypes", "cuda_dtypes"):
-        unknown = [d for d in opts[key] if d not in EXACT_UP_TO]
-        if unknown:
-            raise ConfigError(f"key 'collectives.{key}' = {unknown[0]!r}: expected one of "
-                              f"{', '.join(EXACT_UP_TO)}")
-    if not opts["sizes_bytes"] or min(opts["sizes_bytes"]) < 1:
-        raise ConfigError(f"key 'collectives.sizes_bytes' = {opts['sizes_bytes']!r}: expected "
-                          "one or more sizes >= 1")
 
 
 def run(ctx) -> dict:

@@ -22,10 +22,11 @@ import statistics
 
 import torch
 
-from .. import perf, profiles
-from ..config import ConfigError
-from ..report import FAIL, PASS, CheckResult
-from ..timing import Clock
+from ..config import profiles
+from ..errors import ConfigError
+from ..model import FAIL, PASS, CheckResult
+from . import perf
+from ._timing import Clock
 
 # name -> (dtype, float32 matmul precision): "high" lets fp32 products use TF32 tensor cores
 GPU_DTYPES = {"bf16": (torch.bfloat16, "high"), "fp16": (torch.float16, "high"),

@@ -20,8 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from .. import comm
-from ..report import FAIL, PASS, CheckResult
+from ..coordination import progress as comm
+from ..model import FAIL, PASS, CheckResult
 
 SEED, LR, BATCH = 17, 0.1, 2
 FEATURES = [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]

@@ -16,7 +16,7 @@ import re
 import torch
 
 from .. import redact
-from ..report import FAIL, PASS, CheckResult
+from ..model import FAIL, PASS, CheckResult
 
 _ENV_PREFIXES = ("MASTER_", "TORCHELASTIC_", "PET_", "SLURM_", "NCCL_", "GLOO_", "TORCH_",
                  "CUDA_", "OMP_", "LOCAL_", "GROUP_", "ROLE_", "SUBMITIT_", "NVIDIA_",

@@ -33,9 +33,8 @@ import time
 
 import torch
 
-from .. import comm
-from ..config import ConfigError
-from ..report import FAIL, PASS, CheckResult
+from ..coordination import ending, progress as comm
+from ..model import FAIL, PASS, CheckResult
 
 FORMAT = "ddp-smoke-storage/1"
 MARKER = ".ddp-smoke-run"  # in the run folder: the run id of the run that made it
@@ -144,6 +143,9 @@ def cleanup() -> None:
             os.rmdir(path) if path.endswith(os.sep) else os.unlink(path)
         except OSError:
             pass  # never written, already gone, or a folder still holding others' files
+
+
+ending.at_leave(cleanup)  # the abort path leaves with os._exit: no finally runs
 
 
 def _make_folder(folder: str, run_id: str) -> str | None:
@@ -292,11 +294,6 @@ def _load_checkpoint(folder: str, dfd: int | None, opts: dict) -> dict:
     return {"state": "corrupt" if bad else "ok", "detail": detail, "load_s": load_s}
 
 
-def validate(opts: dict) -> None:
-    """Reject bad options before any rank connects (exit 2, one line)."""
-    for key in ("file_bytes", "model_width"):
-        if opts[key] < 1:
-            raise ConfigError(f"key 'storage.{key}' = {opts[key]!r}: expected an integer >= 1")
 
 
 def run(ctx) -> dict:

@@ -6,7 +6,7 @@ sockets, and the run passes at a fraction of the fabric's bandwidth. With the nc
 worker turns NCCL's INFO log on for the INIT and NET subsystems into one file per process
 (``REPORT_DIR/nccl/<host>.<pid>.log``; each of ``NCCL_DEBUG``, ``NCCL_DEBUG_SUBSYS`` and
 ``NCCL_DEBUG_FILE`` only where the user has not set it), and every rank here parses its own
-(:mod:`ddp_smoke.nccl_log`): network, NICs, GPUDirect RDMA, why verbs were not used.
+(:mod:`ddp_smoke.checks._nccl_log`): network, NICs, GPUDirect RDMA, why verbs were not used.
 Figures: one record per rank. Pass criterion, on a multi-node run: every rank used the network
 named by ``--expect-transport`` (``ib``, ``socket`` or a plugin's name, e.g. ``libfabric``;
 config key ``expect_transport``, else the profile's ``expect_transport``), or, with no
@@ -22,10 +22,11 @@ import collections
 import os
 
 import torch
-import torch.distributed as dist
 
-from .. import nccl_log, profiles
-from ..report import FAIL, PASS, SKIP, CheckResult
+from ..config import profiles
+from ..coordination import progress as comm
+from ..model import FAIL, PASS, SKIP, CheckResult
+from . import _nccl_log as nccl_log
 
 
 def expectation(config: dict) -> str | None:
@@ -40,8 +41,7 @@ def run(ctx) -> dict:
         return {"skipped": f"backend {ctx.backend}: NCCL is not used"}
     # NCCL chooses its network when the first communicator is created; make sure it exists
     # even when this check runs alone.
-    dist.all_reduce(torch.ones(1, device=ctx.device))
-    torch.cuda.synchronize(ctx.device)
+    comm.all_reduce(torch.ones(1, device=ctx.device))  # settles the stream itself
     pattern = os.environ.get("NCCL_DEBUG_FILE", "")
     facts, files = nccl_log.read_own_log(pattern) if pattern else (nccl_log.parse([]), [])
     return {**facts, "log_files": files, "nccl_debug": os.environ.get("NCCL_DEBUG"),

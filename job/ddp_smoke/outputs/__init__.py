@@ -1,0 +1,67 @@
+"""Everything rank 0 leaves beside a run, written by one :func:`publish` in one order.
+
+``ARTIFACTS`` lists every file a run writes in its report folder; :func:`prepare` removes them
+all before the run starts, so nothing an earlier run left (a ``bad_hosts.txt`` an operator
+drains from) can be read as this run's when this run dies before writing its own.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from ..errors import ConfigError, ReportWriteError
+from ..model import FAIL, Report
+from . import hosts, metrics, page, plot, summary
+from .report import to_json_line, write_report
+
+ARTIFACTS = ("report.json", "junit.xml", plot.FILENAME, page.FILENAME, *hosts.LISTS.values())
+
+
+def prepare(report_dir: str) -> list[str]:
+    """Before a run: the folder must be writable, and every artifact of an earlier run goes.
+    Returns the paths removed.
+
+    Raises:
+        ConfigError: the folder cannot be written, or a stale file cannot be removed
+            (another user's, in a sticky folder; a read-only one): the run must not start.
+    """
+    try:
+        os.makedirs(report_dir, exist_ok=True)
+        probe = os.path.join(report_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"--report-dir {report_dir}: not writable ({e.strerror})") from None
+    gone = []
+    for name in ARTIFACTS:
+        path = os.path.join(report_dir, name)
+        try:
+            os.unlink(path)  # a symlink is removed, never followed
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise ConfigError(f"--report-dir {report_dir}: cannot remove {name} left by another "
+                              f"run ({e.strerror}); remove it or choose another folder") from None
+        gone.append(path)
+    return gone
+
+
+def publish(report: Report, report_dir: str, run_id: str) -> str:
+    """Write every output of a finished run, in this order: report.json and junit.xml, the
+    plot, the page (report.html), the human summary, the host lists and next steps (and ``--act``), the Prometheus
+    file. Returns the verdict the other ranks are told: ``fail`` when the report was lost
+    (it then goes to stderr as one JSON line). Never raises."""
+    lost = False
+    try:
+        path = write_report(report, report_dir)
+        plot.write_busbw_png(report, report_dir)  # only with matplotlib installed
+        page.write(report, report_dir)  # report.html, with history when ROOT has runs
+    except (ReportWriteError, OSError) as e:  # full, over quota, read-only, stale NFS
+        path, lost = f"(not written: {e})", True
+        print(f"ddp-smoke: error: {e}; the report follows as one JSON line", file=sys.stderr)
+        print(to_json_line(report), file=sys.stderr)
+    summary.print_report(report, path)
+    hosts.finish(report, report_dir, run_id)
+    metrics.write(report, run_id)  # --prometheus FILE, when set
+    return FAIL if lost else report.verdict

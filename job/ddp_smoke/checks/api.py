@@ -1,0 +1,59 @@
+"""What a check sees: :class:`Context` on every rank, :class:`Evidence` on rank 0."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config.faults import Injector
+from ..config.launchenv import LaunchEnv
+from ..model import Culprit
+
+
+@dataclass
+class Context:
+    """What a check's ``run(ctx)`` may use on its rank."""
+
+    env: LaunchEnv
+    backend: str
+    device: torch.device
+    config: dict[str, Any]
+    faults: Injector
+    report_dir: str
+    storage_dir: str
+
+    rank = property(lambda self: self.env.rank)
+    world_size = property(lambda self: self.env.world_size)
+    local_rank = property(lambda self: self.env.local_rank)
+    timeout_s = property(lambda self: float(self.config["timeout"]))
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The check's own options (its section in defaults.yaml)."""
+        return self.config.get(name, {})
+
+
+@dataclass
+class Evidence:
+    """What a check's ``judge(ev)`` sees on rank 0: every rank's observation, by rank."""
+
+    name: str
+    observations: list[dict[str, Any]]
+    ranks: list[dict[str, Any]]
+    config: dict[str, Any]
+
+    world_size = property(lambda self: len(self.observations))
+
+    def host(self, rank: int) -> str | None:
+        return self.ranks[rank].get("host") if rank < len(self.ranks) else None
+
+    def culprit(self, rank: int | None, reason: str) -> Culprit:
+        """A culprit with the host filled in from the rank's identity."""
+        return Culprit(rank, None if rank is None else self.host(rank), reason)
+
+    def link_culprit(self, a: int, b: int, reason: str) -> Culprit:
+        """The link between ranks ``a`` and ``b``: both ends named, neither convicted."""
+        return Culprit(None, None, reason, ranks=[a, b], hosts=[self.host(a), self.host(b)])
+
+    def section(self, name: str | None = None) -> dict[str, Any]:
+        return self.config.get(name or self.name, {})

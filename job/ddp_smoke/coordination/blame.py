@@ -1,0 +1,280 @@
+"""Who stopped an aborted run: pure functions from an evidence snapshot to culprits and victims.
+
+The report's culprit is what an operator drains, so blame rests on positive evidence, in this
+order; the first kind found names the culprits, every other rank that stopped is a victim
+(listed in the figures with what it was doing, never as a culprit):
+
+1. terminated — the rank received SIGTERM/SIGINT/SIGUSR1/SIGUSR2 (a node reclaimed, a
+   container stopped, a time limit). Every rank terminated: the launcher stopped the job;
+2. raised — the check raised on that rank (not a communication error: those are symptoms);
+3. died — its heartbeat stopped without a termination notice (killed, crashed, frozen, or its
+   node lost the network);
+4. never connected to the coordination store;
+5. did not arrive at the check the others were waiting in (process alive);
+6. collective progress (:mod:`ddp_smoke.coordination.progress`): ranks that never *entered* the collective the
+   others are blocked in, or are stuck in an older one; for a point-to-point exchange, the
+   peer that is not in it; ranks that did not finish a check with no collective in flight;
+7. communication errors alone (a rank saw its peer vanish, nobody else was seen at fault).
+
+Reasons say what happened; "within N s" only where that deadline really passed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..model import Culprit
+
+
+@dataclass
+class Snapshot:
+    """What the writer of the report knows when it judges an aborted run.
+
+    Attributes:
+        stage: the check (or ``init``/``finish``) where the run stopped.
+        world_size: ranks in the run.
+        timeout_s: the per-phase deadline.
+        hosts: host of each rank (None when it never said).
+        connected: ranks that posted their identity to the store.
+        arrived: ranks that arrived at ``stage``.
+        finished: ranks that posted their observation of ``stage``.
+        dead: ranks whose heartbeat stopped, terminated ones excluded.
+        aborts: each aborting rank's first reason (``kind``: error, timeout, terminated;
+            ``at``: wall time; ``signal``, ``type``, ``message``, ``comm``, ``waiting_for``).
+        progress: each rank's last published collective progress (``comm.progress()``,
+            plus its ``stage``).
+        where: innermost frame of the kit's code on each live rank's main thread.
+        store: ``addr:port`` of the coordination store, for "never connected".
+        dead_after_s: heartbeat silence that counts as dead.
+    """
+
+    stage: str
+    world_size: int
+    timeout_s: float
+    hosts: list
+    connected: set = field(default_factory=set)
+    arrived: set = field(default_factory=set)
+    finished: set = field(default_factory=set)
+    dead: set = field(default_factory=set)
+    aborts: dict = field(default_factory=dict)
+    progress: dict = field(default_factory=dict)
+    where: dict = field(default_factory=dict)
+    store: str = "?"
+    dead_after_s: float = 1.5
+
+
+@dataclass
+class Verdict:
+    culprits: list
+    victims: list  # [{"rank", "host", "state"}]
+
+
+def judge(s: Snapshot) -> Verdict:
+    """Culprits and victims of an aborted run (pure)."""
+    culprits = (_terminated_first(s) or (_raised(s) + _died(s) + _never(s)) or _absent(s)
+                or _by_progress(s) or _unfinished(s) or _comm_only(s)
+                or [Culprit(None, None, "aborted: " + "; ".join(
+                    f"rank {r} {a['kind']}" for r, a in sorted(s.aborts.items())) or "unknown")])
+    named = {c.rank for c in culprits} | {r for c in culprits for r in (c.ranks or [])}
+    first = _first_event(s, culprits)
+    victims = [{"rank": r, "host": s.hosts[r], "state": _state(s, r, first)}
+               for r in range(s.world_size) if r not in named and r in s.connected]
+    return Verdict(culprits, victims)
+
+
+# -- the kinds of evidence, in order ----------------------------------------------------------
+
+def _culprit(s: Snapshot, rank: int, reason: str) -> Culprit:
+    return Culprit(rank, s.hosts[rank], reason, where=s.where.get(rank))
+
+
+def _terminated_first(s: Snapshot) -> list:
+    """Ranks terminated before any rank raised or died. A launcher that sees one worker fail
+    stops the others (torchrun sends SIGTERM to the whole local group): terminations after
+    a death or an error are its consequence, and those ranks are victims."""
+    term = {r: a for r, a in s.aborts.items() if a["kind"] == "terminated"}
+    first_fault = min([a.get("at", 0.0) for a in s.aborts.values()
+                       if a["kind"] == "error" and not a.get("comm")] +
+                      [_died_at(s, r) for r in s.dead], default=None)
+    if not term or (first_fault is not None and first_fault <= min(a.get("at", 0.0)
+                                                                  for a in term.values())):
+        return []
+    if s.connected and set(term) >= s.connected:
+        names = sorted({a.get("signal", "a signal") for a in term.values()})
+        return [Culprit(None, None, f"terminated by the launcher ({'/'.join(names)} to all "
+                                    f"ranks) during {s.stage}")]
+    return [_culprit(s, r, f"terminated by {a.get('signal', 'a signal')} during "
+                           f"{a.get('stage', s.stage)}") for r, a in sorted(term.items())]
+
+
+def _died_at(s: Snapshot, rank: int) -> float:
+    """Wall time of a dead rank's last heartbeat (it died at most one beat later)."""
+    return (s.progress.get(rank) or {}).get("t", 0.0)
+
+
+def _raised(s: Snapshot) -> list:
+    return [_culprit(s, r, a.get("reason") or f"raised {a.get('type')}: {a.get('message')}")
+            for r, a in sorted(s.aborts.items()) if a["kind"] == "error" and not a.get("comm")]
+
+
+def _died(s: Snapshot) -> list:
+    out = []
+    for r in sorted(s.dead):
+        out.append(_culprit(s, r, (
+            f"no heartbeat for {s.dead_after_s} s during {s.stage}: the process died, or its "
+            "node lost the network" if r in s.arrived or r in s.finished
+            else f"died before arriving at {s.stage} (no heartbeat for {s.dead_after_s} s)")))
+    return out
+
+
+def _never(s: Snapshot) -> list:
+    return [Culprit(r, s.hosts[r], f"never connected to the store at {s.store} (not started, "
+                                   "or cannot reach it)")
+            for r in range(s.world_size) if r not in s.connected]
+
+
+def _deadline_passed(s: Snapshot) -> bool:
+    return any(a["kind"] == "timeout" for a in s.aborts.values())
+
+
+def _live(s: Snapshot) -> set:
+    return s.connected - s.dead
+
+
+def _absent(s: Snapshot) -> list:
+    if s.stage in ("init", "finish"):
+        waiting = s.connected - s.arrived if s.stage == "init" else set()
+    else:
+        waiting = _live(s) - s.arrived - s.finished
+    if not waiting or not (s.arrived or s.stage == "init"):
+        return []
+    bound = f" within {s.timeout_s} s" if _deadline_passed(s) else ""
+    return [_culprit(s, r, f"did not arrive at {s.stage}{bound} (process alive: hung?)")
+            for r in sorted(waiting) if r not in s.aborts or s.aborts[r]["kind"] == "timeout"]
+
+
+def _describe(p: dict) -> str:
+    size = f", {p['bytes']} B" if p.get("bytes") else ""
+    peer = f" with rank {p['peer']}" if p.get("peer") is not None else ""
+    return f"{p.get('op')}{peer}{size}"
+
+
+def _by_progress(s: Snapshot) -> list:
+    """Blame by collective progress among the ranks stuck inside ``stage``."""
+    stuck = {r: s.progress.get(r) or {} for r in sorted(_live(s) & s.arrived - s.finished)}
+    blocked = {r: p for r, p in stuck.items() if p.get("inside") and p.get("peer") is None}
+    if not blocked:
+        return []
+    k = max(p["seq"] for p in blocked.values())
+    front = blocked_in = sorted(r for r, p in blocked.items() if p["seq"] == k)
+    what = _describe(blocked[front[0]])
+    behind = {r: p for r, p in stuck.items() if p.get("seq", 0) < k}
+    if not behind:
+        if len(blocked_in) == len(stuck) and len(stuck) == s.world_size:
+            return [Culprit(None, None, f"every rank entered collective #{k} ({what}) in "
+                                        f"{s.stage} and none left: no rank lagged, the "
+                                        "collective itself is stuck (network or backend)")]
+        return []
+    out, victims = [], set()
+    for r, p in behind.items():
+        if r in victims:
+            continue
+        peer = p.get("peer")
+        if p.get("inside") and peer is not None:
+            q = behind.get(peer)
+            if q is not None and q.get("inside") and q.get("peer") == r:
+                if r < peer:  # both inside the same exchange: the link between them
+                    out.append(Culprit(None, None, (
+                        f"link {s.hosts[r]} (rank {r}) <-> {s.hosts[peer]} (rank {peer}): "
+                        f"their {_describe(p)} is stuck with both inside it"),
+                        ranks=[r, peer], hosts=[s.hosts[r], s.hosts[peer]]))
+                victims |= {r, peer}
+                continue
+            victims.add(r)  # r waits in an exchange its peer is not in: the peer is to blame
+            if peer in stuck and peer not in behind:
+                out.append(_culprit(s, peer, f"never entered the {p.get('op')} with rank {r}, "
+                                             f"which waits in it ({_describe(p)})"))
+            continue
+        if p.get("inside"):
+            out.append(_culprit(s, r, (
+                f"stuck inside collective #{p['seq']} ({_describe(p)}) for {p.get('for_s')} s "
+                f"that other ranks completed; ranks {_ranks(front)} wait in #{k} ({what})")))
+        else:
+            last = f"#{p['seq']} ({_describe(p)})" if p.get("seq") else "none"
+            out.append(_culprit(s, r, (
+                f"never entered collective #{k} ({what}) of {s.stage} that ranks "
+                f"{_ranks(front)} are blocked in; its last collective was {last}, left "
+                f"{p.get('for_s')} s before")))
+    out = [c for c in out if c.rank not in victims]
+    return _unique(out)
+
+
+def _unfinished(s: Snapshot) -> list:
+    """Alive ranks that arrived but did not finish, with no world collective in flight."""
+    stuck = [r for r in sorted(_live(s) & s.arrived - s.finished)
+             if not (s.progress.get(r) or {}).get("inside")]
+    bound = f"within {s.timeout_s} s" if _deadline_passed(s) else "before the run stopped"
+    return [_culprit(s, r, f"did not finish {s.stage} {bound} (process alive, not in a "
+                           "collective)") for r in stuck]
+
+
+def _comm_only(s: Snapshot) -> list:
+    comm = sorted(r for r, a in s.aborts.items() if a["kind"] == "error" and a.get("comm"))
+    if not comm:
+        return []
+    return [Culprit(None, None, f"communication errors on ranks {_ranks(comm)} and no rank "
+                                f"seen dead, stuck or terminated: a network fault? (first: "
+                                f"{s.aborts[comm[0]].get('message')})")]
+
+
+# -- victims ------------------------------------------------------------------------------
+
+def _first_event(s: Snapshot, culprits: list) -> tuple[str, float | None]:
+    """What the culprits did, in words, and when (wall time, where known)."""
+    ranks = [c.rank for c in culprits if c.rank is not None]
+    if not ranks:
+        return "the run stopped", None
+    r = ranks[0]
+    a = s.aborts.get(r) or {}
+    who = f"rank {r}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
+    if a.get("kind") == "terminated":
+        return f"{who} was terminated", a.get("at")
+    if a.get("kind") == "error":
+        return f"{who} raised", a.get("at")
+    if r in s.dead:
+        return f"{who} died", _died_at(s, r)
+    return f"{who} stopped making progress", None
+
+
+def _state(s: Snapshot, r: int, first: tuple[str, float | None]) -> str:
+    """A victim's state in words: what it was doing and how it stopped."""
+    event, at = first
+    a = s.aborts.get(r) or {}
+    p = s.progress.get(r) or {}
+    doing = (f"blocked in {_describe(p)} #{p.get('seq')}" if p.get("inside")
+             else "finished " + s.stage if r in s.finished else f"in {p.get('stage', s.stage)}")
+    if a.get("at") is not None and at is not None and a["at"] >= at:
+        how = f"stopped {a['at'] - at:.1f} s after {event}"
+    else:
+        how = f"stopped because {event}"
+    if a.get("kind") == "terminated":
+        how = f"terminated by {a.get('signal')}, " + how
+    elif a.get("kind") == "error":
+        how += f" ({'communication error' if a.get('comm') else 'error'}: {a.get('message')})"
+    elif a.get("kind") == "timeout":
+        how += f" (its own {s.timeout_s} s deadline passed waiting for {a.get('waiting_for')})"
+    return f"{doing}; {how}"
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return ", ".join(map(str, ranks[:8])) + (f" … ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+
+
+def _unique(culprits: list) -> list:
+    seen, out = set(), []
+    for c in culprits:
+        key = (c.rank, tuple(c.ranks or ()), c.reason)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out

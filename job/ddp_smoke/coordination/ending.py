@@ -1,0 +1,140 @@
+"""How a rank leaves a run: the report's writer, the takeover when rank 0 is gone, the exit.
+
+The writer is rank 0; when rank 0 is gone (its heartbeat stopped) the lowest surviving rank
+takes over, from the results rank 0 posted to the store as it judged each check. When the
+store itself is gone, each surviving rank prints one JSON line of what it knows on stderr.
+Which thread calls what is in the package docstring of :mod:`ddp_smoke.coordination`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Callable
+
+from . import keys, progress
+from .judge import FORENSICS_WAIT_S, first_error, forensics_of, judge_abort
+from .store import DEAD_AFTER_S, beat_of, look_period, next_waiting, posted, try_get, wait_key
+
+FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
+TAKEOVER_S = 3 * DEAD_AFTER_S  # rank 0 silent this long, before writing: a survivor writes
+_AT_LEAVE: list[Callable[[], None]] = []
+
+
+def at_leave(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on every way out of the process (e.g. the storage check's own files)."""
+    if fn not in _AT_LEAVE:
+        _AT_LEAVE.append(fn)
+
+
+def finalize(c, store, aborted: bool) -> str | None:
+    """Write the report once; return the verdict the others read (``fail`` when the report
+    was lost), or None when another thread of this process is writing it."""
+    if not c.claim_finish():
+        return None
+    try:
+        store.compare_set(keys.WRITER, "", str(c.env.rank))
+    except Exception:  # noqa: BLE001 — the store is gone; write what this rank knows
+        pass
+    found, error = {}, None
+    if aborted:
+        live = judge_abort(c, store)
+        # the report lists every live rank's forensics: the last ones may still come
+        found = posted(store, keys.FORENSICS, live, FORENSICS_WAIT_S)
+        error = first_error(c, store)
+    c.timings["total_s"] = round(time.monotonic() - c.t0, 4)
+    c.identities(store)
+    verdict = c.publish(c, error, forensics_of(c, found))
+    try:  # always, so that the other ranks leave now; a lost report is no pass
+        store.set(keys.FINAL, verdict)
+    except Exception:  # noqa: BLE001
+        pass
+    return verdict
+
+
+def exit_aborted(c, store) -> None:
+    """Leave an aborted run with status 1, from the main thread or the watchdog.
+
+    Every live rank leaves its forensics first. The writer (rank 0, or the lowest survivor
+    when rank 0 is gone) writes the report; it returns instead when the other thread of this
+    process is writing it (that thread then owns the exit).
+    """
+    try:
+        c.leave_forensics(store)
+        if c.env.rank == 0 or await_report(c, store, FINAL_WAIT_S) == "write":
+            c.adopt_results(store)
+            if finalize(c, store, aborted=True) is not None:
+                leave(None, code=1)
+            return
+    except Exception as e:  # noqa: BLE001 — the store went away while leaving
+        give_up(c, e)
+    leave(f"run aborted at {c.stage}; the report was written", code=1)
+
+
+def await_report(c, store, timeout_s: float) -> str | None:
+    """Wait for the report's verdict; return it, or ``"write"`` when this rank must write
+    the report itself.
+
+    Rank 0 writes, and claims the ``writer`` key when it starts. A rank that has not claimed
+    it and whose heartbeat stopped for TAKEOVER_S is gone: the lowest rank still waiting
+    here claims it instead (one compare-and-set decides). A claimed writer is waited for as
+    long as its heartbeat moves, then ``timeout_s`` more; after that this rank leaves with
+    status 1, saying so.
+    """
+    me = c.env.rank
+    store.set(keys.of(keys.WAITING, me), "1")  # alive and waiting: a candidate writer
+    watch, seen, seen_at = 0, None, time.monotonic()
+    end = seen_at + timeout_s
+    # The verdict is seen within poll_max of being set; the writer's heartbeat is looked at
+    # once a period: ~5 calls per period on each of up to 2 threads of every rank, within
+    # the store's budget at any world size, and still a few looks per TAKEOVER_S.
+    period = min(TAKEOVER_S / 3, look_period(c.env.world_size, 10))
+    while time.monotonic() < end:
+        if wait_key(store, keys.FINAL, period, c.poll_max):
+            if store.add(keys.BYE, 1) == c.env.world_size - 1:
+                store.set(keys.every(keys.BYE), "1")  # rank 0, if it hosts the store, may go
+            return store.get(keys.FINAL).decode()
+        writer = try_get(store, keys.WRITER)
+        if writer is not None and int(writer) != watch:
+            watch, seen = int(writer), None
+        beat = (beat_of(store, watch) or {}).get("n")
+        now = time.monotonic()
+        if beat != seen:
+            seen, seen_at, end = beat, now, max(end, now + timeout_s)
+        elif now - seen_at > TAKEOVER_S and writer is None:
+            watch = next_waiting(store, watch, c.env.world_size)
+            seen, seen_at = None, now
+            if watch == me:
+                claimed = store.compare_set(keys.WRITER, "", str(me)).decode()
+                if claimed == str(me):
+                    return "write"
+                watch = int(claimed)
+    leave(f"run aborted at {c.stage}, and no rank wrote the report within {timeout_s} s of "
+          f"rank {watch}'s last heartbeat", code=1)
+    return None
+
+
+def give_up(c, e: BaseException) -> None:
+    """The coordination store is gone (rank 0 hosted it, or its node is lost), or leaving
+    failed otherwise: say what this rank knows as one JSON line on stderr, and leave."""
+    stage, store = c.stage, f"{c.env.master_addr}:{c.env.master_port}"
+    lost = isinstance(e, (RuntimeError, OSError))  # c10d's store errors are RuntimeErrors
+    print(json.dumps({"ddp_smoke_rank": c.env.rank, "run_id": c.env.run_id, "stage": stage,
+                      "progress": progress.progress(), "error": f"{type(e).__name__}: {e}"[:300],
+                      "store": store, "aborted": True}), file=sys.stderr)
+    leave(f"lost the coordination store at {store} during {stage} ({type(e).__name__}); "
+          "rank 0 or its node is gone" if lost else
+          f"could not finish the aborted run at {stage}: {type(e).__name__}: {e}", code=1)
+
+
+def leave(message: str | None, code: int) -> None:
+    """Exit now, from any thread, after flushing; the main thread may be stuck in C++.
+    The :func:`at_leave` hooks run first, on every way out."""
+    for fn in _AT_LEAVE:
+        fn()
+    if message:
+        print(f"ddp-smoke rank {os.environ.get('RANK', '?')}: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

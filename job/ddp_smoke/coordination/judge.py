@@ -1,0 +1,69 @@
+"""The writer's judgement of an aborted run: the store's evidence, read in a few calls, then
+:mod:`.blame` names the culprits of the stage where the run stopped."""
+from __future__ import annotations
+
+from ..model import FAIL, CheckResult
+from . import blame, keys
+from .store import DEAD_AFTER_S, dead_ranks, posted, ranks_with
+
+FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
+
+
+def judge_abort(c, store) -> set[int]:
+    """Append the failed stage's result to ``c.judged``; return the ranks found alive.
+
+    A few store calls per kind of key, not one per rank: 4,096 ranks are judged in a fraction
+    of a second after a watched abort (bench/coordination_scale.py).
+    """
+    stage, world = c.stage, range(c.env.world_size)
+    ids = c.identities(store)
+    connected = ranks_with(store, keys.RANK, world)
+    reasons = posted(store, keys.ABORT)
+    terminated = {r for r, a in reasons.items() if a["kind"] == keys.TERMINATED}
+    dead, beats = dead_ranks(store, sorted(connected), terminated, c.silence)
+    reasons = {**posted(store, keys.ABORT), **reasons}  # and those posted while we looked
+    live = connected - set(dead)
+    found = posted(store, keys.FORENSICS)
+    arrive = keys.CONNECT if stage == "init" else keys.of(keys.ARRIVE, c.key(stage))
+    snap = blame.Snapshot(
+        stage=stage, world_size=c.env.world_size, timeout_s=float(c.cfg["timeout"]),
+        hosts=[i.get("host") for i in ids], connected=connected,
+        arrived=ranks_with(store, arrive, world),
+        finished=ranks_with(store, keys.of(keys.OBS, c.key(stage)), world),
+        dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != keys.STOPPED},
+        progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
+        store=f"{c.env.master_addr}:{c.env.master_port}", dead_after_s=DEAD_AFTER_S)
+    verdict = blame.judge(snap)
+    # Each live rank leaves its forensics once it sees the abort, maybe after this judge
+    # began: a culprit's innermost frame is worth a short wait.
+    unsaid = {k.rank for k in verdict.culprits if k.rank in live and k.where is None}
+    if unsaid - set(found):
+        found = posted(store, keys.FORENSICS, unsaid, FORENSICS_WAIT_S)
+        for k in verdict.culprits:
+            k.where = k.where or found.get(k.rank, {}).get("where")
+    figures = {"arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
+               "dead": sorted(dead), "victims": verdict.victims,
+               "progress": {str(r): p for r, p in sorted(beats.items())},
+               "aborts": [reasons[r] for r in sorted(reasons)]}
+    judged = {k.name for it, k in c.judged if it == c.iteration}
+    # Outside a check (process-group init, between checks) the run itself failed: "launch".
+    name = stage if stage in c.checks and stage not in judged else "launch"
+    c.judged.append((c.iteration, CheckResult(
+        name, FAIL, summary=f"stopped at {stage}: {verdict.culprits[0].reason}",
+        culprits=verdict.culprits, figures=figures)))
+    return live
+
+
+def first_error(c, store) -> dict:
+    """The report's headline error: the first rank that raised, else the stage it stopped at."""
+    for r, e in sorted(posted(store, keys.ABORT).items()):
+        if e.get("kind") == keys.ERROR:
+            return {"rank": r, "host": c.host(r), "type": e.get("type"),
+                    "message": e.get("message"), "stage": e["stage"]}
+    return {"rank": None, "host": None, "type": "Aborted",
+            "message": f"run aborted at {c.stage}", "stage": c.stage}
+
+
+def forensics_of(c, found: dict[int, dict]) -> list[dict]:
+    """The report's forensics list: each rank's, with its host."""
+    return [{"rank": r, "host": c.host(r), **f} for r, f in sorted(found.items())]

@@ -1,0 +1,62 @@
+"""The protocol between ranks, in one table: every store key and every abort kind.
+
+All keys live under ``ddp_smoke/<restart>/`` (a PrefixStore per torchelastic restart). The key
+strings are a wire format: ranks of different builds share one store, so they never change.
+``<r>`` is a rank, ``<stage>`` is ``<check>/<iteration>`` (:func:`stage`).
+
+======================  ===========  ==================================================
+key                     written by   what it holds
+======================  ===========  ==================================================
+rank/<r>                every rank   its identity record (JSON); also "it connected"
+backend/nccl            every rank   counter: ranks that can run NCCL
+connect/<r>, /all       every rank   arrival at the start; ``/all`` raised by rank 0
+run_id                  rank 0       the run id every rank adopts
+arrive/<stage>/<r>      every rank   arrival at a check; ``/all`` raised by rank 0
+obs/<stage>/<r>         every rank   its observation of a check (JSON)
+result/<stage>          rank 0       its judgement of a check (JSON), for a survivor
+next/<iteration>        rank 0       repeat mode: "1" for another pass, "0" to stop
+beat/<r>                every rank   heartbeat: counter, time, stage, collective progress
+abort/<r>               every rank   its first reason to stop (JSON), set once
+abort/listed            every rank   "r," appended by each aborting rank: the run is aborted
+forensics/<r>           every rank   where its files are, its innermost frame (JSON)
+forensics/listed        every rank   "r," appended once the forensics are posted
+waiting/<r>             every rank   alive and waiting for the verdict: a candidate writer
+writer                  one rank     the rank writing the report (compare-and-set)
+final                   the writer   the verdict: pass or fail
+bye, bye/all            every rank   counter of ranks that read ``final``; ``/all`` when all did
+======================  ===========  ==================================================
+"""
+from __future__ import annotations
+
+RANK, BACKEND_NCCL, CONNECT, RUN_ID = "rank", "backend/nccl", "connect", "run_id"
+ARRIVE, OBS, RESULT, NEXT = "arrive", "obs", "result", "next"
+BEAT, ABORT, FORENSICS, WAITING = "beat", "abort", "forensics", "waiting"
+WRITER, FINAL, BYE = "writer", "final", "bye"
+
+# Abort kinds (``kind`` in abort/<r>), and what each means.
+ERROR = "error"            # the check or the harness raised on that rank
+TIMEOUT = "timeout"        # a deadline passed while the rank waited
+TERMINATED = "terminated"  # the rank received SIGTERM, SIGINT, SIGUSR1 or SIGUSR2
+LOST = "lost"              # rank 0's watchdog: ranks it waited for went silent (``silent``)
+STOPPED = "stopped"        # the rank stops because of another's problem: never evidence
+ABORT_KINDS = (ERROR, TIMEOUT, TERMINATED, LOST, STOPPED)
+
+
+def of(prefix: str, rank: int | str) -> str:
+    """A per-rank key: ``prefix/<rank>``."""
+    return f"{prefix}/{rank}"
+
+
+def every(prefix: str) -> str:
+    """The flag that every rank has posted ``prefix/<rank>``: ``prefix/all``."""
+    return f"{prefix}/all"
+
+
+def listed(prefix: str) -> str:
+    """The list each rank appends ``"<rank>,"`` to: ``prefix/listed``."""
+    return f"{prefix}/listed"
+
+
+def stage(check: str, iteration: int) -> str:
+    """A check's stage key: ``<check>/<iteration>``."""
+    return f"{check}/{iteration}"

@@ -1,0 +1,133 @@
+"""The kit's collectives, counted: a light flight recorder that works the same on gloo and NCCL.
+
+Every collective a check issues goes through this module. Each call records, on this rank,
+the sequence number of the world collective it enters (``seq``), its op and size, and whether
+the rank is inside it (entered and not yet left). The heartbeat thread publishes
+:func:`progress` to the coordination store, so when a run stalls rank 0 can tell the rank that
+never *entered* the collective the others are blocked in (the culprit) from the ranks blocked
+inside it (victims) — see :mod:`ddp_smoke.coordination.blame`.
+
+World collectives are issued by every rank in the same order, so their sequence numbers are
+comparable across ranks. Point-to-point exchanges are issued by some ranks only: they are
+recorded as "inside a sendrecv with rank P" without advancing ``seq``.
+
+NCCL collectives return once enqueued; here the caller's stream is synchronised before the
+call counts as left, so "inside" means the same thing on both backends: the data has not
+arrived yet.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor forms; older releases (2.11 on some GPU images) lack the new names
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Recorder:
+    """This rank's collective progress; written by the main thread, read by the heartbeat."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.seq = 0            # world collectives entered so far
+        self.op = None          # the current (or last) op
+        self.nbytes = 0
+        self.peer = None        # the other end of a point-to-point exchange
+        self.inside = False
+        self.since = time.monotonic()
+
+    @contextlib.contextmanager
+    def track(self, op: str, nbytes: int = 0, peer: int | None = None):
+        """Mark this rank inside ``op`` for the duration of the block."""
+        with self._lock:
+            if peer is None:
+                self.seq += 1
+            self.op, self.nbytes, self.peer = op, int(nbytes), peer
+            self.inside, self.since = True, time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.inside, self.since = False, time.monotonic()
+
+    def snapshot(self) -> dict:
+        """JSON-able progress: ``seq``, ``op``, ``bytes``, ``peer``, ``inside``, ``for_s``."""
+        with self._lock:
+            return {"seq": self.seq, "op": self.op, "bytes": self.nbytes, "peer": self.peer,
+                    "inside": self.inside, "for_s": round(time.monotonic() - self.since, 3)}
+
+
+RECORDER = Recorder()
+
+
+def progress() -> dict:
+    """This rank's collective progress, for the heartbeat."""
+    return RECORDER.snapshot()
+
+
+def _settle(tensor: torch.Tensor | None) -> None:
+    """Wait until a CUDA collective's data has arrived (NCCL returns once enqueued)."""
+    if tensor is not None and tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    with RECORDER.track("all_reduce", _nbytes(tensor)):
+        dist.all_reduce(tensor, op=op)
+        _settle(tensor)
+
+
+def all_gather_into(out: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Every rank's ``tensor`` concatenated into ``out``."""
+    with RECORDER.track("all_gather", _nbytes(out)):
+        _ALL_GATHER(out, tensor)
+        _settle(out)
+
+
+def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor) -> None:
+    """The sum of every rank's ``tensor``, this rank's chunk into ``out``."""
+    with RECORDER.track("reduce_scatter", _nbytes(tensor)):
+        _REDUCE_SCATTER(out, tensor)
+        _settle(out)
+
+
+def broadcast(tensor: torch.Tensor, src: int) -> None:
+    with RECORDER.track("broadcast", _nbytes(tensor)):
+        dist.broadcast(tensor, src=src)
+        _settle(tensor)
+
+
+def all_to_all_single(out: torch.Tensor, tensor: torch.Tensor) -> None:
+    with RECORDER.track("all_to_all", _nbytes(tensor)):
+        dist.all_to_all_single(out, tensor)
+        _settle(out)
+
+
+def barrier() -> None:
+    with RECORDER.track("barrier"):
+        dist.barrier()
+
+
+def sendrecv(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int | None = None) -> None:
+    """Send ``send`` to rank ``to`` while receiving ``recv`` from ``frm`` (default: ``to``)."""
+    frm = to if frm is None else frm
+    with RECORDER.track("sendrecv", _nbytes(send), peer=frm):
+        ops = [dist.P2POp(dist.isend, send, to), dist.P2POp(dist.irecv, recv, frm)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        _settle(recv)
+
+
+def tracked(op: str, nbytes: int = 0):
+    """Count a block that issues world collectives the kit does not call itself (DDP's
+    parameter broadcast and gradient all-reduce) as one collective."""
+    return RECORDER.track(op, nbytes)

@@ -1,0 +1,156 @@
+"""The report's data model: pure dataclasses, JSON in and out.
+
+Every field has exactly one shape. Nothing here touches ``torch.distributed`` or a file; the
+harness fills these records and :mod:`ddp_smoke.outputs` writes them. The one description of
+``report.json`` is ``outputs/report.schema.json``; its outline:
+
+``report.json`` (the contract other tools rely on)::
+
+    {
+      "verdict": "pass" | "fail", "run_id": str (the run that wrote it),
+      "world_size": int, "nodes": int, "backend": "gloo" | "nccl",
+      "version": str, "started_at": ISO-8601 str, "config": {...effective config...},
+      "ranks":  [{"rank", "local_rank", "group_rank", "host", "addresses", "pid", "device", ...}],
+      "checks": [{"name", "status": "pass"|"fail"|"skip", "duration_s", "summary",
+                  "culprits": [{"rank": int|null, "host": str|null, "reason": str,
+                                "ranks": [int, int]|null, "hosts": [str, str]|null,
+                                "where": str|null}],
+                  "figures": {...}, "notes": [str]}],
+      "timings": {"<phase>_s": float, ...},
+      "error": null | {"rank", "host", "type", "message"},
+      "forensics": [{"rank", "host", "where", "stacks": path, "flight_recorder": path}],
+      "hosts": [{"host", "verdict": "good"|"suspect"|"bad", "ranks", "reasons": [...]}]
+    }
+
+``hosts`` is derived from ``ranks`` and the culprits on every write (:mod:`ddp_smoke.outputs.hosts`).
+
+The report is strict JSON: a figure that is NaN or infinite is written as null. Every string
+passes through :mod:`ddp_smoke.redact` when the report is built, so no secret reaches the file,
+the human summary or a log line. Files are created with the user's umask (0666 & ~umask).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import redact
+
+PASS = "pass"
+FAIL = "fail"
+SKIP = "skip"
+STATUSES = (PASS, FAIL, SKIP)
+
+
+@dataclass
+class Culprit:
+    """Who is to blame and why.
+
+    ``rank``/``host`` are None when the evidence names no single rank. A link culprit names
+    both ends in ``ranks``/``hosts`` (its ``rank`` stays None: neither end is convicted).
+    ``where`` is the innermost frame of the kit's code on the culprit's main thread, when the
+    run was aborted and the rank could still say.
+    """
+
+    rank: int | None
+    host: str | None
+    reason: str
+    ranks: list[int] | None = None
+    hosts: list[str | None] | None = None
+    where: str | None = None
+
+
+@dataclass
+class CheckResult:
+    """One check's outcome, judged on rank 0 from every rank's observation.
+
+    Attributes:
+        name: the check's registered name.
+        status: one of ``STATUSES``.
+        summary: the key figure, in a few words, for the human table.
+        culprits: evidence-based blame; empty when the check passed.
+        figures: measured numbers, every quantity with its unit in its key.
+        notes: lines rank 0 prints verbatim before the table (e.g. the tutorial's lines).
+        duration_s: wall time of the slowest rank, set by the harness.
+    """
+
+    name: str
+    status: str
+    summary: str = ""
+    culprits: list[Culprit] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    duration_s: float = 0.0
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"check {self.name!r}: status {self.status!r} not in {STATUSES}")
+
+
+@dataclass
+class Report:
+    """What rank 0 writes: the run's identity, per-rank records, per-check results."""
+
+    version: str
+    started_at: str
+    backend: str
+    world_size: int
+    ranks: list[dict[str, Any]]
+    checks: list[CheckResult]
+    config: dict[str, Any]
+    timings: dict[str, float] = field(default_factory=dict)
+    error: dict[str, Any] | None = None
+    forensics: list[dict[str, Any]] = field(default_factory=list)  # per rank, after an abort
+    run_id: str = ""
+
+    def __post_init__(self):
+        # Copies: the config and the results are the harness's own objects.
+        self.config, self.ranks, self.error = (redact.tree(self.config),
+                                               redact.tree(self.ranks), redact.tree(self.error))
+        self.checks = [dataclasses.replace(
+            c, summary=redact.scrub(c.summary), figures=redact.tree(c.figures),
+            notes=redact.tree(c.notes),
+            culprits=[dataclasses.replace(k, reason=redact.scrub(k.reason)) for k in c.culprits])
+            for c in self.checks]
+
+    @property
+    def nodes(self) -> int:
+        return len({r["host"] for r in self.ranks if r.get("host")})
+
+    @property
+    def verdict(self) -> str:
+        ran_all = self.checks and all(c.status in (PASS, SKIP) for c in self.checks)
+        return PASS if ran_all and self.error is None else FAIL
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report's own fields, the derived ones first (``hosts`` is added by outputs)."""
+        body = dataclasses.asdict(self)
+        return {"verdict": self.verdict, "run_id": self.run_id, "world_size": self.world_size,
+                "nodes": self.nodes, "backend": self.backend, **body}
+
+
+def finite(data: Any) -> Any:
+    """A copy of JSON-like ``data`` with NaN and infinities as None: strict JSON, one shape
+    (a number or null) per figure."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [finite(v) for v in data]
+    return data
+
+
+def get_field(obj, key: str, default=None):
+    """A field of a Report, CheckResult or Culprit, or of its JSON dict, alike; fields another
+    version may lack (a culprit's ``ranks``/``hosts``) read as ``default``."""
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def check_from_dict(data: dict[str, Any]) -> CheckResult:
+    """Rebuild a CheckResult from its JSON form."""
+    culprits = [Culprit(**c) for c in data.get("culprits", [])]
+    return CheckResult(**{**data, "culprits": culprits})

@@ -1,0 +1,274 @@
+"""Good and bad hosts: the decision an acceptance run ends with, and what to do next.
+
+The report's ``hosts`` section lists every host that ran a rank, in rank order::
+
+    {"host": "gpu07", "verdict": "good" | "suspect" | "bad", "ranks": [8, 9, …],
+     "slurm_node": "gpu07",          # where the rank recorded SLURMD_NODENAME
+     "k8s_node": "node-a1",          # where the pod recorded NODE_NAME (spec.nodeName)
+     "reasons": [{"check": "compute", "rank": 9, "reason": "…"},
+                 {"check": "bandwidth", "link": ["gpu03", "gpu07"], "ranks": [2, 8],
+                  "reason": "…"}]}
+
+Verdicts, from the culprits of every check: a culprit naming a host (or a rank, whose host
+the ranks list gives) makes it **bad**; a link culprit, which names two ends (``hosts`` /
+``ranks``), makes both ends **suspect**, since a cable, a switch port or either NIC may be at
+fault, unless other evidence makes one of them bad; a host nobody names is **good**. Culprits
+that name no host (a missed floor, a run-level abort) leave every host as it is: the run
+failed, but no host is to blame.
+
+Rank 0 then writes ``bad_hosts.txt``, ``suspect_hosts.txt`` and ``good_hosts.txt`` beside the
+report (one host name per line, atomically) and, when a host is not good, prints the commands
+an operator would run next: drain (``scontrol update … State=DRAIN Reason=…``), re-test
+without the bad nodes (``sbatch --exclude=…``), re-test a suspect link alone, and cordon and
+label the Kubernetes node. It runs none of them, except with ``--act slurm-drain``: then, under
+Slurm only, rank 0 runs the scontrol lines for the bad hosts (rank 0 needs the Slurm privileges
+to drain: an operator's or SlurmUser's job).
+
+Everything here but :func:`finish` and :func:`drain` is pure.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+from ..model import get_field
+from .files import write_atomic
+
+GOOD, SUSPECT, BAD = "good", "suspect", "bad"
+VERDICTS = (GOOD, SUSPECT, BAD)
+LISTS = {BAD: "bad_hosts.txt", SUSPECT: "suspect_hosts.txt", GOOD: "good_hosts.txt"}
+REASON_CHARS = 160      # a Slurm node reason is one line in sinfo -R: keep it readable
+DRAIN_BUDGET_S = 5.0    # slurmctld answers in milliseconds; a stuck one must not hold the exit
+_UNSAFE = re.compile(r"[^A-Za-z0-9 _.,:;=+/@%()<>\[\]{}#~^*|'-]")  # nothing a shell expands
+
+
+# -- the hosts section (pure) ---------------------------------------------------------------
+
+def culprit_hosts(culprit, ranks: list[dict]) -> tuple[list[str], bool]:
+    """The hosts a culprit names, and whether it names a link (both ends only suspect).
+
+    Args:
+        culprit: a Culprit or its dict; ``hosts``/``ranks`` (both ends of a link) are optional.
+        ranks: the report's per-rank records, to find a rank's host.
+
+    Returns:
+        (hosts, is_link): distinct host names in order; ``is_link`` when the culprit names
+        two or more different hosts. A link inside one host convicts that host.
+    """
+    def host_of(rank):
+        ok = isinstance(rank, int) and 0 <= rank < len(ranks)
+        return ranks[rank].get("host") if ok else None
+
+    named = list(get_field(culprit, "hosts") or [])
+    named += [host_of(r) for r in (get_field(culprit, "ranks") or [])]
+    named = [h for h in named if h]
+    if not named:
+        named = [get_field(culprit, "host") or host_of(get_field(culprit, "rank"))]
+    hosts = [h for h in dict.fromkeys(named) if h]
+    return hosts, len(hosts) > 1
+
+
+def hosts_section(report) -> list[dict]:
+    """Every host with its verdict and the reasons from all checks (see the module docstring).
+
+    Args:
+        report: a :class:`ddp_smoke.model.Report`, or a report.json dict.
+
+    Returns:
+        One entry per host, in order of its first rank; hosts named only by culprits (no
+        rank record) follow.
+    """
+    ranks = list(get_field(report, "ranks") or [])
+    hosts: dict[str, dict] = {}
+    for r in ranks:
+        if r.get("host"):
+            entry = _entry(hosts, r["host"])
+            entry["ranks"].append(r.get("rank"))
+            for key in ("slurm_node", "k8s_node"):
+                if r.get(key):
+                    entry.setdefault(key, r[key])
+    for check in get_field(report, "checks") or []:
+        for culprit in get_field(check, "culprits") or []:
+            named, link = culprit_hosts(culprit, ranks)
+            reason = {"check": get_field(check, "name"), "reason": get_field(culprit, "reason")}
+            if link:
+                reason = {**reason, "link": named, "ranks": list(get_field(culprit, "ranks") or [])}
+            elif get_field(culprit, "rank") is not None:
+                reason = {**reason, "rank": get_field(culprit, "rank")}
+            for host in named:
+                _entry(hosts, host)["reasons"].append(reason)
+    for entry in hosts.values():
+        entry["verdict"] = _verdict(entry["reasons"])
+    return list(hosts.values())
+
+
+def _entry(hosts: dict, host: str) -> dict:
+    return hosts.setdefault(host, {"host": host, "verdict": GOOD, "ranks": [], "reasons": []})
+
+
+def _verdict(reasons: list[dict]) -> str:
+    if any("link" not in r for r in reasons):
+        return BAD
+    return SUSPECT if reasons else GOOD
+
+
+def by_verdict(hosts: list[dict]) -> dict[str, list[dict]]:
+    """The hosts section split by verdict, each list in the section's order."""
+    return {v: [h for h in hosts if h["verdict"] == v] for v in VERDICTS}
+
+
+def host_lists(hosts: list[dict]) -> dict[str, str]:
+    """The text of bad_hosts.txt, suspect_hosts.txt and good_hosts.txt: one host a line."""
+    split = by_verdict(hosts)
+    return {name: "".join(f"{h['host']}\n" for h in split[v]) for v, name in LISTS.items()}
+
+
+# -- next steps (pure) ----------------------------------------------------------------------
+
+def drain_reason(host: dict, run_id: str) -> str:
+    """``ddp-smoke <run id>: <check>: <first conviction>``, one shell-safe line, bounded."""
+    first, more = _lead(host)
+    text = f"ddp-smoke {run_id}: {first['check']}: {first['reason']}"
+    text = " ".join(_UNSAFE.sub(" ", text).split())
+    if len(text) + len(more) > REASON_CHARS:
+        text = text[:REASON_CHARS - len(more) - 3].rstrip() + "..."
+    return text + more
+
+
+def _lead(host: dict) -> tuple[dict, str]:
+    """The reason to show first (a conviction before a link) and "(+N more)" for the rest."""
+    reasons = sorted(host["reasons"], key=lambda r: "link" in r)
+    first = reasons[0] if reasons else {"check": "?", "reason": "named by ddp-smoke"}
+    return first, f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
+
+
+def drain_argv(host: dict, run_id: str) -> list[str]:
+    """The scontrol command that drains one bad host's Slurm node."""
+    node = host.get("slurm_node") or host["host"]
+    return ["scontrol", "update", f"NodeName={node}", "State=DRAIN",
+            f"Reason={drain_reason(host, run_id)}"]
+
+
+def next_commands(hosts: list[dict], run_id: str) -> list[str]:
+    """Shell lines an operator would run next, for the hosts that are not good.
+
+    Slurm lines use the Slurm node name each rank recorded, Kubernetes lines the node name a
+    pod recorded; both fall back to the host name.
+    """
+    split = by_verdict(hosts)
+    bad, suspect = split[BAD], split[SUSPECT]
+    lines = []
+    for h in bad:
+        argv = drain_argv(h, run_id)
+        lines.append(" ".join(shlex.quote(a) for a in argv[:-1]) +
+                     f' Reason="{argv[-1][len("Reason="):]}"')
+    if bad:
+        exclude = ",".join(h.get("slurm_node") or h["host"] for h in bad)
+        lines.append(f"sbatch --exclude={shlex.quote(exclude)} slurm/ddp_smoke.sbatch")
+    slurm = {h["host"]: h.get("slurm_node") or h["host"] for h in hosts}
+    convicted = {h["host"] for h in bad}
+    links = dict.fromkeys(tuple(r["link"]) for h in suspect for r in h["reasons"] if "link" in r)
+    # A pair is judged against the others: a re-test of a link alone has no reference, so it
+    # takes a good host along.
+    witness = [h["host"] for h in split[GOOD]][:1]
+    for link in links:
+        if convicted.isdisjoint(link):  # with a bad end, draining that end is the re-test
+            nodes = ",".join(slurm.get(end, end) for end in [*link, *witness])
+            lines.append(f"sbatch --nodes={len(link) + len(witness)} "
+                         f"--nodelist={shlex.quote(nodes)} slurm/ddp_smoke.sbatch "
+                         "--checks bandwidth   # re-test the link")
+    for h in bad:
+        node = shlex.quote(h.get("k8s_node") or h["host"])
+        lines += [f"kubectl cordon {node}",
+                  f"kubectl label node {node} ddp-smoke/result=fail --overwrite"]
+    return lines
+
+
+def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None) -> list[str]:
+    """What rank 0 prints after the verdict when a host is not good (nothing otherwise)."""
+    split = by_verdict(hosts)
+    if not split[BAD] and not split[SUSPECT]:
+        return []
+    counts = ", ".join(f"{len(split[v])} {v}" for v in (BAD, SUSPECT, GOOD))
+    lists = ", ".join(LISTS.values())
+    lines = [f"# hosts: {counts}; lists ({lists}) in {report_dir}"]
+    for h in split[BAD] + split[SUSPECT]:
+        first, more = _lead(h)
+        lines.append(f"#   {h['verdict']:<7} {h['host']:<20} {first['check']}: "
+                     f"{first['reason']}{more}")
+    ran = "" if not split[BAD] else " (--act slurm-drain ran the scontrol lines)" \
+        if act == "slurm-drain" else "; --act slurm-drain runs the scontrol lines"
+    lines.append(f"# next steps, not run{ran}:")
+    return lines + [f"  {c}" for c in next_commands(hosts, run_id)]
+
+
+# -- rank 0's outputs (I/O) -----------------------------------------------------------------
+
+def drain(hosts: list[dict], run_id: str, environ=os.environ) -> list[str]:
+    """``--act slurm-drain``: run scontrol for each bad host; return one line per outcome.
+
+    Only under Slurm (``SLURM_JOB_ID`` set) and only for hosts whose ranks recorded their Slurm
+    node name: a host name guessed into a NodeName could drain another machine. The calls run
+    side by side under one deadline, DRAIN_BUDGET_S: the other ranks are waiting for rank 0's
+    verdict meanwhile (10 s at most after an abort), and must not be told rank 0 is gone.
+    """
+    bad = by_verdict(hosts)[BAD]
+    if not bad:
+        return []
+    if not environ.get("SLURM_JOB_ID"):
+        return ["--act slurm-drain: not inside a Slurm job (no SLURM_JOB_ID); nothing drained"]
+    out = [f"--act slurm-drain: {h['host']} not drained: its ranks recorded no SLURMD_NODENAME"
+           for h in bad if not h.get("slurm_node")]
+    started = [(h, drain_argv(h, run_id)) for h in bad if h.get("slurm_node")]
+    procs = [(h, argv, _start(argv, dict(environ))) for h, argv in started]
+    deadline = time.monotonic() + DRAIN_BUDGET_S
+    for h, argv, proc in procs:
+        why = _finish(proc, deadline)
+        out.append(f"--act slurm-drain: {h['slurm_node']} " + (
+            "drained" if why is None else f"NOT drained ({why}); run by hand: "
+                                          f"{shlex.join(argv)}"))
+    return out
+
+
+def _start(argv: list[str], env):
+    try:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+    except OSError as e:  # no scontrol on this node
+        return e
+
+
+def _finish(proc, deadline: float) -> str | None:
+    """None when scontrol succeeded, else why not (its last line, or the deadline)."""
+    if isinstance(proc, OSError):
+        return f"{type(proc).__name__}: {proc}"
+    try:
+        output, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return f"scontrol gave no answer within {DRAIN_BUDGET_S} s"
+    if proc.returncode == 0:
+        return None
+    return (output.strip().splitlines() or [f"scontrol exit {proc.returncode}"])[-1]
+
+
+def finish(report, report_dir: str, run_id: str) -> None:
+    """Rank 0, after the report is written: host lists, next steps, ``--act``. Never raises:
+    the verdict is already on disk and must reach every rank."""
+    try:
+        hosts = hosts_section(report)
+        for name, text in host_lists(hosts).items():
+            write_atomic(os.path.join(report_dir, name), text)
+        act = (get_field(report, "config") or {}).get("act")
+        lines = render(hosts, run_id, report_dir, act)
+        if act == "slurm-drain":
+            lines += [f"# {m}" for m in drain(hosts, run_id)]
+        if lines:
+            print("\n".join(lines), flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"ddp-smoke: host lists not written: {type(e).__name__}: {e}", file=sys.stderr)

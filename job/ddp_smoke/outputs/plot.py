@@ -1,0 +1,74 @@
+"""Optional picture: busbw against message size, one line per collective, beside the report.
+
+Rank 0 calls :func:`write_busbw_png` after writing ``report.json``. It needs matplotlib (the
+``plot`` extra: ``pip install 'ddp-smoke[plot]'``); without it nothing is written and nothing is
+said. Not at the quick level (``ddp_smoke.config.levels``). A plot that fails for another reason
+costs one line on stderr, never the verdict.
+"""
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+from .files import write_atomic
+
+FILENAME = "busbw.png"
+
+
+def write_busbw_png(report, report_dir: str) -> str | None:
+    """Write ``report_dir/busbw.png`` from the bandwidth check's figures; return its path.
+
+    Args:
+        report: the :class:`ddp_smoke.model.Report`, or its JSON form (a dict).
+        report_dir: the directory that holds ``report.json``.
+
+    Returns:
+        The PNG's path, or None when there is nothing to plot or matplotlib is absent.
+    """
+    rows = _bandwidth_rows(report)
+    config = (report.get("config") if isinstance(report, dict) else report.config) or {}
+    if not rows or config.get("level") == "quick":
+        # quick: four sizes make a poor picture, and importing matplotlib and drawing would
+        # be a large part of a quick run (bench/phases.py shows where the time goes)
+        return None
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
+    except ImportError:
+        return None
+    try:
+        return _draw(Figure, rows, report, os.path.join(report_dir, FILENAME))
+    except Exception as e:  # noqa: BLE001 — a picture must never cost the report
+        print(f"ddp-smoke: {FILENAME} not written ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+
+
+def _bandwidth_rows(report) -> list[dict]:
+    checks = report["checks"] if isinstance(report, dict) else report.checks
+    for check in checks:
+        name = check["name"] if isinstance(check, dict) else check.name
+        figures = check["figures"] if isinstance(check, dict) else check.figures
+        if name == "bandwidth":
+            return figures.get("results", [])
+    return []
+
+
+def _draw(Figure, rows: list[dict], report, path: str) -> str:
+    fig = Figure(figsize=(8, 5), dpi=110)
+    ax = fig.subplots()
+    for collective in dict.fromkeys(r["collective"] for r in rows):
+        mine = [r for r in rows if r["collective"] == collective]
+        ax.plot([r["size_bytes"] for r in mine], [r["busbw_gbps"] for r in mine],
+                marker="o", label=collective)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size S (bytes, nccl-tests' definition)")
+    ax.set_ylabel("busbw (GB/s, GB = 1e9 B)")
+    world = report["world_size"] if isinstance(report, dict) else report.world_size
+    backend = report["backend"] if isinstance(report, dict) else report.backend
+    ax.set_title(f"ddp-smoke bandwidth: {world} rank(s), {backend}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    write_atomic(path, png.getvalue())  # like the report: a reader never sees half a PNG
+    return path

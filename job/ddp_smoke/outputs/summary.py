@@ -1,0 +1,46 @@
+"""The human summary rank 0 prints, laid out like nccl-tests: header, per-rank lines, notes,
+one row per check with its culprits, then the verdict."""
+from __future__ import annotations
+
+from ..model import FAIL, PASS, Report
+
+
+def render(report: Report, path: str) -> str:
+    """The whole summary as text (pure, for tests and for printing)."""
+    d = report.to_dict()
+    cfg = report.config
+    lines = [f"# ddp-smoke {report.version} · backend {report.backend} · world_size "
+             f"{report.world_size} · nodes {d['nodes']} · timeout {cfg['timeout']} s",
+             f"# checks: {','.join(cfg['checks'])}",
+             f"# {'rank':>5} {'local':>5}  {'host':<20} {'pid':>8}  {'device':<8} route_address"]
+    for r in report.ranks:
+        lines.append(f"# {r['rank']:>5} {str(r.get('local_rank')):>5}  {str(r.get('host')):<20} "
+                     f"{str(r.get('pid', '-')):>8}  {str(r.get('device', '-')):<8} "
+                     f"{r.get('route_address') or '-'}"
+                     f"{'  ' + r['gpu_name'] + ' ' + str(r.get('gpu_bus_id')) if r.get('gpu_name') else ''}")
+    for c in report.checks:
+        lines.extend(c.notes)
+    lines.append(f"# {'check':<16} {'status':<6} {'time_s':>8}  result")
+    for c in report.checks:
+        lines.append(f"  {c.name:<16} {c.status.upper():<6} {c.duration_s:>8.3f}  {c.summary}")
+        for k in c.culprits:
+            who = (f"rank {k.rank} ({k.host})" if k.rank is not None else
+                   f"link ranks {k.ranks[0]}-{k.ranks[1]} ({k.hosts[0]} <-> {k.hosts[1]})"
+                   if k.ranks else "no single rank")
+            at = f" [{k.where}]" if k.where else ""
+            lines.append(f"  {'':<16} culprit: {who}: {k.reason}{at}")
+        victims = c.figures.get("victims") if c.status == FAIL else None
+        if victims:
+            lines.append(f"  {'':<16} victims (stopped by the culprit, not at fault): ranks "
+                         f"{', '.join(str(v['rank']) for v in victims[:16])}"
+                         f"{' …' if len(victims) > 16 else ''}")
+    passed = sum(c.status == PASS for c in report.checks)
+    failed = [c.name for c in report.checks if c.status == FAIL]
+    tail = f"; failed: {', '.join(failed)}" if failed else ""
+    lines.append(f"verdict: {report.verdict.upper()} — {passed}/{len(report.checks)} checks "
+                 f"passed in {report.timings.get('total_s', 0):.2f} s{tail} · report {path}")
+    return "\n".join(lines)
+
+
+def print_report(report: Report, path: str) -> None:
+    print(render(report, path), flush=True)

@@ -1,0 +1,333 @@
+"""The bandwidth and compute checks: formulas by hand, real gloo runs, profile floors.
+
+Formulas and judges are checked against hand-computed cases (pure functions, no processes).
+Two real launches start together, so that this file stays well under two minutes on a loaded
+two-core machine; each test then reads what its launch left behind:
+
+  sweep   torchrun --standalone, 2 ranks: the default sweep (1 KiB … 64 MiB) and compute, with
+          a profile whose floors any run passes;
+  faults  3 torchrun agents on loopback (3 "nodes", one rank each), a profile whose floors no
+          run passes; rank 1 is slowed 4× in compute and 30× in bandwidth (loopback pairs on a
+          loaded machine vary up to 3× run to run), rank 0 corrupts its bandwidth contribution.
+
+Timing assertions only use the injected slowdowns, never absolute speeds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddp_smoke import config
+from ddp_smoke.checks import perf
+from ddp_smoke.config import profiles
+from ddp_smoke.outputs import plot
+from ddp_smoke.checks import bandwidth, compute
+from ddp_smoke.errors import ConfigError
+from ddp_smoke.checks.api import Evidence
+from tests.launch import BIN, REPO, free_port
+
+LAUNCH_TIMEOUT_S = 150  # every launch, together; each rank's own waits are bounded by --timeout
+POSSIBLE = {"description": "test: floors any run passes", "device_name": "",
+            "bandwidth": {"world_size": 2, "nodes": 1, "floors": [
+                {"collective": "all_reduce", "size_bytes": 1 << 20, "min_busbw_gbps": 1e-9}]},
+            "compute": {"min_tflops": {"fp32": 1e-9}}, "sources": ["test"]}
+IMPOSSIBLE = {**POSSIBLE, "description": "test: floors no run passes",
+              "bandwidth": {"world_size": 3, "nodes": 3, "floors": [
+                  {"collective": "all_reduce", "size_bytes": 1 << 14, "min_busbw_gbps": 1e6}]},
+              "compute": {"min_tflops": {"fp32": 1e6}}}
+
+
+# -- formulas, by hand --------------------------------------------------------------------
+
+@pytest.mark.parametrize("collective, n, factor", [
+    ("all_reduce", 8, 14 / 8), ("all_reduce", 2, 1.0), ("all_reduce", 1, 0.0),
+    ("all_gather", 4, 3 / 4), ("reduce_scatter", 8, 7 / 8), ("all_to_all", 2, 1 / 2),
+    ("broadcast", 8, 1.0), ("sendrecv", 2, 1.0)])
+def test_bus_factors_are_nccl_tests(collective, n, factor):
+    assert perf.bus_factor(collective, n) == pytest.approx(factor)
+
+
+def test_algbw_and_busbw_by_hand():
+    # 1e9 B in 0.5 s is 2 GB/s (GB = 1e9 B); on 8 ranks all_reduce's bus moves 2·7/8 of it
+    assert perf.algbw_gbps(10 ** 9, 0.5) == pytest.approx(2.0)
+    assert perf.busbw_gbps("all_reduce", 10 ** 9, 0.5, 8) == pytest.approx(3.5)
+    assert perf.busbw_gbps("all_gather", 1 << 30, 1.0, 2) == pytest.approx(0.536870912)
+
+
+def test_layout_counts_per_rank_for_whole_array_collectives():
+    assert perf.layout("all_reduce", 1024, 2, 4) == (256, 1024)
+    assert perf.layout("all_gather", 1024, 2, 4) == (128, 1024)
+    assert perf.layout("all_gather", 1024, 3, 4) == (85, 1020)  # whole elements per rank
+    assert perf.layout("all_to_all", 4096, 8, 2) == (256, 4096)
+
+
+def test_sweep_sizes_and_iteration_budget():
+    assert perf.sweep_sizes(1024, 65536, 4) == [1024, 4096, 16384, 65536]
+    assert perf.sweep_sizes(1024, 4096, 2, extra=[3000, 4096]) == [1024, 2048, 3000, 4096]
+    assert perf.timed_iterations(0.1, 0.25, 2, 20) == 3
+    assert perf.timed_iterations(1.0, 0.25, 2, 20) == 2
+    assert perf.timed_iterations(1e-6, 0.25, 2, 20) == 20
+    assert perf.timed_iterations(0.0, 0.25, 2, 20) == 20
+
+
+def test_matmul_rate_stragglers_and_shortfall():
+    assert perf.matmul_tflops(1000, 3, 6e-3) == pytest.approx(1.0)  # 3·2e9 FLOP in 6 ms
+    assert perf.stragglers({0: 100.0, 1: 100.0, 2: 80.0}, 0.1) == (100.0, [2])
+    assert perf.stragglers({0: 100.0, 1: 91.0}, 0.1) == (95.5, [])
+    assert perf.shortfall_pct(402.0, 431.0) == pytest.approx(6.7285, rel=1e-4)
+    assert perf.percentile([5, 1, 4, 2, 3], 90) == 5 and perf.percentile([1, 2], 50) == 1
+
+
+def test_round_robin_meets_everyone_once_per_round():
+    rounds = perf.round_robin(4, 10)
+    assert len(rounds) == 3
+    assert sorted(p for r in rounds for p in r) == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+    for r in perf.round_robin(7, 3) + perf.round_robin(100, 3):
+        nodes = [n for p in r for n in p]
+        assert len(nodes) == len(set(nodes))  # one partner per node per round
+    assert len(perf.round_robin(100, 3)) == 3 and perf.round_robin(1, 3) == []
+
+
+def test_two_pass_attribution_blames_nodes_and_links():
+    slow_node = {(0, 1): 1.0, (0, 2): 10.0, (1, 2): 1.2}
+    assert perf.attribute(slow_node, 0.25)["nodes"] == [1]
+    assert perf.attribute(slow_node, 0.25)["links"] == []
+    link = {(0, 1): 2.0, (0, 2): 10.0, (0, 3): 10.0, (1, 2): 10.0, (1, 3): 9.5, (2, 3): 10.0}
+    assert perf.attribute(link, 0.25) | {"reference": None} == {
+        "reference": None, "slow": [(0, 1)], "nodes": [], "links": [(0, 1)], "unresolved": []}
+    # pass 1 saw only 4-5 slow; pass 2 pairs each of them with a known-good node
+    first = {(0, 1): 10.0, (2, 3): 10.0, (4, 5): 1.0}
+    assert perf.second_pass(6, first, 0.25, 3) == [[(0, 4), (1, 5)]]
+    assert perf.attribute(first, 0.25)["unresolved"] == [(4, 5)]
+    after = first | {(0, 4): 10.0, (1, 5): 1.0}
+    assert perf.attribute(after, 0.25)["nodes"] == [5]
+    # Node 2 is healthy, slow with slow node 3 and over a slow link with healthy node 0: one
+    # healthy witness is no proof, so it is not named; node 3 is (two healthy witnesses).
+    both = {(0, 1): 10.0, (0, 2): 1.0, (2, 3): 1.0, (1, 3): 1.0, (0, 3): 1.0}
+    assert perf.attribute(both, 0.25) | {"reference": None} == {
+        "reference": None, "slow": [(0, 2), (0, 3), (1, 3), (2, 3)], "nodes": [3], "links": [],
+        "unresolved": [(0, 2)]}
+
+
+def test_link_suspects_are_measured_again_before_blame():
+    # 0-1 was slow once while both nodes were fine with everyone else: a link suspect is
+    # measured again in pass 2 (a busy moment on a shared host is not a bad link).
+    link = {(0, 1): 2.0, (0, 2): 10.0, (0, 3): 10.0, (1, 2): 10.0, (1, 3): 9.5, (2, 3): 10.0}
+    assert perf.second_pass(4, link, 0.25, 3) == [[(0, 1)]]
+
+
+def test_bandwidth_judge_applies_floors_and_says_by_how_much():
+    # 8 ranks, 1 node, all_reduce of 1e9 B in 1 s: algbw 1 GB/s, busbw 1.75 GB/s
+    row = {"collective": "all_reduce", "size_bytes": 10 ** 9, "count": 250_000_000,
+           "type": "float32", "redop": "sum", "root": -1, "iterations": 5,
+           "time_us": 1e6, "nwrong": 0, "wrong_from": []}
+    profile = {"name": "hand", "device_name": "", "compute": {},
+               "bandwidth": {"world_size": 8, "nodes": 1, "floors": [
+                   {"collective": "all_reduce", "size_bytes": 10 ** 9, "min_busbw_gbps": 2.0}]}}
+    obs = [{"rows": [row], "pairs": {"skipped": "one node"}, "nodes": 1, "profile": profile,
+            "sweep_s": 1.0, "pairs_s": 0.0} for _ in range(8)]
+    ranks = [{"rank": r, "host": "h"} for r in range(8)]
+    result = bandwidth.judge(Evidence("bandwidth", obs, ranks, config.resolve({}, {})))
+    assert result.status == "fail"
+    assert result.figures["results"][0]["busbw_gbps"] == pytest.approx(1.75)
+    assert "1.8 GB/s, 12.5 % below the hand floor 2.0 GB/s" in result.culprits[0].reason
+    profile["bandwidth"]["floors"][0]["min_busbw_gbps"] = 1.75
+    again = bandwidth.judge(Evidence("bandwidth", obs, ranks, config.resolve({}, {})))
+    assert again.status == "pass"
+
+
+def test_compute_judge_names_the_straggler_and_floor_misses():
+    def obs(tflops):
+        return {"device_type": "cuda", "device_name": "NVIDIA H200", "matrix_size": 8192,
+                "threads": 1, "hbm_gbps": 4300.0, "profile": profiles.load("h200-8gpu"),
+                "matmul": {"bf16": {"tflops": tflops, "tflops_median": tflops, "blocks": 5,
+                                    "products_per_block": 100}}}
+    values = [780.0, 790.0, 785.0, 600.0]  # median 782.5; 600 is 23.3 % below
+    ev = Evidence("compute", [obs(v) for v in values],
+                  [{"rank": r, "host": f"n{r}"} for r in range(4)], config.resolve({}, {}))
+    result = compute.judge(ev)
+    reasons = {(k.rank, k.reason) for k in result.culprits}
+    assert (3, "bf16 matmul 600.0 TFLOPS is 23.3 % below the median 782.5 TFLOPS "
+               "(straggler margin 10%)") in reasons
+    assert (3, "bf16 matmul 600.0 TFLOPS is 5.7 % below the h200-8gpu floor 636.0 TFLOPS"
+            ) in reasons
+    assert len(reasons) == 2
+
+
+# -- profiles ---------------------------------------------------------------------------------
+
+def test_shipped_profiles_load_and_cite_their_sources():
+    assert {"cpu", "a100-8gpu", "h100-8gpu", "h200-8gpu", "b200-8gpu"} <= set(profiles.names())
+    for name in profiles.names():
+        p = profiles.load(name)
+        assert p["sources"] and p["description"]
+        for floor in p["bandwidth"].get("floors", []):
+            text = (Path(profiles.__file__).parent / f"{name}.yaml").read_text()
+            assert f"{floor['min_busbw_gbps']:g}" in text.split("description:")[0]  # explained
+    assert profiles.load("cpu")["bandwidth"] == {} and profiles.selected({}) == "cpu"
+
+
+def test_bad_profiles_are_one_line_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no such profile; shipped: .*h200-8gpu"):
+        profiles.load("h900-8gpu")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("bandwidth: {world_size: 8, nodes: 1, floors: [{collective: all_reduce}]}\n")
+    with pytest.raises(ConfigError, match="bandwidth floor"):
+        profiles.load(str(bad))
+    bad.write_text("floors: []\n")
+    with pytest.raises(ConfigError, match="unknown key 'floors'"):
+        profiles.load(str(bad))
+
+
+# -- real runs --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Start the three launches together; wait (bounded) for all; their reports by name."""
+    base = tmp_path_factory.mktemp("perf")
+    (base / "possible.yaml").write_text(yaml.safe_dump(POSSIBLE))
+    (base / "impossible.yaml").write_text(yaml.safe_dump(IMPOSSIBLE))
+    cfg = {"sweep": {"profile": str(base / "possible.yaml")},
+           "faults": {"profile": str(base / "impossible.yaml"),
+                      "bandwidth": {"max_bytes_cpu": 1 << 14, "pair_bytes_cpu": 4 << 20}}}
+    for name, body in cfg.items():
+        (base / f"{name}.yaml").write_text(yaml.safe_dump(body))
+    common = ["-m", "ddp_smoke", "--checks", "bandwidth,compute"]
+    standalone = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2"]
+    port = free_port()
+    agent = [str(BIN / "torchrun"), "--nnodes=3", "--nproc-per-node=1", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=perf-{port}",
+             "--local-addr=127.0.0.1", "--max-restarts=0"]
+    # slow=10: far outside the CPU straggler margin even with three ranks on two loaded cores
+    faults = "1:slow=10@compute,1:slow=30@bandwidth,0:corrupt@bandwidth"
+    plans = {"sweep": [standalone + common], "faults": [agent + common + ["--fault", faults]] * 3}
+    procs = {name: [_start(argv + ["--config", str(base / f"{name}.yaml"),
+                                   "--report-dir", str(base / name)], base / f"{name}-{i}.log")
+                    for i, argv in enumerate(argvs)] for name, argvs in plans.items()}
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    out = {}
+    for name, ps in procs.items():
+        codes = [_wait(p, deadline) for p in ps]
+        logs = "\n".join((base / f"{name}-{i}.log").read_text() for i in range(len(ps)))
+        report = base / name / "report.json"
+        out[name] = {"codes": codes, "log": logs,
+                     "report": json.loads(report.read_text()) if report.exists() else None}
+    return out
+
+
+def _start(argv: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as f:
+        return subprocess.Popen(argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL,
+                                # torchrun sets it only for nproc-per-node > 1; without it each
+                                # single-rank agent's matmul spins threads on both shared cores
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _wait(p: subprocess.Popen, deadline: float) -> int:
+    try:
+        return p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        p.kill()  # this launch's own process, by handle
+        p.wait(timeout=10)
+        return -9
+
+
+def _check(run: dict, name: str) -> dict:
+    assert run["report"], f"no report; output:\n{run['log'][-3000:]}"
+    return next(c for c in run["report"]["checks"] if c["name"] == name)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_sweep_figures_are_positive_monotone_and_consistent(runs):
+    run = runs["sweep"]
+    bw = _check(run, "bandwidth")
+    assert run["codes"] == [0] and bw["status"] == "pass", run["log"][-3000:]
+    factor = {"all_reduce": 2 * (2 - 1) / 2, "all_gather": (2 - 1) / 2}  # n = 2, by hand
+    for collective, f in factor.items():
+        rows = [r for r in bw["figures"]["results"] if r["collective"] == collective]
+        sizes = [r["size_bytes"] for r in rows]
+        assert sizes == [1024 * 4 ** i for i in range(9)]  # 1 KiB … 64 MiB, ascending
+        per_rank = 2 if collective == "all_gather" else 1
+        for r in rows:
+            assert r["count"] * 4 * per_rank == r["size_bytes"] and r["type"] == "float32"
+            assert 0 < r["time_us_min"] <= r["time_us"] <= r["time_us_max"]
+            assert r["iterations"] >= 2 and r["nwrong"] == 0
+            assert r["algbw_gbps"] == pytest.approx(r["size_bytes"] / r["time_us"] / 1e3)
+            assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * f) and r["busbw_gbps"] > 0
+        assert rows[-1]["time_us"] > rows[0]["time_us"]  # 65536× the bytes: slower despite noise
+    assert bw["figures"]["floors"]["applied"] and bw["figures"]["floors"]["results"][0]["ok"]
+    assert "one node" in bw["figures"]["pairs"]["skipped"]
+    assert "# Avg bus bandwidth : all_reduce" in run["log"] and "(GB/s)" in run["log"]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_compute_lists_every_rank_and_passes_possible_floors(runs):
+    c = _check(runs["sweep"], "compute")
+    assert c["status"] == "pass", c
+    assert [r["rank"] for r in c["figures"]["ranks"]] == [0, 1]
+    assert all(r["matmul"]["fp32"]["tflops"] > 0 for r in c["figures"]["ranks"])
+    assert "fp32 (GFLOPS)" in runs["sweep"]["log"]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_injected_slow_rank_is_named_by_compute(runs):
+    c = _check(runs["faults"], "compute")
+    assert c["status"] == "fail" and runs["faults"]["codes"] == [1, 1, 1]
+    stragglers = [k for k in c["culprits"] if "below the median" in k["reason"]]
+    assert [k["rank"] for k in stragglers] == [1], c["culprits"]
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_impossible_floors_fail_both_checks_and_say_by_how_much(runs):
+    bw, c = _check(runs["faults"], "bandwidth"), _check(runs["faults"], "compute")
+    assert bw["status"] == "fail"
+    assert any(re.search(r"all_reduce busbw at 16 KiB is [\d.]+ GB/s, 100\.0 % below the "
+                         r".*impossible\.yaml floor 1000000\.0 GB/s", k["reason"])
+               for k in bw["culprits"] if k["rank"] is None), bw["culprits"]
+    floors = [k for k in c["culprits"] if "floor" in k["reason"]]
+    assert sorted(k["rank"] for k in floors) == [0, 1, 2]
+    assert all(re.search(r"fp32 matmul [\d.]+ GFLOPS is 100\.0 % below", k["reason"])
+               for k in floors)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_pairs_name_the_slow_node_and_wrong_data_names_its_source(runs):
+    bw = _check(runs["faults"], "bandwidth")
+    pairs = bw["figures"]["pairs"]
+    assert pairs["nodes"] == 3 and len(pairs["results"]) == 3, pairs
+    assert {(p["node_a"], p["node_b"]) for p in pairs["results"] if p["slow"]} == {(0, 1), (1, 2)}
+    nodes = [k["rank"] for k in bw["culprits"] if "slow with every partner" in k["reason"]]
+    assert nodes == [1], bw["culprits"]
+    sources = [k["rank"] for k in bw["culprits"] if "arrived wrong" in k["reason"]]
+    assert sources == [0]
+    assert all(r["nwrong"] > 0 for r in bw["figures"]["results"])
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_plot_is_written_when_matplotlib_is_there(runs, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib absent: the `plot` extra is optional")
+    path = plot.write_busbw_png(runs["sweep"]["report"], str(tmp_path))
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", data[16:24])[0] > 100
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_plot_is_not_drawn_at_the_quick_level(runs, tmp_path):
+    quick = {**runs["sweep"]["report"], "config": {**runs["sweep"]["report"]["config"],
+                                                   "level": "quick"}}
+    assert plot.write_busbw_png(quick, str(tmp_path)) is None and os.listdir(tmp_path) == []
+
+
+def test_plot_without_bandwidth_figures_writes_nothing(tmp_path):
+    assert plot.write_busbw_png({"checks": [], "world_size": 1, "backend": "gloo"},
+                                str(tmp_path)) is None
+    assert os.listdir(tmp_path) == []

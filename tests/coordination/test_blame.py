@@ -1,0 +1,162 @@
+"""Blame as pure functions, on snapshots shaped like those the harness records.
+
+The real faults behind each shape run in tests/test_diagnosis*.py; here every rule and its
+order are pinned down one by one, including the cases a real run only hits by chance.
+"""
+from __future__ import annotations
+
+import pytest
+
+from ddp_smoke.coordination import blame
+from ddp_smoke.coordination.runtime import agree_backend
+
+HOSTS = ["n0", "n0", "n1", "n1"]
+T = 1_000_000.0  # a wall-clock time
+
+
+def snap(**kw) -> blame.Snapshot:
+    base = dict(stage="bandwidth", world_size=4, timeout_s=10.0, hosts=HOSTS,
+                connected={0, 1, 2, 3}, arrived={0, 1, 2, 3}, finished=set())
+    return blame.Snapshot(**{**base, **kw})
+
+
+def beat(seq, inside, op="barrier", peer=None, stage="bandwidth", t=T):
+    return {"seq": seq, "inside": inside, "op": op, "bytes": 0, "peer": peer, "for_s": 3.0,
+            "stage": stage, "t": t, "n": 10}
+
+
+def culprits(s) -> list:
+    return [(c.rank, c.ranks) for c in blame.judge(s).culprits]
+
+
+def test_rank_that_never_entered_the_collective_is_the_only_culprit():
+    s = snap(progress={0: beat(12, True), 1: beat(11, False, op="all_reduce"),
+                       2: beat(12, True), 3: beat(12, True)},
+             aborts={r: {"kind": "timeout", "at": T} for r in (0, 2, 3)},
+             where={1: "in throttle, timing.py:44"})
+    v = blame.judge(s)
+    assert [c.rank for c in v.culprits] == [1]
+    assert v.culprits[0].reason.startswith("never entered collective #12 (barrier)")
+    assert v.culprits[0].where == "in throttle, timing.py:44"
+    assert [x["rank"] for x in v.victims] == [0, 2, 3]
+    assert all("blocked in barrier #12" in x["state"] for x in v.victims)
+
+
+def test_rank_whose_own_deadline_fired_is_still_judged_by_progress():
+    # The stalled rank's watchdog posted "timeout" too: that must not excuse it.
+    s = snap(progress={0: beat(5, True), 1: beat(4, False), 2: beat(5, True), 3: beat(5, True)},
+             aborts={r: {"kind": "timeout", "at": T} for r in range(4)})
+    assert culprits(s) == [(1, None)]
+
+
+def test_everyone_inside_the_same_collective_blames_no_rank():
+    s = snap(progress={r: beat(7, True, op="all_reduce") for r in range(4)},
+             aborts={0: {"kind": "timeout", "at": T}})
+    v = blame.judge(s)
+    assert [c.rank for c in v.culprits] == [None]
+    assert "no rank lagged" in v.culprits[0].reason
+
+
+def test_peer_missing_from_an_exchange_is_blamed_not_the_rank_waiting_in_it():
+    s = snap(progress={0: beat(9, True), 1: beat(9, True), 2: beat(8, True, "sendrecv", peer=3),
+                       3: beat(8, False)},
+             aborts={0: {"kind": "timeout", "at": T}})
+    assert culprits(s) == [(3, None)]
+
+
+def test_exchange_stuck_with_both_ends_inside_names_the_link():
+    s = snap(progress={0: beat(9, True), 1: beat(9, True), 2: beat(8, True, "sendrecv", peer=3),
+                       3: beat(8, True, "sendrecv", peer=2)},
+             aborts={0: {"kind": "timeout", "at": T}})
+    v = blame.judge(s)
+    assert [(c.rank, c.ranks, c.hosts) for c in v.culprits] == [(None, [2, 3], ["n1", "n1"])]
+
+
+def test_one_terminated_rank_is_the_culprit_and_the_rest_victims():
+    s = snap(stage="compute", aborts={2: {"kind": "terminated", "signal": "SIGTERM", "at": T,
+                                          "stage": "compute"}},
+             progress={r: beat(3, False, stage="compute") for r in range(4)})
+    v = blame.judge(s)
+    assert [(c.rank, c.reason) for c in v.culprits] == [(2, "terminated by SIGTERM during compute")]
+    assert [x["rank"] for x in v.victims] == [0, 1, 3]
+    assert all("within" not in x["state"] for x in v.victims)
+
+
+def test_every_rank_terminated_is_the_launcher():
+    s = snap(stage="compute", aborts={r: {"kind": "terminated", "signal": "SIGTERM",
+                                          "at": T + r / 100} for r in range(4)})
+    v = blame.judge(s)
+    assert [(c.rank, c.host) for c in v.culprits] == [(None, None)]
+    assert v.culprits[0].reason == ("terminated by the launcher (SIGTERM to all ranks) during "
+                                    "compute")
+
+
+def test_terminations_after_a_death_are_the_launchers_reaction():
+    # torchrun stops the whole local group when one worker dies: the death is the cause.
+    s = snap(stage="ddp_step", dead={2},
+             progress={2: beat(1, False, stage="ddp_step", t=T)},
+             aborts={r: {"kind": "terminated", "signal": "SIGTERM", "at": T + 0.4}
+                     for r in (0, 1, 3)})
+    v = blame.judge(s)
+    assert [c.rank for c in v.culprits] == [2]
+    assert all(x["state"].startswith("in ddp_step; terminated by SIGTERM, stopped 0.4 s after "
+                                     "rank 2 died") for x in v.victims), v.victims
+
+
+def test_terminated_before_a_later_error_stays_the_culprit():
+    s = snap(aborts={1: {"kind": "terminated", "signal": "SIGUSR1", "at": T},
+                     3: {"kind": "error", "type": "RuntimeError", "message": "x", "at": T + 1}})
+    assert culprits(s) == [(1, None)]
+
+
+def test_raised_and_comm_errors():
+    s = snap(aborts={1: {"kind": "error", "type": "RuntimeError", "message": "boom", "at": T},
+                     0: {"kind": "error", "comm": True, "message": "Connection reset by peer",
+                         "at": T + 0.1}})
+    v = blame.judge(s)
+    assert [c.rank for c in v.culprits] == [1]
+    assert "communication error" in v.victims[0]["state"]
+
+
+def test_communication_errors_alone_blame_no_rank():
+    s = snap(aborts={0: {"kind": "error", "comm": True, "message": "Connection reset", "at": T}},
+             progress={r: beat(3, True) for r in range(4)})
+    # every rank inside the same collective, nobody dead: the collective itself is stuck
+    assert culprits(s) == [(None, None)]
+
+
+def test_absent_rank_says_within_only_when_the_deadline_passed():
+    hung = snap(stage="ddp_step", arrived={0, 2, 3}, aborts={0: {"kind": "timeout", "at": T}})
+    assert blame.judge(hung).culprits[0].reason == ("did not arrive at ddp_step within 10.0 s "
+                                                    "(process alive: hung?)")
+    early = snap(stage="ddp_step", arrived={0, 2, 3}, aborts={})
+    assert "within" not in blame.judge(early).culprits[0].reason
+
+
+def test_never_connected_and_dead_before_arrival():
+    s = snap(stage="init", connected={0, 1, 2}, arrived={0, 1, 2}, dead={2})
+    v = blame.judge(s)
+    assert sorted(c.rank for c in v.culprits) == [2, 3]
+
+
+def test_rank_busy_outside_collectives_past_the_deadline():
+    s = snap(stage="compute", finished={0, 2, 3},
+             progress={1: beat(2, False, stage="compute")},
+             aborts={0: {"kind": "timeout", "at": T}})
+    v = blame.judge(s)
+    assert [(c.rank, c.reason) for c in v.culprits] == [
+        (1, "did not finish compute within 10.0 s (process alive, not in a collective)")]
+
+
+@pytest.mark.parametrize("requested, pick, cuda, world, backend, problem", [
+    ("auto", "nccl", 4, 4, "nccl", False),
+    ("auto", "gloo", 0, 4, "gloo", False),
+    ("auto", "gloo", 3, 4, "nccl", True),   # the one node without CUDA is the odd one out
+    ("auto", "nccl", 3, 4, "nccl", True),   # ... and the GPU ranks stop as victims
+    ("gloo", "gloo", 3, 4, "gloo", False),  # an explicit choice is everyone's
+])
+def test_backend_agreement(requested, pick, cuda, world, backend, problem):
+    got, why = agree_backend(requested, pick, cuda, world)
+    assert got == backend and (why is not None) == problem
+    if problem:
+        assert why.format(host="gpu7").startswith("no usable CUDA on gpu7")

@@ -1,0 +1,168 @@
+"""Python submission path: submitit runs the worker and hands back rank 0's report."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddp_smoke.errors import ConfigError
+from ddp_smoke.submit import (GPU_CPUS_PER_PROC, IMAGE_PYTHON, SmokeFailed, SmokeTimeout,
+                              _task, plan, submit)
+from tests.launch import REPO
+
+QUICK = ["--checks", "environment,ddp_step", "--timeout", "20"]  # a later --timeout wins
+
+
+@pytest.mark.timeout(180)
+def test_local_two_processes_return_a_passing_report(tmp_path):
+    report = submit("local", procs_per_node=2, folder=tmp_path, worker_args=QUICK,
+                    wait_timeout_s=150)
+    assert (report["verdict"], report["world_size"]) == ("pass", 2)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+
+
+@pytest.mark.timeout(180)
+def test_local_fault_raises_with_the_culprit_and_the_report(tmp_path):
+    with pytest.raises(SmokeFailed) as e:
+        submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
+               worker_args=QUICK + ["--fault", "1:corrupt@ddp_step"])
+    assert e.value.report["verdict"] == "fail"
+    assert [(k["rank"], k["check"]) for k in e.value.culprits] == [(1, "ddp_step")]
+    assert "rank 1" in str(e.value)
+
+
+def test_plan_renders_slurm_parameters_and_refuses_node_local_folders(tmp_path):
+    p = plan("slurm", nodes=2, procs_per_node=4, gpus_per_node=4, partition="gpu",
+             account="ops", folder=REPO / ".sandbox" / "x", container_image="img:1",
+             allow_local_folder=True)  # the checkout itself may live under /tmp (CI)
+    assert p.parameters["nodes"] == 2 and p.parameters["tasks_per_node"] == 4
+    assert p.parameters["slurm_partition"] == "gpu" and p.parameters["gpus_per_node"] == 4
+    assert "--container-image=img:1" in p.parameters["slurm_srun_args"]
+    assert p.worker_args[-2:] == ["--report-dir", str(p.report_dir)]
+    with pytest.raises(ConfigError, match="node-local"):
+        plan("slurm", folder=tmp_path)
+    with pytest.raises(ConfigError, match="nodes=2"):
+        plan("local", nodes=2)
+
+
+def _sbatch_text(p) -> str:
+    """The batch script submitit would submit for plan p (its own renderer, nothing sent)."""
+    import submitit
+    executor = submitit.SlurmExecutor(folder=p.folder, python=p.python)
+    executor.update_parameters(**{k.removeprefix("slurm_"): v for k, v in p.parameters.items()
+                                  if k not in ("timeout_min", "name", "tasks_per_node")},
+                               time=p.parameters["timeout_min"], job_name="ddp-smoke",
+                               ntasks_per_node=p.parameters["tasks_per_node"])
+    return executor._make_submission_file_text(executor._submitit_command_str, "uid")
+
+
+def test_container_runs_the_images_python_and_checks_submitit(tmp_path):
+    """A pyxis task cannot run the login node's python path: it runs the image's."""
+    import submitit
+    p = plan("slurm", nodes=2, procs_per_node=8, gpus_per_node=8, container_image="img:1",
+             folder=REPO / ".sandbox" / "c", allow_local_folder=True)
+    assert p.python == IMAGE_PYTHON
+    assert p.worker_args[:2] == ["--submitit-version", submitit.__version__]
+    text = _sbatch_text(p)
+    assert "srun --unbuffered --output" in text and "--container-image=img:1" in text
+    assert f"{IMAGE_PYTHON} -u -m submitit.core._submit" in text
+    assert sys.executable not in text  # the login node's interpreter appears nowhere
+    with pytest.raises(RuntimeError, match=f"submitit {submitit.__version__} in the container, "
+                                           "0.0.1 on the submitting side"):
+        _task(["--submitit-version", "0.0.1", "--checks", "environment"], False)
+
+
+def test_gpu_runs_get_whole_nodes_memory_and_cpus(tmp_path):
+    gpu = plan("slurm", nodes=2, procs_per_node=8, gpus_per_node=8,
+               folder=REPO / ".sandbox" / "g", allow_local_folder=True)
+    assert (gpu.parameters["cpus_per_task"], gpu.parameters["slurm_exclusive"],
+            gpu.parameters["slurm_mem"]) == (GPU_CPUS_PER_PROC, True, "0")
+    text = _sbatch_text(gpu)
+    for line in ("#SBATCH --exclusive", "#SBATCH --mem=0", f"#SBATCH --cpus-per-task="
+                 f"{GPU_CPUS_PER_PROC}", "#SBATCH --gpus-per-node=8"):
+        assert line in text, text
+    cpu = plan("slurm", nodes=2, procs_per_node=2, folder=REPO / ".sandbox" / "g",
+               allow_local_folder=True)
+    assert cpu.parameters["cpus_per_task"] == 1 and "slurm_exclusive" not in cpu.parameters
+    mine = plan("slurm", gpus_per_node=8, cpus_per_proc=12, exclusive=False,
+                folder=REPO / ".sandbox" / "g", allow_local_folder=True)
+    assert mine.parameters["cpus_per_task"] == 12 and "slurm_mem" not in mine.parameters
+
+
+@pytest.mark.timeout(60)
+def test_cli_dry_run_and_bad_input():
+    cli = [sys.executable, "-m", "ddp_smoke.submit"]
+    dry = subprocess.run(cli + ["--cluster", "slurm", "--nodes", "2", "--folder",
+                                str(REPO / ".sandbox" / "dry"), "--allow-local-folder",
+                                "--dry-run", "--", *QUICK],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert dry.returncode == 0 and "nodes=2" in dry.stdout and "--checks" in dry.stdout
+    bad = subprocess.run(cli + ["--", "--checks", "nope"], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "nope" in bad.stderr
+
+
+# -- on the real Slurm test cluster ------------------------------------------------------------
+
+from tests.sandbox.slurm import slurm_fixture  # noqa: E402
+
+cluster = slurm_fixture(nodes=2)
+
+
+@pytest.fixture
+def on_cluster(cluster, monkeypatch):
+    """Clients (sbatch, squeue, scancel) find the sandbox's slurm.conf, as on a login node."""
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return cluster
+
+
+def _slurm(tmp_path, worker_args, **kwargs):
+    # The sandbox's nodes share this machine's /tmp, so a node-local folder is shared here.
+    return submit("slurm", nodes=2, procs_per_node=1, folder=tmp_path, allow_local_folder=True,
+                  worker_args=QUICK + worker_args, **kwargs)
+
+
+@pytest.mark.timeout(240)
+def test_slurm_two_nodes_return_the_report(on_cluster, tmp_path):
+    report = _slurm(tmp_path, [], wait_timeout_s=180)
+    assert (report["verdict"], report["world_size"], report["nodes"]) == ("pass", 2, 2)
+    assert sorted(r["host"] for r in report["ranks"]) == sorted(on_cluster.node_names)
+
+
+@pytest.mark.timeout(240)
+def test_slurm_fault_raises_with_the_culprit(on_cluster, tmp_path):
+    with pytest.raises(SmokeFailed) as e:
+        _slurm(tmp_path, ["--fault", "1:raise@ddp_step"], wait_timeout_s=180)
+    culprits = e.value.culprits
+    assert [(k["rank"], k["check"]) for k in culprits] == [(1, "ddp_step")]
+    assert culprits[0]["host"] in on_cluster.node_names
+
+
+@pytest.mark.timeout(240)
+def test_slurm_timeout_cancels_the_job_and_raises_within_the_bound(on_cluster, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(SmokeTimeout) as e:
+        _slurm(tmp_path, ["--fault", "1:hang@ddp_step", "--timeout", "120"], wait_timeout_s=15)
+    assert time.monotonic() - started < 15 + 20
+    job_id = e.value.job_id
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # scancel is asynchronous: the job leaves the queue soon
+        queue = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
+        if job_id not in queue.stdout:
+            break
+        time.sleep(1)
+    assert job_id not in queue.stdout, queue.stdout
+
+
+@pytest.mark.timeout(240)
+def test_slurm_tasks_run_the_given_interpreter(on_cluster, tmp_path):
+    """submitit's `python` reaches every task (as the image's interpreter does with pyxis)."""
+    marker = tmp_path / "used"
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f"#!/bin/sh\necho \"$SLURM_PROCID\" >> {marker}\n"
+                       f"exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    report = _slurm(tmp_path, [], wait_timeout_s=180, python=str(wrapper))
+    assert report["verdict"] == "pass"
+    assert sorted(marker.read_text().split()) == ["0", "1"]

@@ -1,0 +1,48 @@
+"""Report model: verdict rules, atomic writes, JUnit XML, the human summary."""
+import json
+import os
+import xml.etree.ElementTree as ET
+
+from ddp_smoke.model import FAIL, PASS, SKIP, CheckResult, Culprit, Report
+from ddp_smoke.outputs.report import to_junit, write_report
+from ddp_smoke.outputs.summary import render
+
+
+def _report(*statuses, error=None):
+    checks = [CheckResult(f"c{i}", s, summary=f"s{i}",
+                          culprits=[Culprit(1, "node2", "slow")] if s == FAIL else [])
+              for i, s in enumerate(statuses)]
+    ranks = [{"rank": 0, "local_rank": 0, "host": "node1"},
+             {"rank": 1, "local_rank": 0, "host": "node2"}]
+    return Report("0", "t", "gloo", 2, ranks, checks, {"timeout": 9, "checks": []},
+                  {"total_s": 1.0}, error)
+
+
+def test_verdict_passes_only_when_every_check_passes_or_skips():
+    assert _report(PASS, SKIP).verdict == PASS
+    assert _report(PASS, FAIL).verdict == FAIL
+    assert _report().verdict == FAIL  # nothing ran: nothing was proven
+    assert _report(PASS, error={"type": "X"}).verdict == FAIL
+
+
+def test_contract_keys_and_nodes(tmp_path):
+    path = write_report(_report(PASS, FAIL), str(tmp_path))
+    data = json.loads(open(path).read())
+    for key in ("verdict", "world_size", "nodes", "backend", "ranks", "checks", "timings"):
+        assert key in data
+    assert data["nodes"] == 2 and data["verdict"] == "fail"
+    assert data["checks"][1]["culprits"] == [{"rank": 1, "host": "node2", "reason": "slow",
+                                              "ranks": None, "hosts": None, "where": None}]
+    assert sorted(os.listdir(tmp_path)) == ["junit.xml", "report.json"]  # no temp files left
+
+
+def test_junit_counts_failures_and_skips():
+    root = ET.fromstring(to_junit(_report(PASS, FAIL, SKIP)))
+    assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("3", "1", "1")
+    assert "rank 1 host node2: slow" in root.find("testcase[@name='c1']/failure").text
+
+
+def test_summary_names_culprits_and_ends_with_the_verdict():
+    text = render(_report(PASS, FAIL), "r/report.json")
+    assert "culprit: rank 1 (node2): slow" in text
+    assert text.splitlines()[-1].startswith("verdict: FAIL")
