@@ -214,3 +214,18 @@ def test_bad_input_is_one_line_and_exit_2(args):
 def test_render_file_names_the_file():
     with pytest.raises(ConfigError, match="not JSON"):
         page.render_file(__file__)
+
+
+def test_publish_writes_the_page_beside_the_report_and_prepare_clears_it(tmp_path, capsys):
+    from ddp_smoke import outputs
+    from ddp_smoke.model import FAIL, CheckResult, Culprit, Report
+
+    report = Report(version="0.1.0", started_at="2026-11-30T10:00:00+00:00", backend="gloo",
+                    world_size=2, ranks=[{"rank": r, "local_rank": r, "host": "vm"}
+                                         for r in range(2)],
+                    checks=[CheckResult("ddp_step", FAIL, culprits=[Culprit(1, "vm", HOSTILE)])],
+                    config={"checks": ["ddp_step"], "timeout": 10}, run_id="r1")
+    assert outputs.publish(report, str(tmp_path), "r1") == FAIL
+    text = (tmp_path / "report.html").read_text()
+    assert '<span id="verdict">FAIL</span>' in text and "&lt;script&gt;" in text
+    assert str(tmp_path / "report.html") in outputs.prepare(str(tmp_path))

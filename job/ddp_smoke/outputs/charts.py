@@ -190,10 +190,15 @@ def check_of(report: dict, name: str) -> dict:
     return next((c for c in checks_of(report) if c.get("name") == name), {})
 
 
-def sec_bandwidth(report: dict) -> str:
-    c = check_of(report, "bandwidth")
+def _table(report: dict, check: str, key: str) -> tuple[dict, dict, list[dict]]:
+    """A check, its figures and the rows of one of its figure lists (each a dict)."""
+    c = check_of(report, check)
     f = _d(c.get("figures"))
-    rows = [_d(r) for r in _l(f.get("results"))]
+    return c, f, [_d(r) for r in _l(f.get(key))]
+
+
+def sec_bandwidth(report: dict) -> str:
+    _, f, rows = _table(report, "bandwidth", "results")
     if not rows:
         return ""
     series: dict[str, list] = {}
@@ -255,9 +260,7 @@ def sec_pairs(report: dict) -> str:
 
 
 def sec_compute(report: dict) -> str:
-    c = check_of(report, "compute")
-    f = _d(c.get("figures"))
-    ranks = [_d(r) for r in _l(f.get("ranks"))]
+    c, f, ranks = _table(report, "compute", "ranks")
     if not ranks:
         return ""
     named = {k.get("rank") for k in map(_d, _l(c.get("culprits")))}
@@ -360,12 +363,7 @@ def sec_timeline(report: dict) -> str:
                         f'fill="{colours.get(state, SKIP)}"><title>{e(name)}: {e(state)} '
                         f'({fmt(dur, 3)} s) {e(text)}</title></rect>')
             x += w
-        last = next(((s, txt, n) for (s, txt), (n, _) in zip(reversed(signature),
-                                                            reversed(phases)) if s != "skip"),
-                    ("ok", "", "start"))
-        stopped = [s for s, _ in signature if s == "skip"]
-        where = ("finished" if not stopped and last[0] == "ok" else
-                 f"{last[0]} at {last[2]}" + (f": {last[1]}" if last[1] else ""))
+        where = _where(signature, phases)
         hosts = list(dict.fromkeys(str(ranks[r].get("host")) for r in members if r < len(ranks)))
         label = _ranges(members) + (f" ({', '.join(hosts[:3])}{' …' if len(hosts) > 3 else ''})"
                                     if hosts else "")
@@ -376,6 +374,17 @@ def sec_timeline(report: dict) -> str:
     return (f'<section id="timeline"><h2>Timeline <small>stages per rank, width ~ time</small>'
             f'</h2><p>{legend}</p><div class="scroll"><table class="timeline">{"".join(rows)}'
             f'</table></div></section>')
+
+
+def _where(signature: tuple, phases: list[tuple[str, float]]) -> str:
+    """Where a group of ranks stopped: its first bad stage, else after its last stage that
+    ran when later ones did not ("not run: the run stopped at …"), else finished."""
+    for (state, text), (name, _) in zip(signature, phases):
+        if state not in ("ok", "skip"):
+            return f"{state} at {name}" + (f": {text}" if text else "")
+    ran = [name for (state, _), (name, _) in zip(signature, phases) if state == "ok"]
+    unrun = any(state == "skip" and text.startswith("not run") for state, text in signature)
+    return f"stopped after {ran[-1]}" if unrun and ran else "finished"
 
 
 def _ranges(ranks: list[int]) -> str:

@@ -29,10 +29,12 @@ import sys
 
 from .. import __version__
 from ..errors import ConfigError, ReportWriteError
+from ..model import finite
 from . import history
 from .runs import _d, _l, _num
 from .files import write_atomic
 from .hosts import hosts_section, next_commands
+from .report import as_dict
 from .charts import (MAX_ROWS, check_of, checks_of, e, fmt, sec_bandwidth, sec_compute, sec_pairs,
                      sec_timeline, sparkline)
 
@@ -334,7 +336,7 @@ def write(report, report_dir: str, history_budget_s: float | None = 2.0) -> str 
     """
     path = os.path.join(report_dir, FILENAME)
     try:
-        data = report if isinstance(report, dict) else json.loads(report.to_json())
+        data = report if isinstance(report, dict) else finite(as_dict(report))  # as the JSON
         hist = _history(data, os.path.join(report_dir, "report.json"), history_budget_s)
         write_atomic(path, render(data, hist, source=os.path.join(report_dir, "report.json")))
         return path
