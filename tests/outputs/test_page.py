@@ -135,6 +135,7 @@ def test_a_re_rendered_old_report_shows_the_history_it_had(tmp_path):
     _write(tmp_path, "b", _report(started="2026-11-30T11:00:00+00:00", pair=0.05))
     hist = history.for_report(json.loads(open(first).read()), first)
     assert all(len(f["values"]) == 1 for h in hist["hosts"] for f in h["figures"])
+    assert not (tmp_path / runs.INDEX_NAME).exists()  # only `ddp-smoke history` makes one
 
 
 def test_the_index_follows_the_reports(tmp_path):

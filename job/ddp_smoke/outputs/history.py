@@ -95,8 +95,9 @@ def summarize(index: Index, kind: str, entities: list[tuple[str, str]] | None = 
 def for_report(report: dict, report_path: str, budget_s: float | None = 2.0) -> dict | None:
     """History of this report's hosts and GPUs from the runs beside it, or None without any.
 
-    The root is the folder that holds the report's folder. Nothing is written there unless it
-    holds another run already (or an index): a lone ``--report-dir /tmp/x`` leaves /tmp alone.
+    The root is the folder that holds the report's folder. Its index is used and kept fresh when
+    ``ddp-smoke history`` made one; otherwise the runs are read into one in memory and nothing
+    is written there (a ``--report-dir /tmp/x`` leaves /tmp as it was).
     Runs that started after this one are left out, so an old report re-rendered shows the
     history it had. ``budget_s`` bounds the walk and the reading (rank 0 before the verdict).
     """
@@ -104,7 +105,8 @@ def for_report(report: dict, report_path: str, budget_s: float | None = 2.0) -> 
     if not _has_history(root, os.path.abspath(report_path)):
         return None
     deadline = None if budget_s is None else time.monotonic() + budget_s
-    index = Index(root, {**defaults(), **_d(_d(report.get("config")).get("history"))})
+    index = Index(root, {**defaults(), **_d(_d(report.get("config")).get("history"))},
+                  create=False)
     try:
         stats = index.refresh(deadline)
         until = run_time(report, time.time())

@@ -154,16 +154,20 @@ CREATE INDEX hosts_by_path ON hosts (path);
 class Index:
     """The SQLite index of the reports under ``root``; see the module docstring."""
 
-    def __init__(self, root: str, settings: dict | None = None):
+    def __init__(self, root: str, settings: dict | None = None, create: bool = True):
+        """``create=False``: use the index only when it exists, else one in memory (rank 0
+        leaves a root it was not asked to index as it found it)."""
         self.root = os.path.abspath(root)
         self.path = os.path.join(self.root, INDEX_NAME)
+        self.create = create
         self.settings = dict(settings or {})
         self.db = self._open()
         self.stats = {"reports": 0, "read": 0, "removed": 0, "unreadable": 0, "complete": True}
 
     def _open(self) -> sqlite3.Connection:
-        writable = os.access(self.root, os.W_OK) and (
-            not os.path.exists(self.path) or os.access(self.path, os.W_OK))
+        exists = os.path.exists(self.path)
+        writable = (exists or self.create) and os.access(self.root, os.W_OK) and (
+            not exists or os.access(self.path, os.W_OK))
         for attempt in range(2 if writable else 0):
             try:
                 db = sqlite3.connect(self.path, timeout=5)
