@@ -66,9 +66,10 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]]]],
         body.append(f'<line x1="{L}" x2="{W - R}" y1="{py(y):.1f}" y2="{py(y):.1f}" '
                     f'class="grid"/><text x="{L - 6}" y="{py(y) + 4:.1f}" class="tick" '
                     f'text-anchor="end">{fmt(y, 3)}</text>')
-    every = max(1, math.ceil(len(xs) / 9))
-    for i, x in enumerate(xs):
-        if i % every == 0 or i == len(xs) - 1:
+    shown = -1e9  # a label only where it clears the last one (sizes 16 KiB and 16383 B meet)
+    for x in xs:
+        if px(x) - shown >= 58:
+            shown = px(x)
             body.append(f'<text x="{px(x):.1f}" y="{H - B + 16}" class="tick" '
                         f'text-anchor="middle">{e(human_bytes(x))}</text>')
     body.append(f'<text x="{(L + W - R) / 2}" y="{H - B + 34}" class="axis" '
@@ -351,8 +352,9 @@ def sec_timeline(report: dict) -> str:
     head = []
     x = 0.0
     for (name, dur), w in zip(phases, widths):
-        head.append(f'<text x="{(x + w / 2) * W:.1f}" y="12" class="tick" text-anchor="middle">'
-                    f'{e(name[:10])}</text>')
+        if w * W >= 6 * len(name[:10]):  # a name that fits its stage; the others in its <title>
+            head.append(f'<text x="{(x + w / 2) * W:.1f}" y="12" class="tick" '
+                        f'text-anchor="middle">{e(name[:10])}</text>')
         x += w
     rows = [f'<tr><th>ranks</th><th>{svg(W, H, "stages", head)}</th><th>where it stopped'
             f'</th></tr>']

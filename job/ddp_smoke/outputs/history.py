@@ -151,7 +151,8 @@ def render(index: Index, shown: int = 6) -> str:
         "%Y-%m-%d %H:%M")
     span = f", {when(runs[0][1])} .. {when(runs[-1][1])} UTC" if runs else ""
     margin = (f"{s['margin_override']:.0%}" if s.get("margin_override") is not None else
-              f"{s['margin']:.0%} on GPU runs, {s['margin_cpu']:.0%} on CPU runs")
+              f"the latest run's history.margin (default {s['margin']:.0%} on GPU, "
+              f"{s['margin_cpu']:.0%} on CPU runs)")
     lines = [f"# ddp-smoke history: {len(runs)} run(s) under {index.root}{span}",
              f"# index {index.path}: {st['read']} report(s) read now, {st['removed']} gone, "
              f"{st['unreadable']} unreadable",
@@ -177,7 +178,7 @@ def render(index: Index, shown: int = 6) -> str:
                     flagged.append(f"{title} {ent['entity']}: {r['figure']} {_fmt(r['last'])} "
                                    f"{r['unit']}, {-r['change']:.0%} below its median "
                                    f"{_fmt(r['median'])} of the {r['prior']} runs before "
-                                   f"(run {r['runs'][-1]})")
+                                   f"(margin {r['margin']:.0%}; run {r['runs'][-1]})")
     lines.append("")
     lines += [f"degrading: {f}" for f in flagged] or ["degrading: none"]
     return "\n".join(lines)
