@@ -28,8 +28,10 @@ def fmt(v, digits: int = 4) -> str:
     return "-" if v is None else f"{v:.{digits}g}"
 
 
-def svg(w: int, h: int, label: str, body: list[str]) -> str:
-    return (f'<svg class="chart" viewBox="0 0 {w} {h}" role="img" aria-label="{e(label)}" '
+def svg(w: int, h: int, label: str, body: list[str], grow: float | None = None) -> str:
+    """An inline SVG as wide as the page allows (at most ``grow`` x its own width)."""
+    style = f' style="max-width:{w * grow:.0f}px"' if grow else ""
+    return (f'<svg class="chart"{style} viewBox="0 0 {w} {h}" role="img" aria-label="{e(label)}" '
             f'xmlns="http://www.w3.org/2000/svg"><title>{e(label)}</title>{"".join(body)}</svg>')
 
 
@@ -70,8 +72,9 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]]]],
     for x in xs:
         if px(x) - shown >= 58:
             shown = px(x)
+            anchor = "end" if px(x) > W - R - 30 else "middle"  # the last one stays inside
             body.append(f'<text x="{px(x):.1f}" y="{H - B + 16}" class="tick" '
-                        f'text-anchor="middle">{e(human_bytes(x))}</text>')
+                        f'text-anchor="{anchor}">{e(human_bytes(x))}</text>')
     body.append(f'<text x="{(L + W - R) / 2}" y="{H - B + 34}" class="axis" '
                 f'text-anchor="middle">message size (bytes, nccl-tests\' S)</text>'
                 f'<text x="14" y="{(T + H - B) / 2}" class="axis" text-anchor="middle" '
@@ -135,7 +138,7 @@ def heatmap(names: list[str], cells: dict[tuple[int, int], dict], ref: float | N
             if cell >= 36:
                 body.append(f'<text x="{x + cell / 2:.1f}" y="{y + cell / 2 + 4:.1f}" '
                             f'class="cell" text-anchor="middle">{fmt(v, 2)}</text>')
-    return svg(W, H, label, body)
+    return svg(W, H, label, body, grow=1.5)
 
 
 def bars(rows: list[dict], marks: list[dict], label: str, unit: str) -> str:

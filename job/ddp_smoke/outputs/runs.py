@@ -36,15 +36,16 @@ def _num(x) -> float | None:
 
 
 def human_bytes(n) -> str:
-    """1024 -> '1 KiB', as the bandwidth table's sizes are powers of two."""
+    """1024 -> '1 KiB' (sizes are powers of two, or near one: all_gather's 16383 B reads
+    '16 KiB'; report.json has the exact figure)."""
     n = _num(n)
     if n is None:
         return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:g} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.3g} {unit}"
         n /= 1024
-    return f"{n:g} TiB"
+    return f"{n:.4g} TiB"
 
 
 def _check(report: dict, name: str) -> dict:
