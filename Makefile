@@ -1,8 +1,10 @@
 # ddp-smoke — the verbs users expect. `make help` lists them.
 #
 # Set-up is automatic: every verb that needs Python creates .venv/ first when it is missing.
-# TORCH_SPEC pins torch for the local venv; the default is the CPU wheel this kit is tested with.
-# On a GPU login node use e.g. `make smoke-local TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url …'`.
+# TORCH_SPEC pins torch for the local venv. Where from is job/torch_choice.sh's decision, said
+# when the venv is made (`sh job/torch_choice.sh --dry-run` shows it): PIP_EXTRA as given, else
+# pip's own configured wheels/index, else PyPI's CUDA build on a machine with an NVIDIA GPU,
+# else the CPU-only wheels.
 
 PYTHON     ?= python3
 TORCH_SPEC ?= torch==2.13.0
@@ -10,7 +12,8 @@ PIP_EXTRA  ?=
 NPROC      ?= 2
 # quick: a verdict in about the time of the bare tutorial (README, "Measurement levels")
 LEVEL      ?= quick
-REPORT_DIR ?= reports/local-$(shell date +%Y%m%d-%H%M%S)
+# empty: reports/<run id>, the run id local-<UTC time>-<random>: every run its own folder
+REPORT_DIR ?=
 ARGS       ?=
 PYTEST_ARGS ?=
 BENCH_ROUNDS ?= 5
@@ -27,14 +30,15 @@ WHEELHOUSE ?=
 PY_VERSION ?= 3.12
 
 .PHONY: help venv smoke-local test lint clean sandbox-up sandbox-down slurm-up slurm-try slurm-down \
-        image wheelhouse image-test bench
+        image wheelhouse image-test bench gpu-check
 
 help:  ## list the verbs
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install $(PIP_EXTRA) '$(TORCH_SPEC)' numpy pyyaml submitit
+	args=$$(TORCH_SPEC='$(TORCH_SPEC)' PIP_EXTRA='$(PIP_EXTRA)' PIP='$(PY) -m pip' \
+	  sh job/torch_choice.sh) && $(PIP) install $$args numpy pyyaml submitit nvidia-ml-py
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -44,15 +48,17 @@ $(VENV)/.test: $(VENV)/.runtime
 
 venv: $(VENV)/.runtime  ## create .venv/ (torch, numpy, pyyaml, submitit, this package)
 
+# torchrun --standalone through ddp_smoke.launch_local: bad input is one line before any rank
+# starts, the output ends on the kit's last line, the exit status is the workers' (0/1/2).
 smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, LEVEL=quick, ARGS=…)
-	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) -m ddp_smoke \
-	  --backend gloo --level $(LEVEL) --report-dir $(REPORT_DIR) $(ARGS)
+	@$(PY) -m ddp_smoke.launch_local --nproc-per-node=$(NPROC) -- \
+	  --backend gloo --level $(LEVEL) $(if $(REPORT_DIR),--report-dir $(REPORT_DIR)) $(ARGS)
 
 test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docker, manifests)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.test  ## shellcheck the scripts, hadolint the Dockerfile, parse the manifests
-	$(VENV)/bin/shellcheck slurm/*.sbatch docker/*.sh .ci/run
+	$(VENV)/bin/shellcheck slurm/*.sbatch docker/*.sh .ci/run job/torch_choice.sh
 	$(VENV)/bin/hadolint docker/Dockerfile
 	$(VENV)/bin/kubectl label --local -f k8s x=y -o name >/dev/null
 
@@ -62,18 +68,22 @@ image:  ## build the worker image (IMAGE=…, BASE_IMAGE=…, WHEELHOUSE=wheelho
 
 wheelhouse:  ## wheels for an offline `make image WHEELHOUSE=wheelhouse` (PY_VERSION = the base's Python)
 	$(PYTHON) -m pip download --only-binary=:all: --python-version $(PY_VERSION) \
-	  --platform manylinux_2_28_x86_64 -d wheelhouse numpy pyyaml submitit setuptools
+	  --platform manylinux_2_28_x86_64 -d wheelhouse numpy pyyaml submitit nvidia-ml-py setuptools
 
 image-test: $(VENV)/.test  ## build and run the image on a private Docker engine (root)
 	$(PY) -m pytest tests/launchers/test_docker.py $(PYTEST_ARGS)
 
-bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs the tutorial, busbw vs a loop, phases, pair planner
+bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs the tutorial, busbw vs a loop, phases, pair planner, preflight's cost
 	@echo "# bench on $$(nproc) CPUs; load average now: $$(cut -d' ' -f1-3 /proc/loadavg)"
 	$(PY) bench/smoke_vs_tutorial.py $(BENCH_ROUNDS)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 bench/bandwidth_vs_loop.py --rounds 7
 	$(PY) bench/phases.py 3
 	$(PY) bench/pairs_plan.py
 	$(PY) bench/coordination_scale.py --quick
+	$(PY) bench/preflight_cost.py 3
+
+gpu-check: $(VENV)/.runtime  ## on a GPU machine (CUDA torch: TORCH_SPEC/PIP_EXTRA): NVML + health, SDC, every check on NCCL, a hang's Flight Recorder, compute vs h200 (<= 8 min)
+	bash bench/gpu_check.sh
 
 sandbox-up:  ## N network-namespace "nodes" (dsh-node1 …) on a private bridge, to try multi-node by hand (root)
 	$(PYTHON) -m tests.sandbox.hosts up $(N)

@@ -101,6 +101,55 @@ if [[ -n "$report_dir" ]] \
     echo "ddp-smoke: run $DDP_SMOKE_RUN_ID, report $report_dir/report.json" >&2
 fi
 
+# The launcher's side of the verdict, for this node (ddp_smoke/outputs/launch_report.py): when
+# preflight fails or torchrun ends without this run's report, it writes one naming this node
+# and the first error printed here, and its line is the log's last.
+node="${NODE_NAME:-${HOSTNAME:-$(hostname)}}"
+verdict() {  # verdict STAGE STATUS
+    [[ -n "$report_dir" ]] || return 0  # no folder of our own: the worker's default applies
+    python -m ddp_smoke.verdict --launcher --launcher docker --stage "$1" --exit "$2" \
+        --report-dir "$report_dir" --nodes "$node" || true
+}
+[[ -z "$report_dir" ]] || mkdir -p "$report_dir/launch"
+
+# Preflight: in seconds, can this node run the worker at all (kit and torch import, CUDA and
+# its GPUs, the interfaces named in NCCL_/GLOO_SOCKET_IFNAME, the report folder)? The
+# rendezvous port is the multi-node launchers' to check: only they know which node hosts it.
+# DDP_SMOKE_PREFLIGHT=0 leaves it out.
+if [[ "${DDP_SMOKE_PREFLIGHT:-1}" != 0 ]]; then
+    gpus=0
+    if command -v nvidia-smi > /dev/null 2>&1; then
+        gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ' || true)
+    fi
+    preflight=(python -m ddp_smoke preflight --node "$node" --gpus "$gpus"
+               --timeout "${DDP_SMOKE_PREFLIGHT_TIMEOUT:-60}")
+    [[ -z "$report_dir" ]] || preflight+=(--report-dir "$report_dir")
+    status=0
+    "${preflight[@]}" || status=$?
+    if [[ $status -ne 0 ]]; then
+        verdict preflight "$status"
+        exit "$status"
+    fi
+fi
+
 # Printed so that a pod or job log shows exactly what ran.
 echo "+ torchrun ${torchrun_args[*]} -m ddp_smoke ${worker_args[*]}" >&2
-exec python -m torch.distributed.run "${torchrun_args[@]}" -m ddp_smoke "${worker_args[@]}"
+if [[ -z "$report_dir" ]]; then
+    exec python -m torch.distributed.run "${torchrun_args[@]}" -m ddp_smoke "${worker_args[@]}"
+fi
+# torchrun as a child, its stderr kept for the verdict. As PID 1 bash ignores SIGTERM (docker
+# stop, the kubelet): the trap passes it on; torchrun stops its workers.
+python -m torch.distributed.run "${torchrun_args[@]}" -m ddp_smoke "${worker_args[@]}" \
+    2> >(tee "$report_dir/launch/$node.run.err" >&2) &
+pid=$!
+trap 'kill -TERM "$pid" 2> /dev/null' TERM INT
+status=0
+wait "$pid" || status=$?
+while kill -0 "$pid" 2> /dev/null; do status=0; wait "$pid" || status=$?; done
+# A worker that ran and failed shows in torchrun's failure block ("exitcode : …"); then the
+# report is rank 0's, possibly on another node. Only a torchrun that started no worker (the
+# rendezvous failed, torch did not import) leaves the verdict to this node.
+if [[ $status -ne 0 ]] && ! grep -qs 'exitcode' "$report_dir/launch/$node.run.err"; then
+    verdict run "$status"
+fi
+exit "$status"

@@ -4,13 +4,17 @@ Run one process per GPU (or CPU slot) on every node under a launcher; every rank
 selected checks, rank 0 gathers one report that names the culprit rank, host, GPU or link.
 
 Usage, per launcher:
-  local     make smoke-local        (torchrun --standalone --nproc-per-node=2, gloo, CPU)
+  local     make smoke-local        (python -m ddp_smoke.launch_local: checks the options,
+                                     then torchrun --standalone --nproc-per-node=2, gloo, CPU)
             torchrun --standalone --nproc-per-node=N -m ddp_smoke [options]
   multi-node torchrun --nnodes=N --nproc-per-node=G --rdzv-backend=c10d \\
               --rdzv-endpoint=HOST0:29500 --rdzv-id=ID --local-addr=THIS_NODE -m ddp_smoke …
   Slurm     sbatch slurm/ddp_smoke.sbatch
   Kubernetes kubectl apply -f k8s
   Python    ddp_smoke.submit.submit(...) / ddp-smoke-submit (submitit)
+  preflight python -m ddp_smoke preflight [--rdzv HOST:PORT] [--gpus N] [--report-dir DIR]
+            checks one node in seconds (kit, torch/CUDA, interfaces, rendezvous port, report
+            folder); the launchers run it on every node before torchrun
 
 Reading runs (no torch, no launcher; the first word picks the command):
   ddp-smoke render REPORT.json [-o OUT.html]   rebuild report.html from any report.json
@@ -36,16 +40,18 @@ Report: rank 0 writes REPORT_DIR/report.json (atomically), REPORT_DIR/junit.xml 
 Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by torchrun or
   submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,
   SLURM_* (SLURMD_NODENAME names the node to drain), NODE_NAME in a pod (spec.nodeName, for
-  kubectl), DDP_SMOKE_RUN_ID (the run id, when the launcher knows one unique per run; see
-  ddp_smoke/config/launchenv.py); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
+  kubectl), DDP_SMOKE_RUN_ID (the run id, when the launcher knows one unique per run: letters,
+  digits, . _ -, up to 128); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
 
 Repeat mode: --repeat N or --duration S runs the checks again and again; each check's result
   then holds every iteration's figures, failures per rank, busbw p50/p99 per size, and says
   "intermittent: failed in 2 of 20 iterations" for a fault seen in some iterations only.
 
 Exit status: 0 verdict pass · 1 verdict fail (the report says why) · 2 bad input (one line).
-  Under torchrun the agent exits 1 whatever its workers' status (a worker's 2 shows only in
-  torchrun's failure block): read the verdict from report.json, whose run_id names its run.
+  Bad input is said by local rank 0 only (one line per node). Under plain torchrun the agent
+  exits 1 whatever its workers' status: read the verdict from report.json, whose run_id names
+  its run. make smoke-local (python -m ddp_smoke.launch_local) checks the options before any
+  rank starts and exits with the workers' own status.
 
 Failure modes: a rank that raises, dies, hangs or never arrives is named in the report; every
 wait is bounded by --timeout, after which each surviving rank exits 1 within a few seconds.
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
 import importlib.util
 import os
 import sys
@@ -84,7 +91,19 @@ class Parser(argparse.ArgumentParser):
         super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
     def error(self, message: str):
-        raise ConfigError(message)
+        raise ConfigError(message + did_you_mean(message, list(self._option_string_actions)))
+
+
+def did_you_mean(message: str, options: list[str]) -> str:
+    """'; did you mean --checks?' for the first unrecognized --option close to a real one."""
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    for word in message.split(": ", 1)[1].split():
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=")[0], options, n=1)
+            if close:
+                return f"; did you mean {close[0]}?"
+    return ""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,8 +134,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="fail a multi-node run whose NCCL used another network (transport "
                         "check; default: the profile's, else any one network on every node)")
     p.add_argument("--fault", metavar="RANK:KIND@CHECK",
-                   help="inject a fault (crash|raise|hang|slow|corrupt) to test alerting; "
-                        "see ddp_smoke/config/faults.py")
+                   help="inject a fault to test alerting: rank RANK crashes (exits 13), "
+                        "raises, hangs before the check, runs slow (slow=F: F times slower, "
+                        "default 4) or corrupts its contribution at CHECK; several separated "
+                        "by commas; @CHECK#I or #I-J: only in those iterations of --repeat. "
+                        "The report says the failure was injected")
     p.add_argument("--repeat", metavar="N", type=int,
                    help="run the checks N times in one process group; a fault seen in some "
                         "iterations only is flagged intermittent (default 1)")
@@ -174,6 +196,15 @@ def _history(argv: list[str]) -> str:
 COMMANDS = {"render": _render, "history": _history}
 
 
+def say_once(line: str) -> None:
+    """Bad flags or config are the same on every rank: only the first local rank of each node
+    says so (one line per node, not one per rank), in one write, so no two lines run
+    together."""
+    local = os.environ.get("LOCAL_RANK", "0")
+    if local == "0" or not local.isdigit():
+        os.write(2, (line.replace("\n", " ") + "\n").encode())
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddp_smoke`` and ``ddp-smoke``: the worker (flags only), or a
     command named by the first word (``render``, ``history``); exits 0 (pass), 1 (fail) or 2
@@ -188,14 +219,24 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     try:
         cfg = parse_config(argv)  # before importing torch: bad input fails fast
-        LaunchEnv.from_environ()  # the launcher's variables too (the harness reads them again)
+    except ConfigError as e:
+        say_once(f"ddp-smoke: error: {e}")
+        sys.exit(2)
+    try:
+        # The launcher's variables (the harness reads them again) differ per rank, and so
+        # does what is wrong with them: every rank says its own.
+        LaunchEnv.from_environ()
+    except ConfigError as e:
+        os.write(2, f"ddp-smoke: error: {e}\n".encode())
+        sys.exit(2)
+    try:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         from . import harness
         # record: an unexpected exception also lands in torchrun's error file and summary.
         code = record(harness.run)(cfg)
     except ConfigError as e:
-        print(f"ddp-smoke: error: {e}", file=sys.stderr)
+        say_once(f"ddp-smoke: error: {e}")
         sys.exit(2)
     # The verdict is written and every thread stopped: skip interpreter teardown, where C++
     # destructors of the backend's threads have aborted a passing rank (SIGABRT at exit).

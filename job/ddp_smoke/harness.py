@@ -28,13 +28,12 @@ import torch.distributed as dist
 
 from . import __version__, checks, outputs
 from .checks.api import Context, Evidence
-from .config import report_dir as default_report_dir
+from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
 from .coordination import ending, forensics, keys, liveness, runtime
 from .coordination.protocol import Coordinator, Stop, error_detail
 from .coordination.store import DEAD_AFTER_S, wait_key
-from .errors import ConfigError
 from .model import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict
 from .outputs import repeat
 
@@ -45,15 +44,19 @@ def run(cfg: dict[str, Any]) -> int:
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     env = LaunchEnv.from_environ()
     faults = parse_faults(cfg["fault"], cfg["checks"])
-    if any(f.rank >= env.world_size for f in faults):
-        raise ConfigError(f"key 'fault' = {cfg['fault']!r}: rank out of range for "
-                          f"WORLD_SIZE={env.world_size}")
+    prelaunch.check_run(cfg, env.world_size)  # what `make smoke-local` checked before launch
     for name in cfg["checks"]:  # imports cost seconds (DDP pulls in torch._dynamo): not timed
         checks.load(name)
     coord_t0 = time.monotonic()
     timeout = float(cfg["timeout"])
     rdir = default_report_dir(cfg, env.run_id)
+    # Every rank writes there (forensics, NCCL logs): an unwritable folder is bad input on
+    # every rank before any connects, not a report of last resort from whoever is left. Other
+    # ranks may not know the run id yet (rank 0 may draw it): they test the parent.
+    outputs.check_writable(rdir if env.rank == 0 or cfg["report_dir"] or env.run_id_shared
+                           else os.path.dirname(rdir) or ".")
     if env.rank == 0:
+        prelaunch.hold(rdir, env.run_id)  # one live run per folder
         outputs.prepare(rdir)  # a report left by another run must never read as this run's
     try:
         c = Coordinator(env, cfg, lambda may_host: _store(env, timeout, may_host), _publish,
@@ -73,6 +76,8 @@ def run(cfg: dict[str, Any]) -> int:
         t = time.monotonic()
         ctx = _join(c, store, faults)
         c.timings["rendezvous_s"] = round(time.monotonic() - t, 4)
+        for name in cfg["checks"]:  # checks that watch the whole run start watching now
+            getattr(checks.load(name), "begin", lambda _: None)(ctx)
         t = time.monotonic()
         while True:
             ctx.faults.iteration = c.iteration

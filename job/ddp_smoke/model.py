@@ -17,7 +17,8 @@ harness fills these records and :mod:`ddp_smoke.outputs` writes them. The one de
                                 "where": str|null}],
                   "figures": {...}, "notes": [str]}],
       "timings": {"<phase>_s": float, ...},
-      "error": null | {"rank", "host", "type", "message"},
+      "injected": null | str (the --fault spec: these failures were made on purpose),
+      "error": null | {"rank", "host", "type", "message"} (the culprit's, when one is named),
       "forensics": [{"rank", "host", "where", "stacks": path, "flight_recorder": path}],
       "hosts": [{"host", "verdict": "good"|"suspect"|"bad", "ranks", "reasons": [...]}]
     }
@@ -127,7 +128,9 @@ class Report:
         """The report's own fields, the derived ones first (``hosts`` is added by outputs)."""
         body = dataclasses.asdict(self)
         return {"verdict": self.verdict, "run_id": self.run_id, "world_size": self.world_size,
-                "nodes": self.nodes, "backend": self.backend, **body}
+                "nodes": self.nodes, "backend": self.backend,
+                # the --fault spec when faults were injected on purpose (null: none were)
+                "injected": self.config.get("fault"), **body}
 
 
 def finite(data: Any) -> Any:

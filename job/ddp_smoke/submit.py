@@ -48,13 +48,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import preflight
 from .cli import Parser, parse_config
-from .errors import ConfigError
+from .errors import ConfigError, ReportWriteError
+from .model import Culprit
+from .outputs import launch_report
+from .outputs.report import as_dict, write_report
 
 CLUSTERS = ("slurm", "local")
 IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image from docker/
 # 8 CPUs per GPU: data loading and NCCL's proxy threads per rank; 8-GPU nodes have >= 64 cores.
 GPU_CPUS_PER_PROC = 8
+PREFLIGHT_TIMEOUT_S = 30.0  # a node's preflight (torch import, CUDA initialisation)
 MAX_WAIT_S = 7 * 86400.0  # a week: longer is a typo, and time.monotonic arithmetic stays sane
 _NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
@@ -151,7 +156,8 @@ def plan(cluster: str = "local", nodes: int = 1, procs_per_node: int = 2,
     if cluster == "slurm" and not allow_local_folder and str(base).startswith(_NODE_LOCAL):
         raise ConfigError(f"folder {base} is node-local: the nodes cannot read submitit's "
                           "pickles there; give a folder on a shared filesystem "
-                          "(or allow_local_folder=True on a single-node cluster)")
+                          "(or --allow-local-folder / allow_local_folder=True on a "
+                          "single-node cluster)")
     params: dict[str, Any] = {"nodes": nodes, "tasks_per_node": procs_per_node,
                               "cpus_per_task": cpus_per_proc, "timeout_min": time_min,
                               "name": "ddp-smoke"}
@@ -193,10 +199,29 @@ def _task(worker_args: list[str], gpus: bool) -> Any:
     submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=gpus)
     os.environ["DDP_SMOKE_RUN_ID"] = run_id_of(submitit.JobEnvironment().job_id,
                                                os.environ.get("SLURM_RESTART_COUNT", "0"))
+    _preflight(worker_args, gpus)
     from . import harness  # late: torch only in the task, not on the submitting side
 
     code = harness.run(parse_config(worker_args))
     return code
+
+
+def _preflight(worker_args: list[str], gpus: bool) -> None:
+    """Preflight (ddp_smoke/preflight.py) in the first task of each node, before the worker:
+    a node that cannot run it fails its task in seconds with the reason, and leaves its record
+    beside the report for :func:`submit`. Without the rendezvous check: the tasks start
+    together and the others connect to rank 0's MASTER_PORT at once, where a preflight
+    listener would answer them instead of the store (the worker bounds that wait itself)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    args = preflight._parser().parse_args([
+        "--report-dir", worker_args[worker_args.index("--report-dir") + 1],
+        "--gpus", os.environ.get("SLURM_NTASKS_PER_NODE", "1") if gpus else "0",
+        "--timeout", str(PREFLIGHT_TIMEOUT_S)])
+    record = preflight.run(args)
+    print(preflight.line(record), file=sys.stderr, flush=True)
+    if not record["ok"]:
+        raise RuntimeError(preflight.line(record))
 
 
 def run_id_of(job_id: str, restart: str | int = 0) -> str:
@@ -254,8 +279,8 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     _wait(job, wait_timeout_s, say)
     report = _own_report(p.report_dir / "report.json", job.job_id)
     if report is None:
-        raise TaskDied(_death_notice(job) + _foreign(p.report_dir / "report.json"),
-                       job_id=job.job_id)
+        notice = _death_notice(job) + _foreign(p.report_dir / "report.json")
+        raise TaskDied(notice, report=_launch_report(job, p), job_id=job.job_id)
     if report["verdict"] != "pass":
         failed = SmokeFailed("", report, job.job_id)
         lines = [f"rank {k['rank']} ({k['host']}) at {k['check']}: {k['reason']}"
@@ -328,6 +353,40 @@ def _death_notice(job) -> str:
     return "\n".join(parts)
 
 
+def _launch_report(job, p: Plan) -> dict | None:
+    """No report from the worker: write the launcher's (ddp_smoke/outputs/launch_report.py),
+    one culprit per failed task with its first error line and its node from the preflight
+    records; returned, unless the folder holds another run's report (never overwritten)."""
+    path = p.report_dir / "report.json"
+    if path.exists():
+        return None
+    run_id = run_id_of(job.job_id, 0)
+    per_node = int(p.parameters["tasks_per_node"])
+    hosts = {r.get("node_rank"): r.get("node")
+             for r in launch_report.read_records(str(p.report_dir), run_id).values()}
+    culprits = []
+    for task_id in range(job.num_tasks):
+        try:
+            error = job.task(task_id).exception()
+        except Exception as e:  # noqa: BLE001 — submitit raises on unreadable results too
+            error = e
+        if error is not None:
+            text = (job.task(task_id).stderr() or "") + "\n" + str(error)
+            culprits.append(Culprit(task_id, hosts.get(task_id // per_node),
+                                    launch_report.error_line(text.splitlines())))
+    failed = [k for k in culprits if launch_report.failed_preflight(k.reason)]
+    victims = [f"task {k.rank}: {k.reason}" for k in culprits if k not in failed] if failed \
+        else []  # the others then waited for a rank that never came
+    nodes = [str(n) for n in range(int(p.parameters["nodes"]))]
+    report = launch_report.build("preflight" if failed else "run", nodes, failed or culprits,
+                                 victims, str(p.report_dir), run_id, "submitit", {})
+    try:
+        write_report(report, str(p.report_dir))
+    except ReportWriteError:
+        pass  # the report still travels with the exception
+    return as_dict(report)
+
+
 def _progress(enabled: bool):
     return (lambda message: print(f"ddp-smoke-submit: {message}", file=sys.stderr,
                                   flush=True)) if enabled else (lambda message: None)
@@ -338,24 +397,44 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     worker = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
-    ap = Parser(prog="ddp-smoke-submit", description=__doc__)
-    ap.add_argument("--cluster", choices=CLUSTERS, default="local")
-    ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--procs-per-node", type=int, default=2)
-    ap.add_argument("--gpus-per-node", type=int, default=0)
-    ap.add_argument("--partition")
-    ap.add_argument("--account")
-    ap.add_argument("--qos")
-    ap.add_argument("--time-min", type=int, default=10)
-    ap.add_argument("--container-image")
-    ap.add_argument("--container-python", default=IMAGE_PYTHON,
+    ap = Parser(prog="ddp-smoke-submit",
+                usage="ddp-smoke-submit [options] [-- WORKER_ARGS …]",
+                description="Submit the ddp-smoke worker with submitit (one task per process, "
+                            "to Slurm or this\nmachine), wait, and print rank 0's verdict. "
+                            "WORKER_ARGS after -- go to every rank\n(python -m ddp_smoke "
+                            "--help lists them). Exit status: 0 pass, 1 fail (culprits\n"
+                            "printed), 2 bad input.",
+                epilog="example:\n  ddp-smoke-submit --cluster slurm --nodes 2 "
+                       "--procs-per-node 8 --gpus-per-node 8 \\\n    --partition gpu -- "
+                       "--timeout 60\nWhy one task per process, the folder rules, containers: "
+                       "pydoc ddp_smoke.submit")
+    ap.add_argument("--cluster", choices=CLUSTERS, default="local",
+                    help="where the tasks run (default local)")
+    ap.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
+    ap.add_argument("--procs-per-node", type=int, default=2, metavar="N",
+                    help="ranks per node, one per GPU (default 2)")
+    ap.add_argument("--gpus-per-node", type=int, default=0, metavar="N",
+                    help="GPUs per node; > 0 also asks for whole nodes (default 0)")
+    ap.add_argument("--partition", help="Slurm partition (default: the cluster's)")
+    ap.add_argument("--account", help="Slurm account (default: yours)")
+    ap.add_argument("--qos", help="Slurm QoS (default: the account's)")
+    ap.add_argument("--time-min", type=int, default=10, metavar="MINUTES",
+                    help="Slurm time limit (default 10)")
+    ap.add_argument("--container-image", metavar="IMAGE",
+                    help="run the tasks in this image through pyxis (default: none)")
+    ap.add_argument("--container-python", default=IMAGE_PYTHON, metavar="PATH",
                     help=f"the image's interpreter (default {IMAGE_PYTHON})")
     ap.add_argument("--cpus-per-proc", type=int, metavar="N",
                     help=f"CPUs per process (default 1; {GPU_CPUS_PER_PROC} with GPUs)")
-    ap.add_argument("--folder")
-    ap.add_argument("--allow-local-folder", action="store_true")
-    ap.add_argument("--wait-timeout", type=float, default=900, metavar="SECONDS")
-    ap.add_argument("--dry-run", action="store_true", help="print what would be submitted")
+    ap.add_argument("--folder", metavar="DIR",
+                    help="submitit's folder, shared by every node; the report goes to "
+                         "DIR/report (default reports/submitit/<time>)")
+    ap.add_argument("--allow-local-folder", action="store_true",
+                    help="accept a node-local --folder for Slurm (single-node clusters)")
+    ap.add_argument("--wait-timeout", type=float, default=900, metavar="SECONDS",
+                    help="cancel the job and exit 1 after this long (default 900)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print what would be submitted, submit nothing")
     try:
         a = ap.parse_args(ours)
         kwargs = dict(nodes=a.nodes, procs_per_node=a.procs_per_node,

@@ -9,12 +9,18 @@ middle. The manifests in ``k8s/`` therefore write this line to ``/dev/terminatio
 Example: ``ddp-smoke FAIL · run ddp-smoke-1b2c · 16 ranks on 2 nodes · failed: bandwidth
 (rank 8 gpu-b: slow pair …)``. Reads only the JSON file: no torch, quick in any pod.
 Exit status 0 when it could read the report, 2 (with a one-line error) when not.
+
+``python -m ddp_smoke.verdict --launcher …`` is the launchers' side (the sbatch, the image's
+entrypoint): it writes the report when the worker never started and prints the job log's last
+line; see :mod:`ddp_smoke.outputs.launch_report`.
 """
 from __future__ import annotations
 
 import json
 import sys
 from typing import Any
+
+from .outputs import launch_report
 
 MAX_CHARS = 1024  # well inside the kubelet's 4096-byte limit, whole words never needed
 
@@ -45,6 +51,8 @@ def line(report: dict[str, Any], max_chars: int = MAX_CHARS) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m ddp_smoke.verdict REPORT.json``: print the line; 2 when unreadable."""
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--launcher"]:  # a launcher's verdict when no worker wrote one
+        return launch_report.main(args[1:])
     if len(args) != 1:
         print("ddp-smoke: error: usage: python -m ddp_smoke.verdict REPORT.json", file=sys.stderr)
         return 2

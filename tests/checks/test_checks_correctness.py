@@ -387,3 +387,21 @@ def test_corrupt_collectives_names_only_the_sender_in_every_case(faulty):
     cases = checks_by_name(faulty[1])["collectives"]["figures"]["cases"]
     # Rank 3 feeds every case (it is the broadcast root too), so every case fails.
     assert cases and all(c["status"] == FAIL for c in cases)
+
+
+def test_ddp_step_says_when_the_sampler_pads_the_shards():
+    """8 ranks, 4 samples: DistributedSampler repeats samples 0-3 on ranks 4-7. Issue 25: the
+    summary said "shards partition 4 samples"."""
+    from ddp_smoke.checks import ddp_step
+    from ddp_smoke.checks.api import Evidence
+
+    def judged(world):
+        shards = ddp_step.expected_shards(len(ddp_step.FEATURES), world)
+        params = ddp_step.reference_params(shards)
+        obs = [{"local_rank": r, "samples": s, "batch": len(s), "params": params, "loss": 1.0}
+               for r, s in enumerate(shards)]
+        return ddp_step.judge(Evidence("ddp_step", obs, [{"host": "h"}] * world, {}))
+
+    assert judged(8).summary.startswith("shards cover 4 samples, 4 repeated as padding "
+                                        "(8 ranks); weight ")
+    assert judged(2).summary.startswith("shards partition 4 samples; weight ")

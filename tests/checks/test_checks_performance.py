@@ -331,3 +331,22 @@ def test_plot_without_bandwidth_figures_writes_nothing(tmp_path):
     assert plot.write_busbw_png({"checks": [], "world_size": 1, "backend": "gloo"},
                                 str(tmp_path)) is None
     assert os.listdir(tmp_path) == []
+
+
+def test_a_profile_for_other_hardware_names_no_rank():
+    """Issue 25: `--profile h100-8gpu` on CPUs marked the host bad (a culprit per rank, drain
+    lines). No rank having the profile's device means the profile does not fit the machine."""
+    from ddp_smoke.checks import compute
+    from ddp_smoke.checks.api import Evidence
+    from ddp_smoke.config import profiles
+
+    profile = profiles.load("h100-8gpu")
+    obs = [{"device_name": "AMD EPYC", "matmul": {}} for _ in range(2)]
+    [culprit] = compute._floors(Evidence("compute", obs, [{"host": "h"}] * 2, {}), profile, True)
+    assert (culprit.rank, culprit.host) == (None, None)
+    assert culprit.reason.startswith("profile h100-8gpu does not fit this machine: its devices "
+                                     "are 'AMD EPYC', not 'H100'")
+    odd = [{"device_name": "NVIDIA H100 80GB HBM3", "matmul": {}},
+           {"device_name": "NVIDIA A100-SXM4-80GB", "matmul": {}}]
+    [culprit] = compute._floors(Evidence("compute", odd, [{"host": "h"}] * 2, {}), profile, False)
+    assert culprit.rank == 1  # one odd GPU out among the right ones is still named

@@ -73,7 +73,16 @@ def test_shipped_multi_node_profiles_cite_and_expect_their_fabric():
         p = profiles.load(name)
         assert p["multi_node"]["floors"] and p["multi_node"]["fabric"], name
         assert p["expect_transport"] in ("ib", "libfabric"), name
-        assert any("field-facts" in s or "awsome" in s for s in p["sources"]), name
+        assert any("field reports" in s or "awsome" in s for s in p["sources"]), name
+
+
+def test_shipped_profiles_cite_only_what_a_reader_can_open():
+    """A source is a public address or says what it is; never a file this project does not
+    ship (issue 25: profiles cited ../shared/reference/field-facts.md)."""
+    for name in profiles.names():
+        for source in profiles.load(name)["sources"]:
+            assert source.startswith(("https://", "field reports: ", "none: ")), (name, source)
+            assert ".md'" not in source and "../" not in source, (name, source)
 
 
 @pytest.mark.parametrize("body, needle", [

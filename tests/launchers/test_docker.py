@@ -58,7 +58,7 @@ def test_dockerfile_installs_every_runtime_dependency_of_the_package():
     names = {re.split(r"[\s<>=!~;\[]", d, maxsplit=1)[0].lower() for d in deps} - {"torch"}
     text = DOCKERFILE.read_text()
     assert "# syntax=" not in text  # BuildKit would pull a frontend image: no registry here
-    installed = re.search(r"install --no-cache-dir ([a-z0-9 ]+); ", text).group(1).split()
+    installed = re.search(r"install --no-cache-dir ([a-z0-9 -]+); ", text).group(1).split()
     assert names <= set(installed), f"pyproject deps {names} vs Dockerfile {installed}"
 
 

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +66,7 @@ K8S_VERSIONS = ("1.31", "1.37")
 CONFIG_KEYS = {"report_dir", "checks", "timeout", "backend", "expect_nodes", "expect_world_size",
                "storage_dir", "fault", "expect_transport"}
 CHECKS = {"environment", "ddp_step", "sampler_epochs", "collectives", "storage", "bandwidth",
-          "transport", "compute"}
+          "transport", "compute", "health"}
 # Names the operator appends after the user's env: a user value would be silently overridden.
 OPERATOR_ENV = re.compile(r"^(PET_.*|MASTER_ADDR|MASTER_PORT|WORLD_SIZE|RANK|PYTHONUNBUFFERED)$")
 GPU = "nvidia.com/gpu"
@@ -290,7 +291,8 @@ TJ = K8S / "trainer-v2" / "10-ddp-smoke-trainjob.yaml"
 TR = K8S / "trainer-v2" / "00-ddp-smoke-runtime.yaml"
 OP = K8S / "operator" / "pytorch-init-container.yaml"
 MISTAKES = {
-    "unquoted-nprocPerNode": (JOB, 'nprocPerNode: "8"', "nprocPerNode: 8", "nprocPerNode"),
+    "unquoted-nprocPerNode": (JOB, 'nprocPerNode: &gpus-per-node "8"',
+                              "nprocPerNode: &gpus-per-node 8", "nprocPerNode"),
     "missing-Master-replicas": (JOB, "      # Must be written, and must be 1: the webhook rejects "
                                 "a Master without `replicas`.\n      replicas: 1\n", "",
                                 "Master].replicas"),
@@ -308,8 +310,10 @@ MISTAKES = {
     "lowercase-replica-type": (JOB, "    Worker:\n", "    worker:\n", "unsupported"),
     "indexed-job-typo": (IJ, "completionMode: Indexed", "completionmode: Indexed",
                          "completionmode"),
-    "trainjob-typo": (TJ, "numProcPerNode: 8", "numProcsPerNode: 8", "numProcsPerNode"),
-    "trainjob-string-nproc": (TJ, "numProcPerNode: 8", 'numProcPerNode: "8"', "numProcPerNode"),
+    "trainjob-typo": (TJ, "numProcPerNode: &gpus-per-node 8", "numProcsPerNode: &gpus-per-node 8",
+                      "numProcsPerNode"),
+    "trainjob-string-nproc": (TJ, "numProcPerNode: &gpus-per-node 8",
+                              'numProcPerNode: &gpus-per-node "8"', "numProcPerNode"),
     "trainjob-unknown-trainer-field": (TJ, "    numNodes: 2\n", "    numNode: 2\n", "numNode"),
     "runtime-typo": (TR, "backoffLimitPerIndex: 0", "backoffLimitsPerIndex: 0",
                      "backoffLimitsPerIndex"),
@@ -501,7 +505,8 @@ def _pod_requirements(template: dict, job: str, job_label: str, nproc) -> list[s
             or not volumes[shm[0]["name"]]["emptyDir"].get("sizeLimit"):
         errors.append("/dev/shm must be a bounded emptyDir of medium Memory")
     res = container.get("resources", {})
-    if not (str(nproc).isdigit() and res.get("limits", {}).get(GPU) == int(nproc)
+    # a quantity: 8 or "8" (the manifests alias the GPU count to the quoted process count)
+    if not (str(nproc).isdigit() and str(res.get("limits", {}).get(GPU)) == str(int(nproc))
             and all(res.get("requests", {}).get(k) for k in ("cpu", "memory", GPU))):
         errors.append("requests cpu, memory, nvidia.com/gpu; gpu limit = processes per pod")
     errors += _security_errors(pod.get("securityContext", {}), container.get("securityContext", {}))
@@ -568,7 +573,8 @@ def test_requirements_of_the_issue(variant):
 TRAPS = {
     "standalone": (JOB, "  runPolicy:\n", "  elasticPolicy: {standalone: true}\n  runPolicy:\n",
                    "standalone"),
-    "nproc-auto": (JOB, 'nprocPerNode: "8"', 'nprocPerNode: "auto"', "nprocPerNode"),
+    "nproc-auto": (JOB, 'nprocPerNode: &gpus-per-node "8"',
+                   'nprocPerNode: &gpus-per-node "auto"', "nprocPerNode"),
     "operator-env-in-env": (JOB, "- name: TORCH_NCCL_ASYNC_ERROR_HANDLING\n",
                             "- name: MASTER_ADDR\n", "MASTER_ADDR"),
     "no-read-timeout": (JOB, "join_timeout=600,read_timeout=600", "join_timeout=600",
@@ -593,10 +599,12 @@ TRAPS = {
                     "activeDeadlineSeconds"),
     "no-pod-deadline": (JOB, "          activeDeadlineSeconds: 1800\n", "",
                         "activeDeadlineSeconds"),
-    "gpu-mismatch": (JOB, 'nprocPerNode: "8"', 'nprocPerNode: "4"', "gpu"),
+    # the GPU limit is an alias of nprocPerNode: a mismatch takes an edit of the limit itself
+    "gpu-mismatch": (JOB, "memory: *memory\n                  nvidia.com/gpu: *gpus-per-node",
+                     "memory: *memory\n                  nvidia.com/gpu: 4", "gpu"),
     "privileged": (JOB, "privileged: false", "privileged: true", "securityContext"),
     "standalone-torchrun": (JOB, "--rdzv-backend=c10d \\", "--standalone \\", "torchrun"),
-    "ij-parallelism": (IJ, "parallelism: 2", "parallelism: 1", "parallelism"),
+    "ij-parallelism": (IJ, "parallelism: *nodes", "parallelism: 1", "parallelism"),
     "no-node-name": (TJ, "fieldPath: spec.nodeName", "fieldPath: metadata.name", "NODE_NAME"),
     "ij-not-published": (K8S / "indexed-job" / "10-ddp-smoke-service.yaml",
                          "publishNotReadyAddresses: true", "publishNotReadyAddresses: false",
@@ -671,6 +679,7 @@ def _run_pod(pod: ko.Pod, tmp_path: Path, rc: int = 1):
     # The venv's python3 first: the script runs `python3 -m ddp_smoke.verdict`.
     env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
            "FAKE_RC": str(rc), "FAKE_OUT": str(tmp_path / f"{pod.name}.json"),
+           "DDP_SMOKE_PREFLIGHT": "0",  # about torchrun's argv; preflight has its own test
            "TERMINATION_LOG": str(tmp_path / f"{pod.name}.termination-log")}
     if "REPORT_DIR" in env:
         env["REPORT_DIR"] = str(tmp_path / env["REPORT_DIR"].lstrip("/"))
@@ -710,12 +719,38 @@ def test_a_stale_report_is_never_logged_as_this_runs(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "torchrun").write_text("#!/bin/sh\nexit 1\n")  # rank 0 dies before writing
     (bin_dir / "torchrun").chmod(0o755)
-    env = {**pod.env, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+    env = {**pod.env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DDP_SMOKE_PREFLIGHT": "0",
            "REPORT_DIR": str(stale.parent), "TERMINATION_LOG": str(tmp_path / "msg")}
     proc = subprocess.run(pod.argv, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "ddp-smoke-report.json" not in proc.stdout, proc.stdout
     assert not stale.exists()
     assert "no report in this pod" in (tmp_path / "msg").read_text()
+
+
+def test_master_pod_names_the_node_ranks_that_never_joined(tmp_path):
+    """The Worker pod never starts (Pending, no image): the Master's preflight waits its
+    timeout for the hello, then stops before torchrun with a termination message that names
+    node rank 1."""
+    docs = ko.load_manifests(K8S)
+    master = ko.compute_pods(docs, pod_ips={"ddp-smoke-master-0": "127.0.0.1",
+                                            "ddp-smoke-worker-0": "10.9.0.3"})[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text("#!/bin/sh\necho torchrun ran; exit 1\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {**master.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),  # cluster DNS, offline
+           "DDP_SMOKE_PREFLIGHT_TIMEOUT": "4", "REPORT_DIR": str(tmp_path / "reports"),
+           "TERMINATION_LOG": str(tmp_path / "msg")}
+    proc = subprocess.run(master.argv, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "torchrun ran" not in proc.stdout, proc.stdout + proc.stderr
+    message = (tmp_path / "msg").read_text().strip()
+    assert message.startswith("ddp-smoke preflight: ") and " FAIL · " in message, message
+    assert "joined: node rank(s) 1 never joined within 4 s: 1 of 2 said hello" in message, message
+    assert "\n" not in message
 
 
 def test_indexed_job_pods_say_who_hosts_the_store(tmp_path):

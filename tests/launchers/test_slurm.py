@@ -162,9 +162,17 @@ def test_store_connection_is_bounded_by_rdzv_timeout(cluster, tmp_path):
     wrapper.write_text(LATE_PYTHON.format(late_s=45, python=sys.executable))
     wrapper.chmod(0o755)
     job = _submit(cluster, tmp_path, ["--checks", "environment"], WORKER_PYTHON=str(wrapper),
-                  RDZV_TIMEOUT="10")
-    assert job.rc != 0 and job.report is None, job.output[-4000:]
+                  RDZV_TIMEOUT="10", PREFLIGHT="0")  # torchrun's own bound, not preflight's
+    assert job.rc != 0, job.output[-4000:]
     assert "The connection to the C10d store has failed" in job.output, job.output[-4000:]
+    # No worker ran: the launcher's report names the late head, not the node left waiting.
+    [check] = job.report["checks"]
+    assert check["name"] == "launch" and [k["host"] for k in check["culprits"]] == \
+        [cluster.node_names[0]], check
+    assert check["culprits"][0]["reason"].startswith("rendezvous host: its c10d store never "
+                                                     "answered"), check
+    assert job.last_line().startswith(f"ddp-smoke: verdict fail · launch: "
+                                      f"{cluster.node_names[0]}: "), job.last_line()
     print(f"\nhead 45 s late, RDZV_TIMEOUT=10: job failed after {job.wall_s:.1f} s")
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from ddp_smoke.errors import ConfigError
 from ddp_smoke.submit import (GPU_CPUS_PER_PROC, IMAGE_PYTHON, SmokeFailed, SmokeTimeout,
-                              _task, plan, submit)
+                              TaskDied, _task, plan, submit)
 from tests.launch import REPO
 
 QUICK = ["--checks", "environment,ddp_step", "--timeout", "20"]  # a later --timeout wins
@@ -166,3 +166,23 @@ def test_slurm_tasks_run_the_given_interpreter(on_cluster, tmp_path):
     report = _slurm(tmp_path, [], wait_timeout_s=180, python=str(wrapper))
     assert report["verdict"] == "pass"
     assert sorted(marker.read_text().split()) == ["0", "1"]
+
+
+@pytest.mark.timeout(180)
+def test_local_task_whose_preflight_fails_is_named_in_the_launchers_report(tmp_path,
+                                                                           monkeypatch):
+    """Each node's first task runs preflight before the worker: a missing interface fails it
+    in seconds; no worker report exists, so submit writes the launcher's, naming that task
+    (the other task, left waiting for rank 0's store, is a victim)."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib7")
+    with pytest.raises(TaskDied) as e:
+        submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
+               worker_args=["--checks", "environment", "--timeout", "10"])
+    report = e.value.report
+    assert report is not None and report["verdict"] == "fail", str(e.value)
+    [check] = report["checks"]
+    assert check["name"] == "preflight"
+    [culprit] = check["culprits"]
+    assert culprit["rank"] == 0 and "GLOO_SOCKET_IFNAME=ib7: no interface ib7" in \
+        culprit["reason"], culprit
+    assert (tmp_path / "report" / "report.json").exists()

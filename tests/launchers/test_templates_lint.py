@@ -60,6 +60,7 @@ esac
 SRUN = """#!/bin/sh
 out="$STUB_OUT"
 for a in "$@"; do printf '%s\\000' "$a"; done > "$out/argv"
+cp "$out/argv" "$out/argv.$(ls "$out" | grep -c '^argv\\.')"  # every call: preflight's first
 env > "$out/env"
 """
 
@@ -101,6 +102,22 @@ def test_srun_line_uses_node_addresses_and_site_safe_settings(tmp_path):
                         "2", "--expect-world-size", "16", "--checks", "environment"]
     assert env["SLURM_EXPORT_ENV"] == "ALL" and env["PYTHONNOUSERSITE"] == "1"
     assert "PYTHONPATH" not in env and env["DDP_SMOKE_RUN_ID"] == "4242"
+
+
+@pytest.mark.timeout(60)
+def test_preflight_runs_on_every_node_first_and_the_first_node_listens(tmp_path):
+    rc, argv, env = _run_template(tmp_path, "--checks", "environment", PREFLIGHT_TIMEOUT="12")
+    first = (tmp_path / "argv.0").read_text().split("\0")[:-1]
+    assert "--kill-on-bad-exit=1" in first and "--wait=22" in first
+    script, rest = first[first.index("-c") + 1], first[first.index("-c") + 2:]
+    assert "-m ddp_smoke preflight" in script and "--serve" in script
+    assert '[ "$SLURM_NODEID" = 0 ]' in script  # the node that will host the store
+    assert rest == [str(tmp_path / ".venv/bin/python"), "10.9.0.11:29742", "12",
+                    str(tmp_path / "reports" / "4242"), "8"]  # the GPUs Slurm gave the node
+    assert "-m torch.distributed.run" in argv[argv.index("-c") + 1]  # then torchrun
+    (tmp_path / "off").mkdir()
+    _run_template(tmp_path / "off", PREFLIGHT="0")
+    assert sorted(p.name for p in (tmp_path / "off").glob("argv.*")) == ["argv.0"]  # torchrun
 
 
 @pytest.mark.timeout(60)

@@ -75,8 +75,10 @@ def test_real_run_writes_a_textfile_prometheus_reads(tmp_path):
         {(r["collective"], str(r["size_bytes"])): r["busbw_gbps"] for r in rows})
     assert len(rows) >= 4  # 1 KiB .. 64 KiB by 4, all_reduce and all_gather
     ranks = run.check("compute")["figures"]["ranks"]
-    assert values(got["ddp_smoke_tflops"], "host", "gpu", "dtype") == pytest.approx(
-        {(host, str(r["rank"]), "fp32"): r["matmul"]["fp32"]["tflops"] for r in ranks})
+    # CPU ranks: no GPU label value (issue 25: "0" read as GPU 0), told apart by local rank
+    assert values(got["ddp_smoke_tflops"], "host", "gpu", "local_rank", "dtype") == \
+        pytest.approx({(host, "", str(r["rank"]), "fp32"): r["matmul"]["fp32"]["tflops"]
+                       for r in ranks})
     assert values(got["ddp_smoke_host_verdict"], "verdict") == {("good",): 1, ("suspect",): 0,
                                                                 ("bad",): 0}
     assert got["ddp_smoke_run_duration_seconds"][0].value == report["timings"]["total_s"]

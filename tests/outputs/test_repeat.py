@@ -88,3 +88,13 @@ def test_bad_repeat_options_are_one_line_errors(argv, words):
     from ddp_smoke.errors import ConfigError
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         parse_config(argv)
+
+
+def test_the_printed_tables_are_labelled_with_their_iteration():
+    """Issue 25: the tables were iteration 1's, unlabelled, under a summary saying "last"."""
+    runs = [(i, CheckResult("compute", PASS, summary=f"run {i + 1}", notes=[f"# table {i + 1}"]))
+            for i in range(3)]
+    [result] = repeat.combine(runs, ["a"])
+    assert result.summary == "passed in 3 of 3 iterations; iteration 3 (last): run 3"
+    assert result.notes == ["# compute, iteration 3 of 3 (last; all in report.json)",
+                            "# table 3"]

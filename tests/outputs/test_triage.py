@@ -102,11 +102,32 @@ def test_host_lists_and_next_commands():
         "sbatch --exclude=gpu02 slurm/ddp_smoke.sbatch",
         # node2's link to node3 needs no re-test of its own: node2 is drained anyway
         "sbatch --nodes=2 --nodelist=gpu01,gpu04 slurm/ddp_smoke.sbatch --checks bandwidth"
-        "   # re-test the link",  # no good host left to take along as a reference
-        "kubectl cordon node2",
-        "kubectl label node node2 ddp-smoke/result=fail --overwrite"]
+        "   # re-test the link"]  # no good host left to take along as a reference
+    # no kubectl lines: no rank ran in a pod (none recorded NODE_NAME)
     # The printed drain line is one shell word per argument: what --act runs, exactly.
     assert shlex.split(lines[0]) == triage.drain_argv(hosts[1], "job 42")
+
+
+def test_next_steps_fit_the_launcher_that_ran():
+    """Slurm lines only for Slurm nodes, kubectl lines only for pods' nodes; a run under
+    neither (a laptop, plain torchrun) gets a sentence, not commands for a scheduler it has
+    not got; an injected fault gets none (issue 25, item 7)."""
+    bad = [CheckResult("compute", FAIL, culprits=[Culprit(1, "node2", "slow")])]
+    pods = [{**r, "slurm_node": None, "k8s_node": f"k8s-{r['host']}"} for r in RANKS]
+    hosts = triage.hosts_section(Report("0", "t", "gloo", 4, pods, bad, {"checks": []}))
+    assert triage.next_commands(hosts, "1") == [
+        "kubectl cordon k8s-node2", "kubectl label node k8s-node2 ddp-smoke/result=fail "
+        "--overwrite"]
+    laptop = [{k: v for k, v in r.items() if k != "slurm_node"} for r in RANKS]
+    hosts = triage.hosts_section(Report("0", "t", "gloo", 4, laptop, bad, {"checks": []}))
+    assert triage.next_commands(hosts, "1") == []
+    printed = triage.render(hosts, "1", "/r", None)
+    assert printed[-1].startswith("# next steps: take the bad hosts out of service") and \
+        not [line for line in printed if "scontrol" in line or "kubectl" in line], printed
+    hosts = triage.hosts_section(_report(*bad))  # Slurm nodes, but the fault was injected
+    printed = triage.render(hosts, "1", "/r", None, injected="1:slow@compute")
+    assert printed[-1] == ("# next steps: none; the failures were injected (--fault "
+                           "1:slow@compute), the alerting path is what was tested"), printed
 
 
 def test_a_suspect_link_is_re_tested_with_a_good_host_as_reference():
@@ -168,10 +189,10 @@ def test_drain_reports_a_refusing_or_silent_scontrol_and_the_command_to_run(tmp_
 
 @pytest.mark.timeout(180)
 def test_real_run_with_a_corrupting_rank_writes_the_lists_and_prints_next_steps(tmp_path):
-    """Two ranks on this host, rank 1 corrupts: the host is bad, the lists say so, nothing
-    is run (--act outside Slurm only says so)."""
+    """Two ranks on this host, rank 1 corrupts: the host is bad, the lists say so; the fault
+    was injected and no launcher's node was named: no drain or cordon line (issue 25)."""
     run = torchrun(2, "--checks", "environment,collectives", "--fault", "1:corrupt@collectives",
-                   "--act", "slurm-drain", report_dir=tmp_path, env={"SLURM_JOB_ID": ""})
+                   report_dir=tmp_path, env={"SLURM_JOB_ID": ""})
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     host = socket.gethostname()
     [entry] = run.report["hosts"]
@@ -182,10 +203,11 @@ def test_real_run_with_a_corrupting_rank_writes_the_lists_and_prints_next_steps(
     assert (tmp_path / "good_hosts.txt").read_text() == ""
     assert (tmp_path / "suspect_hosts.txt").read_text() == ""
     out = run.stdout
-    assert f"scontrol update NodeName={host} State=DRAIN Reason=\"ddp-smoke " in out
-    assert f"sbatch --exclude={host} slurm/ddp_smoke.sbatch" in out
-    assert f"kubectl cordon {host}" in out
-    assert "not inside a Slurm job (no SLURM_JOB_ID); nothing drained" in out
+    assert "scontrol" not in out and "kubectl" not in out and "sbatch" not in out, out
+    assert "# injected on purpose (--fault 1:corrupt@collectives)" in out
+    assert "# next steps: none; the failures were injected (--fault 1:corrupt@collectives)" \
+        in out
+    assert run.report["injected"] == "1:corrupt@collectives"
     assert out.index("verdict: FAIL") < out.index("# hosts: 1 bad, 0 suspect, 0 good")
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
 

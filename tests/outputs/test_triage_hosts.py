@@ -88,9 +88,8 @@ def test_throttled_node_is_the_one_bad_host(box, shaping, tmp_path):
     print("\nhosts section:\n" + json.dumps(report["hosts"], indent=2))
     print("bad_hosts.txt:\n" + (report_dir / "bad_hosts.txt").read_text())
     log = nodes.log(hosts[0].name)
-    tail = log[log.find("verdict: "):log.find("ddp-smoke/result=fail --overwrite")]
-    print(f"wall {nodes.elapsed():.1f} s; rank 0 printed:\n{tail}ddp-smoke/result=fail "
-          "--overwrite")
+    tail = log[log.find("verdict: "):]
+    print(f"wall {nodes.elapsed():.1f} s; rank 0 printed:\n{tail}")
     verdicts = {h["host"]: h["verdict"] for h in report["hosts"]}
     assert verdicts == {hosts[0].name: "good", slow.name: "bad", hosts[2].name: "good"}, \
         json.dumps(report["checks"], indent=1)[-4000:]
@@ -100,8 +99,10 @@ def test_throttled_node_is_the_one_bad_host(box, shaping, tmp_path):
                                                     "partner")
     assert (report_dir / "bad_hosts.txt").read_text() == f"{slow.name}\n"
     assert (report_dir / "good_hosts.txt").read_text() == f"{hosts[0].name}\n{hosts[2].name}\n"
-    assert f"sbatch --exclude={slow.name} slurm/ddp_smoke.sbatch" in log
-    assert f"kubectl label node {slow.name} ddp-smoke/result=fail --overwrite" in log
+    # namespaces are neither Slurm nodes nor pods: no sbatch/scontrol/kubectl line (issue 25)
+    assert "# next steps: take the bad hosts out of service before the next job (no Slurm " \
+        "or Kubernetes node names in this run" in log
+    assert "sbatch " not in log and "kubectl " not in log and "scontrol " not in log
 
     got = {f.name: f.samples for f in text_string_to_metric_families(textfile.read_text())}
     bad = {s.labels["host"]: s.value for s in got["ddp_smoke_host_verdict"]

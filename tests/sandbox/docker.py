@@ -10,7 +10,7 @@ seconds::
     docker.sock dockerd.pid dockerd.log daemon.json
     rootfs-bookworm-<hash>.tar   the debootstrap'd rootfs, re-imported if data/ is wiped
     wheels-base/                 torch==2.13.0 (+cpu) and its dependencies, for the base
-    wheelhouse/                  numpy, pyyaml, submitit, setuptools: the build's only source
+    wheelhouse/                  numpy, pyyaml, submitit, nvidia-ml-py, setuptools: the build's only source
     debs/                        the image's RDMA packages (+ what the base lacks of their
                                  dependencies), from this machine's apt: the build's apt source
     build.log                    the last `docker build` output
@@ -66,7 +66,7 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"
 TORCH_SPEC = "torch==2.13.0"  # exactly: any other spec makes pip fetch a multi-GB CUDA build
 TORCH_WHEEL_GLOB = "torch-2.13.0+cpu-cp311-cp311-*.whl"  # bookworm's python3 is 3.11
 # The worker's dependencies (torch aside: the base has it) and setuptools to build the worker.
-WHEEL_SPECS = ("numpy", "pyyaml", "submitit", "setuptools")
+WHEEL_SPECS = ("numpy", "pyyaml", "submitit", "nvidia-ml-py", "setuptools")
 IMAGE_TAG = "local/ddp-smoke:test"
 # none, not host: proves the image builds with no network at all (pip --no-index).
 BUILD_NETWORK = "none"

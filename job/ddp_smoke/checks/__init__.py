@@ -12,6 +12,11 @@ proves, the culprit it can name, when it skips) and which defines two functions:
     Runs on rank 0 only, with every rank's observation (:class:`ddp_smoke.checks.api.Evidence`),
     and decides status, summary, figures and culprits. Pure: no collectives, no I/O.
 
+``begin(ctx)`` (optional)
+    Called by the harness on every rank once the process group is up, before the first check
+    runs: a check that watches the whole run (``health``: start readings, a sampler thread
+    while compute and bandwidth load the GPUs) starts watching here.
+
 A check's options live in ``config/defaults.yaml`` under a section named after it, so their
 types and ranges are validated like every other key (``config/rules.py``) before any rank
 connects. The check names, in default order, are ``config.rules.CHECKS``.

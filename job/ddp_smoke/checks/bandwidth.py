@@ -272,7 +272,7 @@ def _floors(ev, profile: dict, rows: list[dict], nodes: int) -> tuple[dict, list
 def _table(rows: list[dict], n: int, avg: dict, figures: dict) -> list[str]:
     """nccl-tests' table: a header with units, one line per size, the average busbw."""
     lines = [f"# bandwidth: {n} rank(s), profile {figures['profile']}; GB = 1e9 B; busbw as "
-             "nccl-tests (doc/PERFORMANCE.md)",
+             "nccl-tests (github.com/NVIDIA/nccl-tests, doc/PERFORMANCE.md)",
              f"# {'collective':<14} {'size':>12} {'count':>11} {'type':>8} {'time':>10} "
              f"{'min':>10} {'max':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>6}",
              f"# {'':<14} {'(B)':>12} {'(elements)':>11} {'':>8} {'(us)':>10} {'(us)':>10} "

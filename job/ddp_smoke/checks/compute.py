@@ -24,7 +24,7 @@ import torch
 
 from ..config import profiles
 from ..errors import ConfigError
-from ..model import FAIL, PASS, CheckResult
+from ..model import FAIL, PASS, CheckResult, Culprit
 from . import perf
 from ._timing import Clock
 
@@ -141,6 +141,13 @@ def judge(ev) -> CheckResult:
 def _floors(ev, profile: dict, cpu: bool) -> list:
     out, want = [], profile["device_name"]
     floors = profile["compute"].get("min_tflops", {})
+    names = sorted({o["device_name"] for o in ev.observations})
+    if want and not any(want.lower() in n.lower() for n in names):
+        # No rank has the profile's device: the profile does not fit this machine, and no
+        # rank is at fault (one odd GPU out among the right ones is, below).
+        return [Culprit(None, None, f"profile {profile['name']} does not fit this machine: "
+                                    f"its devices are {', '.join(map(repr, names))}, not "
+                                    f"{want!r}; choose the --profile of this hardware")]
     for r, o in enumerate(ev.observations):
         if want and want.lower() not in o["device_name"].lower():
             out.append(ev.culprit(r, f"device {o['device_name']!r} is not the profile "

@@ -95,8 +95,13 @@ def judge(ev) -> CheckResult:
     notes = [f"rank={r} local_rank={o['local_rank']} world_size={world} samples={o['samples']} "
              f"loss={o['loss']:.4f} weight={o['params'][0]:.4f}" for r, o in enumerate(obs)]
     notes.append(f"ddp_step_complete={ok}")
-    summary = (f"shards partition {len(FEATURES)} samples; weight {reference[0]:.4f} equal on "
-               f"{world} ranks and to the reference" if ok else f"{len(culprits)} culprit(s)")
+    # DistributedSampler pads by repeating samples when the ranks outnumber them: say so
+    padding = sum(map(len, shards)) - len(FEATURES)
+    split = (f"shards partition {len(FEATURES)} samples" if not padding else
+             f"shards cover {len(FEATURES)} samples, {padding} repeated as padding "
+             f"({world} ranks)")
+    summary = (f"{split}; weight {reference[0]:.4f} equal on {world} ranks and to the "
+               "reference" if ok else f"{len(culprits)} culprit(s)")
     return CheckResult("ddp_step", PASS if ok else FAIL, summary=summary, culprits=culprits,
                        notes=notes, figures={"reference_params": reference,
                                              "params": [o["params"] for o in obs],

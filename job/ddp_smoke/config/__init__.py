@@ -13,6 +13,7 @@ for an unknown key, the valid keys; the CLI turns it into exit status 2.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 from importlib import resources
 from typing import Any
@@ -107,7 +108,10 @@ def _validate(cfg: dict[str, Any]) -> None:
     checks = cfg["checks"]
     unknown = [c for c in checks if c not in rules.CHECKS]
     if unknown or not checks or len(set(checks)) != len(checks):
-        problem = f"unknown check {unknown[0]!r}" if unknown else "empty or repeated"
+        close = difflib.get_close_matches(unknown[0], list(rules.CHECKS), n=1) if unknown else []
+        problem = (f"unknown check {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)"
+                                                       if close else "")
+                   if unknown else "empty or repeated")
         raise ConfigError(f"key 'checks' = {','.join(checks)!r}: {problem}; "
                           f"registered checks: {', '.join(rules.CHECKS)}")
     rules.check(cfg)  # finite, inside bounds, known names: every key of defaults.yaml
@@ -117,6 +121,9 @@ def _validate(cfg: dict[str, Any]) -> None:
         raise ConfigError("key 'expect_transport' = '': expected ib, socket or a net plugin's "
                           "name (e.g. libfabric)")
     parse_faults(cfg["fault"], checks)
+    if cfg["act"] and cfg["fault"]:  # an injected fault is no reason to take a node away
+        raise ConfigError(f"keys 'act' and 'fault': --act {cfg['act']} never acts on an "
+                          f"injected fault ({cfg['fault']}); drop one of them")
     if cfg["profile"]:
         profiles.load(cfg["profile"])
 

@@ -12,6 +12,8 @@ iterations (1-based), to test that an intermittent fault is flagged as one:
            Written ``slow=2.5`` to choose the factor.
   corrupt  the rank's contribution to the check is wrong by one element (checks that
            exchange or compare data: ddp_step, collectives, storage, bandwidth …).
+  sdc      silent data corruption: the rank's seeded matrix product (health) is off by one
+           unit in the last place in one element, as a marginal GPU's would be.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-KINDS = ("crash", "raise", "hang", "slow", "corrupt")
-_SPEC = re.compile(r"^(\d+):(crash|raise|hang|slow(?:=(\d+(?:\.\d+)?))?|corrupt)@([a-z_]+)"
+KINDS = ("crash", "raise", "hang", "slow", "corrupt", "sdc")
+_SPEC = re.compile(r"^(\d+):(crash|raise|hang|slow(?:=(\d+(?:\.\d+)?))?|corrupt|sdc)@([a-z_]+)"
                    r"(?:#(\d+)(?:-(\d+))?)?$")
 MAX_SLOWDOWN = 1000.0  # beyond this a "slow" rank is a hung one: use hang
 CRASH_EXIT_CODE = 13
@@ -108,6 +110,13 @@ class Injector:
         """Perturb one element of ``tensor`` in place when corrupting; return the tensor."""
         if self.corrupting and tensor.numel():
             tensor.view(-1)[0] += 1
+        return tensor
+
+    def perturb_product(self, tensor):
+        """``sdc``: move one element of a product by one unit in the last place (in place)."""
+        if self._active("sdc") and tensor.numel():
+            first = tensor.view(-1)[:1]
+            first.copy_(first.nextafter(first + 1))
         return tensor
 
     def throttle(self, elapsed_s: float) -> None:

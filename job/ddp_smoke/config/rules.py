@@ -20,7 +20,7 @@ from ..errors import ConfigError
 BACKENDS = ("auto", "gloo", "nccl")
 # The checks in their default order (checks/__init__.py imports each by this name).
 CHECKS = ("environment", "ddp_step", "sampler_epochs", "collectives", "storage", "bandwidth",
-          "transport", "compute")
+          "transport", "compute", "health")
 ACTS = ("slurm-drain",)  # --act: what rank 0 may do itself after the verdict
 
 GIB = 1 << 30
@@ -169,6 +169,25 @@ RULES: dict[str, Any] = {
     "history.margin_cpu": MARGIN,
     "history.window": Int(1, 10000),
     "history.min_runs": Int(1, 10000),
+    "health.sdc_seed": SEED,
+    "health.sdc_size_cpu": Int(1, 16384),
+    "health.sdc_size_gpu": Int(1, 32768),
+    "health.sdc_repeats": Int(1, 100),
+    "health.sample_period_s": Real(0.05, 10.0),  # NVML event waits take whole milliseconds
+    "health.ecc_uncorrected_volatile_max": Int(0, 1 << 31),
+    "health.row_remap_uncorrectable_limit": Int(1, 1 << 20),
+    "health.retired_pages_limit": Int(1, 1 << 20),
+    "health.xid_critical": Sizes(1, 1023),
+    "health.xid_ignored": Sizes(1, 1023),
+    "health.xid_window_s": Real(0.0, 365 * DAY_S),
+    "health.hw_slowdown_fraction": Real(0.0, 1.0, lo_open=True),
+    "health.pcie_replay_ber": Real(0.0, 1.0, lo_open=True),
+    "health.nvlink_replay_recovery_max": Int(0, 1 << 31),
+    "health.nvlink_crc_per_s_max": Real(0.0, 1e9, lo_open=True),
+    "health.hca_symbol_error_per_s": Real(0.0, 1e9),
+    "health.hca_port_rcv_errors_per_s": Real(0.0, 1e9),
+    "health.hca_link_error_recovery_per_s": Real(0.0, 1e9),
+    "health.require_persistence_mode": Any_(),
 }
 
 # (key, other key): key must be >= the other.

@@ -55,11 +55,21 @@ def judge_abort(c, store) -> set[int]:
 
 
 def first_error(c, store) -> dict:
-    """The report's headline error: the first rank that raised, else the stage it stopped at."""
-    for r, e in sorted(posted(store, keys.ABORT).items()):
-        if e.get("kind") == keys.ERROR:
-            return {"rank": r, "host": c.host(r), "type": e.get("type"),
-                    "message": e.get("message"), "stage": e["stage"]}
+    """The report's headline error: the culprit's, never a victim's. A rank blocked by a dead
+    peer raises too ("Connection reset by peer"), often first; :func:`judge_abort` has just
+    named who stopped the run (the last judged result): its error, else its reason, leads. With
+    no rank named: the first rank that raised, else the stage the run stopped at."""
+    errors = {r: e for r, e in sorted(posted(store, keys.ABORT).items())
+              if e.get("kind") == keys.ERROR}
+    culprits = [k for k in c.judged[-1][1].culprits if k.rank is not None] if c.judged else []
+    named = [k.rank for k in culprits]
+    for r in [r for r in named if r in errors] or ([] if named else list(errors)):
+        e = errors[r]
+        return {"rank": r, "host": c.host(r), "type": e.get("type"),
+                "message": e.get("message"), "stage": e["stage"]}
+    if culprits:
+        return {"rank": culprits[0].rank, "host": culprits[0].host, "type": "Culprit",
+                "message": culprits[0].reason, "stage": c.stage}
     return {"rank": None, "host": None, "type": "Aborted",
             "message": f"run aborted at {c.stage}", "stage": c.stage}
 

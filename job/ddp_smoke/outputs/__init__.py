@@ -25,14 +25,7 @@ def prepare(report_dir: str) -> list[str]:
         ConfigError: the folder cannot be written, or a stale file cannot be removed
             (another user's, in a sticky folder; a read-only one): the run must not start.
     """
-    try:
-        os.makedirs(report_dir, exist_ok=True)
-        probe = os.path.join(report_dir, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(f"--report-dir {report_dir}: not writable ({e.strerror})") from None
+    check_writable(report_dir)
     gone = []
     for name in ARTIFACTS:
         path = os.path.join(report_dir, name)
@@ -47,15 +40,27 @@ def prepare(report_dir: str) -> list[str]:
     return gone
 
 
+def check_writable(report_dir: str) -> None:
+    """The folder can be made and written (a probe file, removed again); else ConfigError."""
+    try:
+        os.makedirs(report_dir, exist_ok=True)
+        probe = os.path.join(report_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"--report-dir {report_dir}: not writable ({e.strerror})") from None
+
+
 def publish(report: Report, report_dir: str, run_id: str) -> str:
     """Write every output of a finished run, in this order: report.json and junit.xml, the
     plot, the page (report.html), the human summary, the host lists and next steps (and ``--act``), the Prometheus
     file. Returns the verdict the other ranks are told: ``fail`` when the report was lost
     (it then goes to stderr as one JSON line). Never raises."""
-    lost = False
+    lost, png = False, None
     try:
         path = write_report(report, report_dir)
-        plot.write_busbw_png(report, report_dir)  # only with matplotlib installed
+        png = plot.write_busbw_png(report, report_dir)  # only with matplotlib installed
         page.write(report, report_dir)  # report.html, with history when ROOT has runs
     except (ReportWriteError, OSError) as e:  # full, over quota, read-only, stale NFS
         path, lost = f"(not written: {e})", True
@@ -63,5 +68,13 @@ def publish(report: Report, report_dir: str, run_id: str) -> str:
         print(to_json_line(report), file=sys.stderr)
     summary.print_report(report, path)
     hosts.finish(report, report_dir, run_id)
-    metrics.write(report, run_id)  # --prometheus FILE, when set
+    prom = metrics.write(report, run_id)  # --prometheus FILE, when set
+    # where the optional files went, or why they are absent: a missing file asks a question
+    said = []
+    if plot.bandwidth_rows(report) and not lost:
+        said.append(f"# {plot.FILENAME}: {png or plot.not_drawn(report) or 'not written'}")
+    if prom:
+        said.append(f"# prometheus textfile: {prom}")
+    if said:
+        print("\n".join(said), flush=True)
     return FAIL if lost else report.verdict

@@ -20,7 +20,9 @@ Rank 0 then writes ``bad_hosts.txt``, ``suspect_hosts.txt`` and ``good_hosts.txt
 report (one host name per line, atomically) and, when a host is not good, prints the commands
 an operator would run next: drain (``scontrol update … State=DRAIN Reason=…``), re-test
 without the bad nodes (``sbatch --exclude=…``), re-test a suspect link alone, and cordon and
-label the Kubernetes node. It runs none of them, except with ``--act slurm-drain``: then, under
+label the Kubernetes node; each only for the launcher that ran (Slurm lines for ranks that
+recorded a Slurm node, kubectl lines for pods that recorded their node; none on a laptop, none
+for an injected fault). It runs none of them, except with ``--act slurm-drain``: then, under
 Slurm only, rank 0 runs the scontrol lines for the bad hosts (rank 0 needs the Slurm privileges
 to drain: an operator's or SlurmUser's job).
 
@@ -160,36 +162,44 @@ def next_commands(hosts: list[dict], run_id: str) -> list[str]:
     pod recorded; both fall back to the host name.
     """
     split = by_verdict(hosts)
-    bad, suspect = split[BAD], split[SUSPECT]
     lines = []
+    # Only the launcher's own commands: Slurm lines for hosts whose ranks ran in a Slurm job
+    # (SLURMD_NODENAME), kubectl lines for pods (NODE_NAME). A laptop gets neither.
+    bad = [h for h in split[BAD] if h.get("slurm_node")]
+    suspect = [h for h in split[SUSPECT] if h.get("slurm_node")]
     for h in bad:
         argv = drain_argv(h, run_id)
         lines.append(" ".join(shlex.quote(a) for a in argv[:-1]) +
                      f' Reason="{argv[-1][len("Reason="):]}"')
     if bad:
-        exclude = ",".join(h.get("slurm_node") or h["host"] for h in bad)
+        exclude = ",".join(h["slurm_node"] for h in bad)
         lines.append(f"sbatch --exclude={shlex.quote(exclude)} slurm/ddp_smoke.sbatch")
-    slurm = {h["host"]: h.get("slurm_node") or h["host"] for h in hosts}
+    slurm = {h["host"]: h["slurm_node"] for h in hosts if h.get("slurm_node")}
     convicted = {h["host"] for h in bad}
     links = dict.fromkeys(tuple(r["link"]) for h in suspect for r in h["reasons"] if "link" in r)
     # A pair is judged against the others: a re-test of a link alone has no reference, so it
     # takes a good host along.
-    witness = [h["host"] for h in split[GOOD]][:1]
+    witness = [h["host"] for h in split[GOOD] if h["host"] in slurm][:1]
     for link in links:
-        if convicted.isdisjoint(link):  # with a bad end, draining that end is the re-test
+        if convicted.isdisjoint(link) and set(link) <= set(slurm):  # with a bad end, draining that end is the re-test
             nodes = ",".join(slurm.get(end, end) for end in [*link, *witness])
             lines.append(f"sbatch --nodes={len(link) + len(witness)} "
                          f"--nodelist={shlex.quote(nodes)} slurm/ddp_smoke.sbatch "
                          "--checks bandwidth   # re-test the link")
-    for h in bad:
-        node = shlex.quote(h.get("k8s_node") or h["host"])
+    for h in split[BAD]:
+        if not h.get("k8s_node"):
+            continue
+        node = shlex.quote(h["k8s_node"])
         lines += [f"kubectl cordon {node}",
                   f"kubectl label node {node} ddp-smoke/result=fail --overwrite"]
     return lines
 
 
-def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None) -> list[str]:
-    """What rank 0 prints after the verdict when a host is not good (nothing otherwise)."""
+def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None,
+           injected: str | None = None) -> list[str]:
+    """What rank 0 prints after the verdict when a host is not good (nothing otherwise).
+    ``injected``: the run's ``--fault``; its failures were made on purpose, so no command that
+    takes a host out of service is printed for them."""
     split = by_verdict(hosts)
     if not split[BAD] and not split[SUSPECT]:
         return []
@@ -200,10 +210,18 @@ def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None) -> 
         first, more = _lead(h)
         lines.append(f"#   {h['verdict']:<7} {h['host']:<20} {first['check']}: "
                      f"{first['reason']}{more}")
-    ran = "" if not split[BAD] else " (--act slurm-drain ran the scontrol lines)" \
-        if act == "slurm-drain" else "; --act slurm-drain runs the scontrol lines"
+    if injected:
+        return lines + [f"# next steps: none; the failures were injected (--fault {injected}), "
+                        "the alerting path is what was tested"]
+    commands = next_commands(hosts, run_id)
+    if not commands:
+        return lines + ["# next steps: take the bad hosts out of service before the next job "
+                        "(no Slurm or Kubernetes node names in this run: no commands for them)"]
+    ran = "" if not any(c.startswith("scontrol ") for c in commands) else \
+        " (--act slurm-drain ran the scontrol lines)" if act == "slurm-drain" else \
+        "; --act slurm-drain runs the scontrol lines"
     lines.append(f"# next steps, not run{ran}:")
-    return lines + [f"  {c}" for c in next_commands(hosts, run_id)]
+    return lines + [f"  {c}" for c in commands]
 
 
 # -- rank 0's outputs (I/O) -----------------------------------------------------------------
@@ -264,8 +282,9 @@ def finish(report, report_dir: str, run_id: str) -> None:
         hosts = hosts_section(report)
         for name, text in host_lists(hosts).items():
             write_atomic(os.path.join(report_dir, name), text)
-        act = (get_field(report, "config") or {}).get("act")
-        lines = render(hosts, run_id, report_dir, act)
+        config = get_field(report, "config") or {}
+        act = config.get("act")
+        lines = render(hosts, run_id, report_dir, act, injected=config.get("fault"))
         if act == "slurm-drain":
             lines += [f"# {m}" for m in drain(hosts, run_id)]
         if lines:

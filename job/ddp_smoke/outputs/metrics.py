@@ -15,7 +15,8 @@ name ending in ``.prom``. Each run replaces the file; series (all gauges)::
                                                     bad; see ddp_smoke.outputs.hosts), 0 for the others
     ddp_smoke_busbw_gbps{collective,size_bytes}     bandwidth sweep, nccl-tests' busbw, GB = 1e9 B
     ddp_smoke_pair_busbw_gbps{host_a,host_b}        bandwidth node pairs (sendrecv)
-    ddp_smoke_tflops{host,gpu,dtype}                compute, best block; gpu = the local rank
+    ddp_smoke_tflops{host,gpu,local_rank,dtype}     compute, best block; gpu = the CUDA device
+                                                    index, empty for a CPU rank
     ddp_smoke_run_duration_seconds                  the run's wall time
     ddp_smoke_last_run_timestamp_seconds            when this file was written (Unix time)
 
@@ -24,6 +25,7 @@ from one run to the next.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -94,8 +96,12 @@ def _tflops(report) -> list:
         rank = r.get("rank")
         local = ranks[rank].get("local_rank") if isinstance(rank, int) and rank < len(ranks) \
             else None
+        device = str(ranks[rank].get("device") or "") if isinstance(rank, int) and \
+            rank < len(ranks) else ""
         for dtype, m in (r.get("matmul") or {}).items():
-            out.append(({"host": r.get("host"), "gpu": local if local is not None else rank,
+            # a CPU rank has no GPU: an empty label, never "0" (it read as GPU 0)
+            out.append(({"host": r.get("host"), "gpu": device.partition("cuda:")[2],
+                         "local_rank": local if local is not None else rank,
                          "dtype": dtype}, m["tflops"]))
     return out
 
@@ -129,15 +135,18 @@ def render(report, run_id: str, now_s: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(report, run_id: str) -> None:
-    """Rank 0: write ``--prometheus FILE`` when set. Never raises: the report is written and
-    the verdict must still reach every rank; a failure is one line on stderr."""
+def write(report, run_id: str) -> str | None:
+    """Rank 0: write ``--prometheus FILE`` when set; return its path once written. Never
+    raises: the report is written and the verdict must still reach every rank; a failure is
+    one line on stderr."""
     config = get_field(report, "config") or {}
     path = config.get("prometheus")
     if not path:
-        return
+        return None
     try:
         write_atomic(path, render(report, run_id, time.time()))
     except Exception as e:  # noqa: BLE001
         print(f"ddp-smoke: --prometheus {path}: not written: {type(e).__name__}: {e}",
               file=sys.stderr)
+        return None
+    return os.path.abspath(path)

@@ -16,6 +16,20 @@ from .files import write_atomic
 FILENAME = "busbw.png"
 
 
+def not_drawn(report) -> str | None:
+    """Why there is no busbw.png although the bandwidth check ran (None: it is drawn)."""
+    config = (report.get("config") if isinstance(report, dict) else report.config) or {}
+    if config.get("level") == "quick":
+        # quick: four sizes make a poor picture, and importing matplotlib and drawing would
+        # be a large part of a quick run (bench/phases.py shows where the time goes)
+        return "not drawn at the quick level (--level standard draws it)"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "not drawn: matplotlib is not installed (pip install 'ddp-smoke[plot]')"
+    return None
+
+
 def write_busbw_png(report, report_dir: str) -> str | None:
     """Write ``report_dir/busbw.png`` from the bandwidth check's figures; return its path.
 
@@ -26,16 +40,10 @@ def write_busbw_png(report, report_dir: str) -> str | None:
     Returns:
         The PNG's path, or None when there is nothing to plot or matplotlib is absent.
     """
-    rows = _bandwidth_rows(report)
-    config = (report.get("config") if isinstance(report, dict) else report.config) or {}
-    if not rows or config.get("level") == "quick":
-        # quick: four sizes make a poor picture, and importing matplotlib and drawing would
-        # be a large part of a quick run (bench/phases.py shows where the time goes)
+    rows = bandwidth_rows(report)
+    if not rows or not_drawn(report):
         return None
-    try:
-        from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
-    except ImportError:
-        return None
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display needed
     try:
         return _draw(Figure, rows, report, os.path.join(report_dir, FILENAME))
     except Exception as e:  # noqa: BLE001 — a picture must never cost the report
@@ -43,7 +51,7 @@ def write_busbw_png(report, report_dir: str) -> str | None:
         return None
 
 
-def _bandwidth_rows(report) -> list[dict]:
+def bandwidth_rows(report) -> list[dict]:
     checks = report["checks"] if isinstance(report, dict) else report.checks
     for check in checks:
         name = check["name"] if isinstance(check, dict) else check.name

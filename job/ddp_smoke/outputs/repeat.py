@@ -60,9 +60,15 @@ def merge(name: str, runs: list[tuple[int, CheckResult]], hosts: list) -> CheckR
                    if 0 < len(failed) < n else
                    f"failed in all {n} iterations: {first}" if failed else first)
     else:
-        status, summary = PASS, f"passed in {n} of {n} iterations; last: {runs[-1][1].summary}"
+        status, summary = PASS, (f"passed in {n} of {n} iterations; iteration {n} (last): "
+                                 f"{runs[-1][1].summary}")
+    # The tables printed are the last iteration's, labelled as such (the summary's "last");
+    # every iteration's figures are in the report.
+    last = runs[-1][1].notes
+    notes = [f"# {name}, iteration {n} of {n} (last; all in report.json)", *last] if last \
+        else []
     return CheckResult(name, status, summary=summary, culprits=culprits, figures=figures,
-                       notes=runs[0][1].notes, duration_s=sum(r.duration_s for _, r in runs))
+                       notes=notes, duration_s=sum(r.duration_s for _, r in runs))
 
 
 def _culprits(failed: list[tuple[int, CheckResult]], n: int) -> list[Culprit]:

@@ -37,6 +37,10 @@ def to_junit(report: Report) -> str:
     lines = ['<?xml version="1.0" encoding="UTF-8"?>',
              f'<testsuite name="ddp-smoke" tests="{total}" failures="{failures}" '
              f'skipped="{skipped}" time="{report.timings.get("total_s", 0.0):.3f}">']
+    if report.config.get("fault"):  # a CI page must not read an injected failure as real
+        lines += ["  <properties>",
+                  f'    <property name="injected" value={quoteattr(report.config["fault"])}/>',
+                  "  </properties>"]
     for c in report.checks:
         lines.append(f'  <testcase classname="ddp_smoke" name={quoteattr(c.name)} '
                      f'time="{c.duration_s:.3f}">')
@@ -47,7 +51,9 @@ def to_junit(report: Report) -> str:
             lines.append(f"    <skipped message={quoteattr(c.summary)}/>")
         lines.append("  </testcase>")
     if report.error is not None:
-        message = f'{report.error.get("type")}: {report.error.get("message")}'
+        who = report.error.get("rank")  # the culprit's rank when one is named (judge.py)
+        message = (f"rank {who} host {report.error.get('host')}: " if who is not None else "") \
+            + f'{report.error.get("type")}: {report.error.get("message")}'
         lines.append('  <testcase classname="ddp_smoke" name="run">')
         lines.append(f"    <failure message={quoteattr(message)}/>")
         lines.append("  </testcase>")

@@ -26,7 +26,7 @@ def render(report: Report, path: str) -> str:
         for k in c.culprits:
             who = (f"rank {k.rank} ({k.host})" if k.rank is not None else
                    f"link ranks {k.ranks[0]}-{k.ranks[1]} ({k.hosts[0]} <-> {k.hosts[1]})"
-                   if k.ranks else "no single rank")
+                   if k.ranks else f"host {k.host}" if k.host else "no single rank")
             at = f" [{k.where}]" if k.where else ""
             lines.append(f"  {'':<16} culprit: {who}: {k.reason}{at}")
         victims = c.figures.get("victims") if c.status == FAIL else None
@@ -34,6 +34,9 @@ def render(report: Report, path: str) -> str:
             lines.append(f"  {'':<16} victims (stopped by the culprit, not at fault): ranks "
                          f"{', '.join(str(v['rank']) for v in victims[:16])}"
                          f"{' …' if len(victims) > 16 else ''}")
+    if cfg.get("fault"):
+        lines.append(f"# injected on purpose (--fault {cfg['fault']}): the failures it causes "
+                     "test the alerting path, not this cluster")
     passed = sum(c.status == PASS for c in report.checks)
     failed = [c.name for c in report.checks if c.status == FAIL]
     tail = f"; failed: {', '.join(failed)}" if failed else ""

@@ -20,6 +20,13 @@ profile file holds::
     expect_transport: ib    # the network NCCL must use between nodes (transport check)
     compute:
       min_tflops: {bf16: 676.0}   # per rank and dtype (fp32 on CPU)
+    health:                 # what the health check expects of each node (absent: not judged)
+      gpus_per_node: 8
+      pcie_gen: 5           # every GPU's PCIe link under load, at least
+      pcie_width: 16
+      nvlink_links: 18      # NVLink links per GPU, all up
+      hca_ports: 8          # HCA ports ACTIVE / LinkUp at hca_rate_gbps or more
+      hca_rate_gbps: 400
     sources: [where each number comes from]
 
 A run below a floor fails its check, and the check says by how much. The sweep always reaches
@@ -40,7 +47,7 @@ from .. import rules as limits
 
 DEFAULT = "cpu"
 _TOP = {"description": str, "device_name": str, "bandwidth": dict, "compute": dict,
-        "sources": list, "expect_transport": str, "multi_node": dict}
+        "sources": list, "expect_transport": str, "multi_node": dict, "health": dict}
 
 
 def names() -> list[str]:
@@ -79,7 +86,9 @@ def _read_path(path: str) -> str:
         raise ConfigError(f"key 'profile' = {path!r}: {e.strerror}") from None
 
 
-_SECTIONS = {"bandwidth": ("world_size", "nodes", "floors"), "compute": ("min_tflops",)}
+_SECTIONS = {"bandwidth": ("world_size", "nodes", "floors"), "compute": ("min_tflops",),
+             "health": ("gpus_per_node", "pcie_gen", "pcie_width", "nvlink_links", "hca_ports",
+                        "hca_rate_gbps")}
 _FLOOR = "{collective, size_bytes (int >= 1), min_busbw_gbps (finite number > 0)}"
 
 
@@ -123,6 +132,9 @@ def _validate(name: str, data: Any) -> None:
                 or not _positive(floor["min_busbw_gbps"])):
             fail(f"bandwidth floor {floor!r}: expected {_FLOOR}, collective one of "
                  f"{', '.join(limits.SWEPT)}")
+    for key, value in data.get("health", {}).items():  # what the health check expects
+        if not (_integer(value) and value >= 1):
+            fail(f"health.{key} = {value!r}: expected an integer >= 1")
     tflops = data.get("compute", {}).get("min_tflops", {})
     dtypes = limits.GPU_MATMUL_DTYPES  # fp32 is also the CPU's
     if (not isinstance(tflops, dict) or not all(k in dtypes for k in tflops)

@@ -1,0 +1,232 @@
+"""`make smoke-local` as a new user meets it (issue 25): which torch the venv gets, bad input
+before any rank starts, a failing run that ends on the kit's own last line, one folder per run.
+
+The launcher is ``python -m ddp_smoke.launch_local`` (what the Makefile runs), started as a
+real process; the runs are real torchrun launches with 2 gloo ranks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from tests.launch import torchrun
+
+REPO = Path(__file__).resolve().parent.parent.parent
+CHOICE = REPO / "job" / "torch_choice.sh"
+
+
+# -- item 1: the first download -------------------------------------------------------------
+
+def _choice(**env) -> str:
+    """The decision, dry run, with this machine's pip configuration hidden (PIP_CONFIG_FILE
+    /dev/null and no PIP_* variables) unless the case sets its own."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    clean.update({"PIP_CONFIG_FILE": os.devnull, "PIP": f"{sys.executable} -m pip", **env})
+    p = subprocess.run(["sh", str(CHOICE), "--dry-run"], capture_output=True, text=True,
+                       env=clean, timeout=60, check=True)
+    return p.stdout.strip()
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"DDP_SMOKE_GPU": "0"},
+     "torch: torch==2.13.0, the CPU-only build from https://download.pytorch.org/whl/cpu "
+     "(no NVIDIA GPU here)"),
+    ({"DDP_SMOKE_GPU": "1"}, "torch: torch==2.13.0, the CUDA build from PyPI (an NVIDIA GPU is "
+                             "present)"),
+    ({"DDP_SMOKE_GPU": "0", "PIP_FIND_LINKS": "/opt/wheels"},
+     "torch: torch==2.13.0 from pip's own configuration (:env:.find-links='/opt/wheels')"),
+    ({"DDP_SMOKE_GPU": "1", "PIP_NO_INDEX": "1"},
+     "torch: torch==2.13.0 from pip's own configuration (:env:.no-index='1')"),
+    ({"DDP_SMOKE_GPU": "0", "PIP_FIND_LINKS": "/w", "PIP_EXTRA": "--index-url https://x/cu126",
+      "TORCH_SPEC": "torch==2.12.0"},
+     "torch: torch==2.12.0 with PIP_EXTRA as given (--index-url https://x/cu126)"),
+], ids=["no-gpu", "gpu", "local-wheels", "no-index", "overrides-win"])
+def test_torch_choice(env, expected):
+    assert _choice(**env) == expected
+
+
+def test_the_makefile_installs_what_the_choice_prints():
+    """`make` itself, dry: the venv recipe takes torch's pip arguments from the script; and on
+    a machine without a GPU or pip configuration those arguments are the CPU index."""
+    p = subprocess.run(["make", "-n", "/tmp/ddp-smoke-choice/.runtime",
+                        "VENV=/tmp/ddp-smoke-choice"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60, check=True)
+    assert "sh job/torch_choice.sh) && " in p.stdout and "install $args numpy" in p.stdout
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    args = subprocess.run(["sh", str(CHOICE)], capture_output=True, text=True, timeout=60,
+                          env={**clean, "PIP_CONFIG_FILE": os.devnull, "DDP_SMOKE_GPU": "0",
+                               "PIP": f"{sys.executable} -m pip"}, check=True)
+    assert args.stdout.split() == ["--index-url", "https://download.pytorch.org/whl/cpu",
+                                   "--extra-index-url", "https://pypi.org/simple",
+                                   "torch==2.13.0"]
+    assert args.stderr.startswith("ddp-smoke: torch: torch==2.13.0, the CPU-only build")
+
+
+# -- items 2 and 4: bad input, once, before any rank ------------------------------------------
+
+def _local(*worker_args: str, cwd: Path, nproc: int = 2, timeout: float = 120):
+    return subprocess.run([sys.executable, "-m", "ddp_smoke.launch_local",
+                           f"--nproc-per-node={nproc}", "--", "--backend", "gloo",
+                           "--level", "quick", *worker_args],
+                          cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--checks", "enviroment,ddp_step"],
+     "ddp-smoke: error: key 'checks' = 'enviroment,ddp_step': unknown check 'enviroment' (did "
+     "you mean 'environment'?)"),
+    (["--chekcs", "environment"],
+     "ddp-smoke: error: unrecognized arguments: --chekcs environment; did you mean --checks?"),
+    (["--fault", "1:crash@collectives", "--act", "slurm-drain"],
+     "ddp-smoke: error: keys 'act' and 'fault': --act slurm-drain never acts on an injected "
+     "fault"),
+    (["--fault", "2:crash@collectives"],
+     "ddp-smoke: error: key 'fault' = '2:crash@collectives': rank out of range for WORLD_SIZE=2"),
+    (["--profile", "h100-8gpu"],
+     "ddp-smoke: error: --profile h100-8gpu does not fit this run: it is for H100 GPUs and "
+     "--backend gloo runs the checks on CPUs"),
+], ids=["check-typo", "flag-typo", "fault-with-act", "fault-rank", "gpu-profile-on-cpu"])
+def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, argv, line):
+    p = _local(*argv, cwd=tmp_path, timeout=30)
+    assert p.returncode == 2, p.stderr
+    assert p.stdout == "" and p.stderr.count("\n") == 1 and p.stderr.startswith(line), p.stderr
+    assert not (tmp_path / "reports").exists()  # no rank started, nothing made
+
+
+def test_a_report_folder_that_cannot_be_written_is_bad_input(tmp_path):
+    """Issue 25 item 4 (before: 78 lines in 14.5 s, a FAIL table blaming the launcher)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)], check=True)
+    try:
+        p = _local("--report-dir", str(ro / "rep"), cwd=tmp_path, timeout=30)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    assert p.returncode == 2
+    assert p.stderr == (f"ddp-smoke: error: --report-dir {ro / 'rep'}: not writable "
+                        "(Read-only file system)\n") and p.stdout == ""
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_under_plain_torchrun_is_said_once(tmp_path):
+    """Without the local launcher (sbatch, the image: torchrun itself) every rank finds the
+    mistake; only local rank 0 says it, on a line of its own."""
+    run = torchrun(2, "--chekcs", "environment", report_dir=tmp_path / "r")
+    said = [line for line in run.stderr.splitlines() if "ddp-smoke: error:" in line]
+    assert said == ["ddp-smoke: error: unrecognized arguments: --chekcs environment; did you "
+                    "mean --checks?"], run.stderr
+
+
+# -- items 3, 5, 6, 7: a failing run; two at once --------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_a_failing_run_ends_on_the_kits_line_and_leads_with_the_culprit(tmp_path):
+    """Rank 1 crashes in collectives (an injected fault). Before: torchrun's ChildFailedError
+    block after the verdict, the report's error naming rank 0's "Connection reset by peer",
+    drain and cordon lines for a laptop, nothing saying the fault was injected."""
+    p = _local("--checks", "environment,collectives", "--fault", "1:crash@collectives",
+               "--report-dir", str(tmp_path / "r"), cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    assert p.stdout.rstrip().splitlines()[-1].startswith("# next steps: none; the failures "
+                                                         "were injected"), p.stdout[-2000:]
+    assert "# injected on purpose (--fault 1:crash@collectives)" in p.stdout
+    assert "scontrol" not in out and "kubectl" not in out
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["injected"] == "1:crash@collectives"
+    assert (report["error"]["rank"], report["error"]["stage"]) == (1, "collectives"), report
+    junit = ET.parse(tmp_path / "r" / "junit.xml").getroot()
+    [run] = [t for t in junit.iter("testcase") if t.get("name") == "run"]
+    assert run.find("failure").get("message").startswith("rank 1 host "), ET.tostring(run)
+    assert [p.get("value") for p in junit.iter("property") if p.get("name") == "injected"] \
+        == ["1:crash@collectives"]
+
+
+@pytest.mark.timeout(180)
+def test_two_runs_started_together_each_own_a_folder(tmp_path):
+    """Before: both in reports/local-<second>, both printing PASS and that path, one report
+    lost. Now each run's id (local-<time>-<random>) names its folder."""
+    argv = [sys.executable, "-m", "ddp_smoke.launch_local", "--", "--backend", "gloo",
+            "--checks", "environment"]
+    procs = [subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+             for _ in range(2)]
+    outs = [proc.communicate(timeout=150)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outs
+    folders = sorted((tmp_path / "reports").iterdir())
+    assert len(folders) == 2, outs
+    for folder in folders:
+        report = json.loads((folder / "report.json").read_text())
+        assert report["verdict"] == "pass" and report["run_id"] == folder.name
+        assert folder.name.startswith("local-")
+    assert sum(f"report reports/{f.name}/report.json" in o for f in folders for o in outs) == 2
+
+
+def test_a_folder_a_live_run_holds_is_refused(tmp_path):
+    """The worker's claim on its folder: a second run naming the same --report-dir is bad
+    input while the first lives (the kernel drops the claim when the holder exits)."""
+    from ddp_smoke.config import prelaunch
+    from ddp_smoke.errors import ConfigError
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from ddp_smoke.config import prelaunch; "
+        f"prelaunch.hold({str(tmp_path)!r}, 'first-run'); print('held', flush=True); "
+        "sys.stdin.read()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ConfigError, match=r"in use by run first-run \(pid "):
+            prelaunch.hold(str(tmp_path), "second-run", keep=False)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    prelaunch.hold(str(tmp_path), "second-run", keep=False)  # released with its process
+
+
+def test_submit_help_is_options_with_defaults():
+    """Issue 25: `ddp-smoke-submit --help` was the module's rationale, no defaults, and its
+    usage lacked `-- WORKER_ARGS`."""
+    p = subprocess.run([str(Path(sys.executable).parent / "ddp-smoke-submit"), "--help"],
+                       capture_output=True, text=True, timeout=60, check=True)
+    assert p.stdout.startswith("usage: ddp-smoke-submit [options] [-- WORKER_ARGS …]\n")
+    options = [line.split()[0] for line in p.stdout.splitlines() if line.startswith("  --")]
+    assert "--cluster" in options and "--wait-timeout" in options
+    for option in ("--cluster", "--nodes", "--procs-per-node", "--gpus-per-node", "--time-min",
+                   "--folder", "--wait-timeout", "--container-python", "--cpus-per-proc"):
+        said = p.stdout[p.stdout.index(f"  {option}"):].split("\n  --")[0]
+        assert "(default" in said, said
+    assert "TorchDistributedEnvironment" not in p.stdout  # the rationale stays in the module
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_ends_in_one_line_and_the_signals_status(tmp_path):
+    """SIGINT to the launcher mid-run (as Ctrl-C sends it to the launcher alone when the
+    ranks are elsewhere): torchrun stops the ranks; no traceback, exit 128 + 2."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddp_smoke.launch_local", "--", "--backend",
+                             "gloo", "--checks", "environment,collectives", "--fault",
+                             "1:hang@collectives", "--timeout", "60"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+    # Rank 0 has claimed the folder (its lock names its pid): the ranks run, the agent waits.
+    deadline = time.monotonic() + 60
+    while not any("(pid " in lock.read_text()
+                  for lock in tmp_path.glob("reports/*/.ddp-smoke.lock")):
+        assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(2)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+    assert err.rstrip().splitlines()[-1] == ("ddp-smoke: stopped by SIGINT; the ranks were "
+                                             "stopped too"), err[-3000:]

@@ -1,0 +1,338 @@
+"""Preflight on this machine and the launcher's verdict from real files (issue 28).
+
+The real-cluster cases are in test_preflight_slurm.py; here the pieces: NCCL's interface
+syntax, the one error line taken from a traceback or srun's output, the records turned into a
+report, and the command itself on loopback (a rendezvous host and a second node).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp_smoke import preflight
+from ddp_smoke.outputs import launch_report as lr
+
+PY = sys.executable
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("eth", ["eth0", "eth1"]),             # a prefix
+    ("=eth0", ["eth0"]),                   # exactly
+    ("^lo,docker", ["eth0", "eth1", "ib0"]),  # anything but
+    ("^=eth0", ["lo", "docker0", "eth1", "ib0"]),
+    ("ib,eth1", ["eth1", "ib0"]),
+    ("bond", []),
+])
+def test_nccl_socket_ifname_syntax(spec, expected):
+    assert preflight.nccl_matches(spec, ["lo", "docker0", "eth0", "eth1", "ib0"]) == expected
+
+
+def test_interfaces_must_exist_and_carry_an_address():
+    have = {"lo": ["127.0.0.1"], "eth0": ["10.0.0.5"], "ib0": []}
+    ok, text = preflight.check_interfaces({"GLOO_SOCKET_IFNAME": "eth0",
+                                           "NCCL_SOCKET_IFNAME": "^lo"}, have)
+    assert ok and "eth0 10.0.0.5" in text
+    ok, text = preflight.check_interfaces({"GLOO_SOCKET_IFNAME": "eth9"}, have)
+    assert not ok and text.startswith("GLOO_SOCKET_IFNAME=eth9: no interface eth9"), text
+    ok, text = preflight.check_interfaces({"GLOO_SOCKET_IFNAME": "ib0"}, have)
+    assert not ok and "ib0 has no address" in text
+    ok, text = preflight.check_interfaces({"NCCL_SOCKET_IFNAME": "=ib0"}, have)
+    assert not ok and "matches no interface with an address" in text
+
+
+TRACEBACK = """Traceback (most recent call last):
+  File "<frozen runpy>", line 189, in _run_module_as_main
+  File "/x/ddp_smoke/__init__.py", line 1, in <module>
+    import missing_dep
+ModuleNotFoundError: No module named 'missing_dep'
+"""
+TORCH_STACK = """[W1130 node3] TCPStore warning
+Traceback (most recent call last):
+  File "/x/torch/distributed/run.py", line 9, in main
+torch.distributed.DistNetworkError: The client socket has timed out after 20000ms while trying to connect to (10.0.0.1, 29502).
+Exception raised from throwTimeoutError at /pytorch/torch/csrc/distributed/c10d/socket.cpp:1021 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x98 (0x7f in libc10.so)
+"""
+
+
+def test_error_line_is_the_exception_never_a_frame():
+    assert lr.error_line(TRACEBACK.splitlines()) == \
+        "ModuleNotFoundError: No module named 'missing_dep'"
+    assert lr.error_line(TORCH_STACK.splitlines()).startswith(
+        "torch.distributed.DistNetworkError: The client socket has timed out")
+    assert lr.error_line(["noise", "ddp-smoke: error: --checks x: unknown"]) == \
+        "ddp-smoke: error: --checks x: unknown"
+    assert lr.error_line(["/opt/venv/bin/python: No such file or directory"]) == \
+        "/opt/venv/bin/python: No such file or directory"
+    assert lr.error_line([]) == ""
+
+
+SRUN = """srun: error: Task launch for StepId=2.0 failed on node bnode3: Communication connection failure
+srun: error: bnode2: task 1: Exited with exit code 1
+srun: error: bnode1: task 0: Terminated
+srun: error: bnode3: task 2: Exited with exit code 1
+"""
+
+
+def test_srun_launch_errors_by_node_signals_are_victims():
+    assert lr.launch_errors(SRUN) == {
+        "bnode3": "task launch failed: Communication connection failure",
+        "bnode2": "srun: Exited with exit code 1"}
+
+
+def _record(tmp: Path, node: str, ok: bool = True, run_id: str = "7", **extra) -> None:
+    checks = [{"name": "python", "ok": True, "detail": "python"}]
+    if not ok:
+        checks.append({"name": "interfaces", "ok": False, "detail": "GLOO_SOCKET_IFNAME=ib7: "
+                                                                   "no interface ib7"})
+    (tmp / "preflight").mkdir(parents=True, exist_ok=True)
+    (tmp / "preflight" / f"{node}.json").write_text(json.dumps(
+        {"node": node, "run_id": run_id, "ok": ok, "duration_s": 1.0, "checks": checks,
+         **extra}))
+
+
+def _launcher(tmp: Path, stage: str, nodes: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "ddp_smoke.verdict", "--launcher", "--stage", stage,
+                           "--report-dir", str(tmp), "--nodes", nodes, "--run-id", "7", *extra],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_preflight_verdict_names_exactly_the_failed_node(tmp_path):
+    _record(tmp_path, "a", joined={"0": "a", "1": "b"})
+    _record(tmp_path, "b")
+    _record(tmp_path, "c", ok=False)
+    _record(tmp_path, "d", ok=False, run_id="6")  # another run's record: not evidence
+    proc = _launcher(tmp_path, "preflight", "a b c d", "--exit", "1")
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("ddp-smoke: verdict fail · preflight: c: interfaces: "), last
+    report = json.loads((tmp_path / "report.json").read_text())
+    culprits = {k["host"]: k["reason"] for k in report["checks"][0]["culprits"]}
+    assert set(culprits) == {"c"}  # d has no record of this run and no error: a victim
+    assert report["checks"][0]["figures"]["victims"][0].startswith("d: ")
+    assert (report["verdict"], report["run_id"], report["checks"][0]["name"]) == \
+        ("fail", "7", "preflight")
+    assert (tmp_path / "bad_hosts.txt").read_text() == "c\n"
+    assert (tmp_path / "junit.xml").exists()
+
+
+def test_preflight_verdict_reads_a_node_stderr_and_srun(tmp_path):
+    _record(tmp_path, "a")
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "b.preflight.err").write_text(TRACEBACK)
+    (tmp_path / "launch" / "srun.preflight.err").write_text(SRUN.replace("bnode3", "c"))
+    proc = _launcher(tmp_path, "preflight", "a b c", "--launch-log",
+                     str(tmp_path / "launch" / "srun.preflight.err"))
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {k["host"]: k["reason"] for k in report["checks"][0]["culprits"]} == {
+        "b": "ModuleNotFoundError: No module named 'missing_dep'",
+        "c": "task launch failed: Communication connection failure"}
+
+
+def test_preflight_verdict_passes_quietly(tmp_path):
+    _record(tmp_path, "a")
+    _record(tmp_path, "b")
+    proc = _launcher(tmp_path, "preflight", "a b")
+    assert proc.returncode == 0 and "preflight ok on 2 node(s)" in proc.stdout
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_run_verdict_quotes_the_workers_report(tmp_path):
+    report = {"verdict": "fail", "run_id": "7", "checks": [
+        {"name": "ddp_step", "status": "fail", "culprits": [
+            {"rank": 1, "host": "b", "reason": "crashed"}]}]}
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    proc = _launcher(tmp_path, "run", "a b", "--exit", "1")
+    assert proc.returncode == 1
+    assert proc.stdout.startswith("ddp-smoke: verdict fail · ddp_step: rank 1 b: crashed · "
+                                  "srun exit 1 · report "), proc.stdout
+    report["run_id"] = "6"  # another run's report is not this run's verdict
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    proc = _launcher(tmp_path, "run", "a b", "--exit", "1")
+    assert proc.returncode == 1 and "launch: a: no worker started" in proc.stdout
+
+
+def test_run_verdict_names_nodes_without_workers(tmp_path):
+    worker = tmp_path / "torchrun" / "a" / "7_x" / "attempt_0" / "0"
+    worker.mkdir(parents=True)
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "b.run.err").write_text(TORCH_STACK)
+    proc = _launcher(tmp_path, "run", "a b", "--exit", "1")
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    [culprit] = report["checks"][0]["culprits"]
+    assert culprit["host"] == "b"
+    assert culprit["reason"].startswith("no worker started: torch.distributed.DistNetworkError")
+
+
+def test_run_verdict_bad_input_exits_2(tmp_path):
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "a.run.err").write_text("ddp-smoke: error: --checks nope: unknown\n")
+    proc = _launcher(tmp_path, "run", "a", "--exit", "1")
+    assert proc.returncode == 2
+    assert "verdict none (no report) · bad input: ddp-smoke: error: --checks nope" in proc.stdout
+
+
+def _preflight(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([PY, "-m", "ddp_smoke", "preflight", *args], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **(env or {})})
+
+
+def test_preflight_command_on_loopback_host_and_node(tmp_path):
+    """A rendezvous host (listening on the port) and a second node; both pass, both write
+    records, the host lists who said hello."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    common = ["--report-dir", str(tmp_path), "--rdzv", endpoint, "--timeout", "20",
+              "--run-id", "r1"]
+    host = _preflight(*common, "--serve", "--nodes", "2", "--node", "h0",
+                      env={"SLURM_NODEID": "0"})
+    node = _preflight(*common, "--node", "h1", "--skip-torch", env={"SLURM_NODEID": "1"})
+    for proc in (host, node):
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out + err
+        assert out.startswith("ddp-smoke preflight: h") and " ok in " in out
+    record = json.loads((tmp_path / "preflight" / "h0.json").read_text())
+    assert record["joined"] == {"0": "h0", "1": "h1"} and record["ok"]
+    assert {c["name"] for c in record["checks"]} == {"python", "report_dir", "interfaces",
+                                                     "rendezvous", "torch", "joined"}
+    # The port is free again at once for torchrun's store.
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("", int(endpoint.rsplit(":", 1)[1])))
+
+
+def test_preflight_host_names_the_node_ranks_that_never_joined(tmp_path):
+    endpoint = f"127.0.0.1:{_free_port()}"
+    host = _preflight("--rdzv", endpoint, "--serve", "--nodes", "3", "--timeout", "3",
+                      "--skip-torch", env={"PET_NODE_RANK": "0"})
+    out, err = host.communicate(timeout=30)
+    assert host.returncode == 1
+    assert "joined: node rank(s) 1, 2 never joined within 3 s: 1 of 3 said hello" in err, err
+
+
+def test_preflight_unreachable_rendezvous_and_bad_input(tmp_path):
+    proc = _preflight("--rdzv", f"127.0.0.1:{_free_port()}", "--timeout", "2", "--skip-torch")
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert "rendezvous: cannot reach rendezvous 127.0.0.1:" in err and "refused" in err, err
+    proc = _preflight("--rdzv", "nohostport")
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and err.strip().count("\n") == 0, err
+    assert err.startswith("ddp-smoke: error: --rdzv 'nohostport'")
+
+
+def test_preflight_expected_gpus_on_a_cpu_machine(tmp_path):
+    proc = _preflight("--gpus", "2", "--timeout", "30")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "torch: " in err and "CUDA sees 0 GPU(s), expected 2" in err, err
+
+
+def test_worker_command_is_unchanged():
+    proc = subprocess.run([PY, "-m", "ddp_smoke", "--checks", "nope"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "ddp-smoke: error:" in proc.stderr
+
+
+ENTRYPOINT = Path(__file__).resolve().parents[2] / "docker" / "entrypoint.sh"
+
+
+def _entrypoint(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """The image's entrypoint on this machine, the venv's python first on PATH."""
+    env = {**os.environ, "PATH": f"{Path(PY).parent}:{os.environ['PATH']}",
+           "DDP_SMOKE_REPORT_ROOT": str(tmp_path), "DDP_SMOKE_RUN_ID": "ep1",
+           "NODE_NAME": "box1", **env}
+    return subprocess.run(["bash", str(ENTRYPOINT), *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_entrypoint_preflight_failure_is_a_report_naming_this_node(tmp_path):
+    proc = _entrypoint(tmp_path, "--", "--checks", "environment", GLOO_SOCKET_IFNAME="ib7")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("ddp-smoke: verdict fail · preflight: box1: interfaces: "
+                           "GLOO_SOCKET_IFNAME=ib7: no interface ib7"), last
+    report = json.loads((tmp_path / "ep1" / "report.json").read_text())
+    assert report["run_id"] == "ep1" and report["config"]["launcher"] == "docker"
+    assert "+ torchrun" not in proc.stderr  # stopped before torchrun
+
+
+def test_entrypoint_torchrun_that_never_starts_a_worker_is_named(tmp_path):
+    """torchrun cannot reach the rendezvous (nothing listens on the port): no worker, no
+    report from one; the entrypoint writes it, with torchrun's own error line."""
+    proc = _entrypoint(tmp_path, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                       f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=ep1",
+                       "--rdzv-conf=join_timeout=3,read_timeout=3,is_host=0",
+                       "--local-addr=127.0.0.1", "--", "--checks", "environment")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("ddp-smoke: verdict fail · launch: box1: no worker started: "), last
+    report = json.loads((tmp_path / "ep1" / "report.json").read_text())
+    [culprit] = report["checks"][0]["culprits"]
+    assert culprit["host"] == "box1" and "Error" in culprit["reason"], culprit
+    assert "\n" not in culprit["reason"] and "frame #" not in culprit["reason"]
+
+
+def test_nodes_refused_by_a_late_host_blame_the_host(tmp_path):
+    """Nothing listened on the rendezvous port (the first node started late): the nodes that
+    were refused are victims, the host that never came up is the culprit."""
+    _record(tmp_path, "b", ok=False)
+    record = json.loads((tmp_path / "preflight" / "b.json").read_text())
+    record["checks"][-1] = {"name": "rendezvous", "ok": False, "detail": "cannot reach "
+                            "rendezvous 10.0.0.1:29500 over TCP within 29 s: connection refused"}
+    (tmp_path / "preflight" / "b.json").write_text(json.dumps(record))
+    proc = _launcher(tmp_path, "preflight", "a b", "--exit", "1")
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    [culprit] = report["checks"][0]["culprits"]
+    assert culprit["host"] == "a" and culprit["reason"].startswith("rendezvous host: never "
+                                                                   "listened"), culprit
+    assert [v.split(":")[0] for v in report["checks"][0]["figures"]["victims"]] == ["b"]
+
+
+def test_a_node_that_only_waited_is_a_victim_not_a_culprit(tmp_path):
+    """srun could not launch on c; a and b printed only torch's C++ warnings while waiting
+    for it in the rendezvous: c alone is named."""
+    (tmp_path / "launch").mkdir()
+    note = ("[W1130 23:28:27.714588602 socket.cpp:207] [c10d] The hostname of the client "
+            "socket cannot be retrieved. err=-3\n")
+    for node in ("a", "b"):
+        (tmp_path / "launch" / f"{node}.run.err").write_text(note)
+    (tmp_path / "launch" / "srun.run.err").write_text(SRUN.replace("bnode3", "c"))
+    proc = _launcher(tmp_path, "run", "a b c", "--exit", "233", "--launch-log",
+                     str(tmp_path / "launch" / "srun.run.err"))
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {k["host"]: k["reason"] for k in report["checks"][0]["culprits"]} == {
+        "c": "no worker started: task launch failed: Communication connection failure"}
+
+
+def test_nodes_that_could_not_reach_a_silent_head_store_blame_the_head(tmp_path):
+    """PREFLIGHT=0 and the first node started late: the others' torchrun timed out connecting
+    to its store, the head itself printed nothing (killed while still starting)."""
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "b.run.err").write_text(TORCH_STACK)
+    (tmp_path / "launch" / "srun.run.err").write_text(
+        "srun: error: b: task 1: Exited with exit code 1\nsrun: error: a: task 0: Terminated\n")
+    proc = _launcher(tmp_path, "run", "a b", "--exit", "143", "--launch-log",
+                     str(tmp_path / "launch" / "srun.run.err"))
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    [culprit] = report["checks"][0]["culprits"]
+    assert culprit["host"] == "a" and culprit["reason"].startswith(
+        "rendezvous host: its c10d store never answered: 1 node(s) could not connect"), culprit
+    assert report["checks"][0]["figures"]["victims"][0].startswith("b: ")
