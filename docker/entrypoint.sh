@@ -132,14 +132,33 @@ if [[ "${DDP_SMOKE_PREFLIGHT:-1}" != 0 ]]; then
     fi
 fi
 
+# The coordination store in a process of its own (python -m ddp_smoke.store_host),
+# so that rank 0's death does not take it down: a survivor writes the report, or the store host
+# when every rank is gone. One node: always. Several: when the launcher sets
+# DDP_SMOKE_STORE=auto on every node; the node that hosts torchrun's rendezvous (is_host, or
+# the --rdzv-endpoint names it) runs it on the endpoint's port + 1, and every node derives the
+# same address from the same endpoint (nodes started otherwise must then set it too).
+store=()
+if [[ "${DDP_SMOKE_STORE:-}" == auto || " ${torchrun_args[*]} " == *" --standalone "* ]]; then
+    read -r role address < <(python -m ddp_smoke.store_host --plan \
+                                 "${torchrun_args[@]}") || exit 2
+    export DDP_SMOKE_STORE="$address"
+    if [[ "$role" == host ]]; then
+        # (its report of last resort goes where the ranks said they write theirs)
+        store=(python -m ddp_smoke.store_host --host "${address%:*}" --port "${address##*:}" --)
+    fi
+fi
+
 # Printed so that a pod or job log shows exactly what ran.
-echo "+ torchrun ${torchrun_args[*]} -m ddp_smoke ${worker_args[*]}" >&2
+echo "+ ${store[*]:+${store[*]} }torchrun ${torchrun_args[*]} -m ddp_smoke ${worker_args[*]}" >&2
 if [[ -z "$report_dir" ]]; then
-    exec python -m torch.distributed.run "${torchrun_args[@]}" -m ddp_smoke "${worker_args[@]}"
+    exec "${store[@]}" python -m torch.distributed.run "${torchrun_args[@]}" -m ddp_smoke \
+        "${worker_args[@]}"
 fi
 # torchrun as a child, its stderr kept for the verdict. As PID 1 bash ignores SIGTERM (docker
 # stop, the kubelet): the trap passes it on; torchrun stops its workers.
-python -m torch.distributed.run "${torchrun_args[@]}" -m ddp_smoke "${worker_args[@]}" \
+"${store[@]}" python -m torch.distributed.run "${torchrun_args[@]}" -m ddp_smoke \
+    "${worker_args[@]}" \
     2> >(tee "$report_dir/launch/$node.run.err" >&2) &
 pid=$!
 trap 'kill -TERM "$pid" 2> /dev/null' TERM INT

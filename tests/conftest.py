@@ -19,3 +19,24 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped under DDP_SMOKE_REQUIRE_REAL=1 (CI), which forbids skips: {reason}"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "planted_report: the test writes a report.json the kit did not (a stale or "
+        "fake one), so the reports under its tmp_path are not checked against the schema")
+
+
+@pytest.fixture(autouse=True)
+def _reports_match_the_schema(request):
+    """Every report.json a test leaves under its tmp_path matches report.schema.json, whether
+    or not the test read it (tests/report_schema.py)."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path")
+    if tmp is None or request.node.get_closest_marker("planted_report"):
+        return
+    from tests import report_schema  # jsonschema: only for tests that made a folder
+
+    for path in sorted(tmp.rglob("report.json")):
+        if path.is_file():
+            report_schema.read(path)

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests import report_schema
+
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,7 +29,7 @@ class Run:
     @property
     def report(self) -> dict | None:
         path = self.report_dir / "report.json"
-        return json.loads(path.read_text()) if path.exists() else None
+        return report_schema.read(path) if path.exists() else None
 
     def check(self, name: str) -> dict:
         return next(c for c in self.report["checks"] if c["name"] == name)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox.hosts import Host, HostSandbox
+from tests.sandbox.hosts import Host, HostSandbox, netns_pids
 
 KILL_GRACE_S = 5  # what srun --kill-on-bad-exit leaves the others before SIGKILL
 
@@ -78,3 +78,21 @@ class Nodes:
     def tails(self, lines: int = 25) -> str:
         return "\n".join(f"--- {n}\n" + "\n".join(self.log(n).splitlines()[-lines:])
                          for n in self.procs)
+
+
+def store_of(host: Host) -> tuple[str, int]:
+    """MASTER_ADDR/PORT of the run, read from the environment of a worker on ``host`` (the
+    agent's store, on a port torchrun picks).
+
+    Raises:
+        LookupError: no worker there yet.
+    """
+    for pid in netns_pids(host.netns):
+        try:
+            env = dict(v.split("=", 1) for v in
+                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
+        except OSError:
+            continue
+        if "RANK" in env and "MASTER_PORT" in env:
+            return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    raise LookupError("no worker yet")

@@ -26,16 +26,12 @@ Checks (in default order):
 {checks}
 
 Report: rank 0 writes REPORT_DIR/report.json (atomically), REPORT_DIR/junit.xml and
-  REPORT_DIR/report.html (one self-contained page: verdict, culprits, next commands, hosts,
-  charts, timeline; with each host's history when ROOT holds earlier runs). Keys:
-  verdict "pass"|"fail", world_size, nodes, backend, ranks [{{rank, local_rank, host, …}}],
-  checks [{{name, status "pass"|"fail"|"skip", culprits [{{rank, host, reason}}], figures, …}}],
-  timings {{connect_store_s, rendezvous_s, checks_s, total_s}}, error, run_id,
-  hosts [{{host, verdict "good"|"suspect"|"bad", ranks, reasons}}]. Strict JSON (NaN/inf
-  figures are null); secrets redacted by name and shape; files made with your umask. Beside
-  it: bad_hosts.txt, suspect_hosts.txt, good_hosts.txt (one host a line); rank 0 prints the
-  drain/exclude/cordon commands for hosts that are not good, and runs the scontrol ones only
-  with --act slurm-drain.
+  REPORT_DIR/report.html (one self-contained page; ddp-smoke render rebuilds it). Every
+  field of report.json is described in the JSON Schema this package ships,
+  ddp_smoke/outputs/report.schema.json. Strict JSON (NaN/inf figures are null); secrets
+  redacted by name and shape; files made with your umask. Beside it: bad_hosts.txt,
+  suspect_hosts.txt, good_hosts.txt (one host a line); rank 0 prints the drain/exclude/cordon
+  commands for hosts that are not good, and runs the scontrol ones only with --act slurm-drain.
 
 Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by torchrun or
   submitit's TorchDistributedEnvironment), LOCAL_WORLD_SIZE, GROUP_RANK, TORCHELASTIC_*,
@@ -55,6 +51,9 @@ Exit status: 0 verdict pass · 1 verdict fail (the report says why) · 2 bad inp
 
 Failure modes: a rank that raises, dies, hangs or never arrives is named in the report; every
 wait is bounded by --timeout, after which each surviving rank exits 1 within a few seconds.
+A rank the others wait for in most collectives of a check is that check's straggler (figures
+  "waits"); when every rank waits, each node's leader probes the others outside the process
+  group, and a node nobody reaches or a link nobody crosses (both ends) is named.
 """
 from __future__ import annotations
 

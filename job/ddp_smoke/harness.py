@@ -31,7 +31,8 @@ from .checks.api import Context, Evidence
 from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
-from .coordination import ending, forensics, keys, liveness, runtime
+from .coordination import (ending, forensics, hosting, keys, liveness, lost, progress, reach,
+                           runtime, stragglers)
 from .coordination.protocol import Coordinator, Stop, error_detail
 from .coordination.store import DEAD_AFTER_S, wait_key
 from .model import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict
@@ -51,24 +52,26 @@ def run(cfg: dict[str, Any]) -> int:
     timeout = float(cfg["timeout"])
     rdir = default_report_dir(cfg, env.run_id)
     # Every rank writes there (forensics, NCCL logs): an unwritable folder is bad input on
-    # every rank before any connects, not a report of last resort from whoever is left. Other
-    # ranks may not know the run id yet (rank 0 may draw it): they test the parent.
+    # every rank before any connects. Ranks that may not know the run id test the parent.
     outputs.check_writable(rdir if env.rank == 0 or cfg["report_dir"] or env.run_id_shared
                            else os.path.dirname(rdir) or ".")
     if env.rank == 0:
         prelaunch.hold(rdir, env.run_id)  # one live run per folder
         outputs.prepare(rdir)  # a report left by another run must never read as this run's
+        lost.clear(rdir)  # nor its ranks' last words
     try:
         c = Coordinator(env, cfg, lambda may_host: _store(env, timeout, may_host), _publish,
                         started_at, t0)
     except (RuntimeError, OSError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
-        ending.leave(f"cannot reach the coordination store at {env.master_addr}:"
-                     f"{env.master_port} within {timeout} s: "
+        ending.leave(f"cannot reach the coordination store at {env.store_address} "
+                     f"within {timeout} s: "
                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", code=1)
     c.report_dir = rdir
     c.timings["load_checks_s"] = round(coord_t0 - t0, 4)
     c.timings["connect_store_s"] = round(time.monotonic() - coord_t0, 4)
+    progress.RECORDER.keep = stragglers.keep_per_rank(env.world_size)
     liveness.start(c)
+    reach.listen(env, c.store)  # before the process group: its set-up may be what hangs
 
     store = c.store
     try:
@@ -93,6 +96,18 @@ def run(cfg: dict[str, Any]) -> int:
         pass
     except Exception as e:  # noqa: BLE001 — init or harness failure on this rank
         c.abort(store, keys.ERROR, error_detail(e))
+    try:
+        return _finish(c, store)
+    except (RuntimeError, OSError) as e:  # the store went away: one JSON line, no traceback
+        if c.leaving:
+            raise
+        ending.give_up(c, e)
+        return 1
+
+
+def _finish(c: Coordinator, store) -> int:
+    """After the checks: leave an aborted run, or wait for (or write) the report."""
+    env, timeout = c.env, float(c.cfg["timeout"])
     if c.aborted(store):
         ending.exit_aborted(c, store)
         time.sleep(ending.FINAL_WAIT_S + 2 * DEAD_AFTER_S)  # the watchdog owns the exit
@@ -110,7 +125,7 @@ def run(cfg: dict[str, Any]) -> int:
     verdict = ending.finalize(c, store, aborted=False)
     if verdict is None:  # the watchdog is finishing an abort and owns the exit
         time.sleep(ending.FINAL_WAIT_S)
-    if not env.agent_store:  # rank 0 hosts the store: let the others read the verdict first
+    if not env.agent_store and not env.store:  # rank 0 hosts the store: the others read first
         wait_key(store, keys.every(keys.BYE), 5.0, c.poll_max)
     liveness.shut_down(c)
     return 0 if verdict == "pass" else 1
@@ -122,6 +137,9 @@ def _join(c: Coordinator, store, faults: list) -> Context:
     pick = runtime.pick_backend(cfg["backend"])
     device, device_error = _bind(pick, env)
     store.set(keys.of(keys.RANK, env.rank), json.dumps(runtime.rank_record(env, device)))
+    if env.store:  # the store host's report of last resort needs the run's shape
+        hosting.post_meta(store, env.world_size, cfg, os.path.abspath(c.report_dir),
+                              c.started_at)
     if pick == "nccl":
         store.add(keys.BACKEND_NCCL, 1)
     c.arrive(store, keys.CONNECT, "every rank to connect")
@@ -174,6 +192,7 @@ def _run_check(c: Coordinator, ctx: Context, name: str) -> None:
     c.arrive(store, keys.of(keys.ARRIVE, c.key(name)), f"every rank to arrive at {name}")
     c.enter(name, timeout)  # a fresh bound for the work and the gather
     t = time.monotonic()
+    progress.RECORDER.spent()  # this check's collectives only
     try:
         ctx.faults.at_start()
         obs = {"ok": True, "data": module.run(ctx)}
@@ -181,6 +200,7 @@ def _run_check(c: Coordinator, ctx: Context, name: str) -> None:
         c.abort(store, keys.ERROR, error_detail(e))
         raise Stop from None
     obs["duration_s"] = round(time.monotonic() - t, 6)
+    obs["waits"] = progress.RECORDER.spent()  # seconds inside each collective: who waited
     c.post_observation(store, name, obs)
     if ctx.rank == 0:
         c.post_result(store, _judge(module, name, c.gather(store, name), c))
@@ -195,6 +215,7 @@ def _judge(module, name: str, got: list[dict], c: Coordinator) -> CheckResult:
         result = CheckResult(name, FAIL, summary=f"judge raised {type(e).__name__}: {e}",
                              culprits=[Culprit(None, None, traceback.format_exc(limit=3))])
     result.duration_s = max(g["duration_s"] for g in got)
+    stragglers.attach(result, [g.get("waits") for g in got], ev.culprit)
     return result
 
 

@@ -2,26 +2,7 @@
 
 Every field has exactly one shape. Nothing here touches ``torch.distributed`` or a file; the
 harness fills these records and :mod:`ddp_smoke.outputs` writes them. The one description of
-``report.json`` is ``outputs/report.schema.json``; its outline:
-
-``report.json`` (the contract other tools rely on)::
-
-    {
-      "verdict": "pass" | "fail", "run_id": str (the run that wrote it),
-      "world_size": int, "nodes": int, "backend": "gloo" | "nccl",
-      "version": str, "started_at": ISO-8601 str, "config": {...effective config...},
-      "ranks":  [{"rank", "local_rank", "group_rank", "host", "addresses", "pid", "device", ...}],
-      "checks": [{"name", "status": "pass"|"fail"|"skip", "duration_s", "summary",
-                  "culprits": [{"rank": int|null, "host": str|null, "reason": str,
-                                "ranks": [int, int]|null, "hosts": [str, str]|null,
-                                "where": str|null}],
-                  "figures": {...}, "notes": [str]}],
-      "timings": {"<phase>_s": float, ...},
-      "injected": null | str (the --fault spec: these failures were made on purpose),
-      "error": null | {"rank", "host", "type", "message"} (the culprit's, when one is named),
-      "forensics": [{"rank", "host", "where", "stacks": path, "flight_recorder": path}],
-      "hosts": [{"host", "verdict": "good"|"suspect"|"bad", "ranks", "reasons": [...]}]
-    }
+``report.json`` is ``outputs/report.schema.json``: every field, its type and meaning.
 
 ``hosts`` is derived from ``ranks`` and the culprits on every write (:mod:`ddp_smoke.outputs.hosts`).
 

@@ -48,18 +48,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import preflight
+from . import task
 from .cli import Parser, parse_config
+from .coordination import lost
 from .errors import ConfigError, ReportWriteError
 from .model import Culprit
 from .outputs import launch_report
 from .outputs.report import as_dict, write_report
+from .verdict import from_lost
 
 CLUSTERS = ("slurm", "local")
 IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image from docker/
 # 8 CPUs per GPU: data loading and NCCL's proxy threads per rank; 8-GPU nodes have >= 64 cores.
 GPU_CPUS_PER_PROC = 8
-PREFLIGHT_TIMEOUT_S = 30.0  # a node's preflight (torch import, CUDA initialisation)
+LAST_RESORT_S = 15.0  # after the job: the store host's report of last resort comes within this
 MAX_WAIT_S = 7 * 86400.0  # a week: longer is a typo, and time.monotonic arithmetic stays sane
 _NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
@@ -177,61 +179,13 @@ def plan(cluster: str = "local", nodes: int = 1, procs_per_node: int = 2,
             python = container_python
     args = list(worker_args or [])
     if container_image:  # the task checks that the image's submitit is this side's
-        args = ["--submitit-version", _submitit_version()] + args
+        args = ["--submitit-version", task.submitit_version()] + args
     return Plan(cluster, base, params, args + ["--report-dir", str(base / "report")], python)
-
-
-def _submitit_version() -> str:
-    import submitit
-    return submitit.__version__
-
-
-def _task(worker_args: list[str], gpus: bool) -> Any:
-    """What each submitit task runs: export the env contract, then the worker, in-process."""
-    import submitit
-
-    if worker_args[:1] == ["--submitit-version"]:
-        wanted, worker_args = worker_args[1], worker_args[2:]
-        if submitit.__version__ != wanted:
-            raise RuntimeError(f"submitit {submitit.__version__} in the container, {wanted} on "
-                               "the submitting side: install the same version in both (the "
-                               "image pickles and unpickles submitit's objects)")
-    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=gpus)
-    os.environ["DDP_SMOKE_RUN_ID"] = run_id_of(submitit.JobEnvironment().job_id,
-                                               os.environ.get("SLURM_RESTART_COUNT", "0"))
-    _preflight(worker_args, gpus)
-    from . import harness  # late: torch only in the task, not on the submitting side
-
-    code = harness.run(parse_config(worker_args))
-    return code
-
-
-def _preflight(worker_args: list[str], gpus: bool) -> None:
-    """Preflight (ddp_smoke/preflight.py) in the first task of each node, before the worker:
-    a node that cannot run it fails its task in seconds with the reason, and leaves its record
-    beside the report for :func:`submit`. Without the rendezvous check: the tasks start
-    together and the others connect to rank 0's MASTER_PORT at once, where a preflight
-    listener would answer them instead of the store (the worker bounds that wait itself)."""
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    args = preflight._parser().parse_args([
-        "--report-dir", worker_args[worker_args.index("--report-dir") + 1],
-        "--gpus", os.environ.get("SLURM_NTASKS_PER_NODE", "1") if gpus else "0",
-        "--timeout", str(PREFLIGHT_TIMEOUT_S)])
-    record = preflight.run(args)
-    print(preflight.line(record), file=sys.stderr, flush=True)
-    if not record["ok"]:
-        raise RuntimeError(preflight.line(record))
-
-
-def run_id_of(job_id: str, restart: str | int = 0) -> str:
-    """The run id a task of submitit job ``job_id`` gives the worker."""
-    return f"submitit-{job_id}-{restart}"
 
 
 def owns(report: dict, job_id: str) -> bool:
     """True when ``report`` was written by (any restart of) submitit job ``job_id``."""
-    rid, prefix = str(report.get("run_id", "")), run_id_of(job_id, "")
+    rid, prefix = str(report.get("run_id", "")), task.run_id_of(job_id, "")
     return rid.startswith(prefix) and rid[len(prefix):].isdigit()
 
 
@@ -272,14 +226,20 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     extra = {"slurm_python": p.python} if p.python and cluster == "slurm" else {}
     executor = submitit.AutoExecutor(folder=p.folder / "%j", cluster=cluster, **extra)
     executor.update_parameters(**p.parameters)
-    job = executor.submit(_task, p.worker_args, bool(p.parameters.get("gpus_per_node")))
+    job = executor.submit(task.run, p.worker_args, bool(p.parameters.get("gpus_per_node")),
+                          60.0 * p.parameters["timeout_min"])
     say = _progress(sys.stderr.isatty() if progress is None else progress)
     say(f"submitted job {job.job_id} ({cluster}, {p.parameters['nodes']} node(s) x "
         f"{p.parameters['tasks_per_node']}); folder {p.folder}")
     _wait(job, wait_timeout_s, say)
     report = _own_report(p.report_dir / "report.json", job.job_id)
+    end = time.monotonic() + LAST_RESORT_S
+    while report is None and time.monotonic() < end:  # every rank died: the store host writes
+        time.sleep(0.5)
+        report = _own_report(p.report_dir / "report.json", job.job_id)
     if report is None:
-        notice = _death_notice(job) + _foreign(p.report_dir / "report.json")
+        notice = (_death_notice(job) + _survivors(p.report_dir, job.job_id)
+                  + _foreign(p.report_dir / "report.json"))
         raise TaskDied(notice, report=_launch_report(job, p), job_id=job.job_id)
     if report["verdict"] != "pass":
         failed = SmokeFailed("", report, job.job_id)
@@ -298,6 +258,13 @@ def _own_report(path: Path, job_id: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return report if isinstance(report, dict) and owns(report, job_id) else None
+
+
+def _survivors(report_dir: Path, job_id: str) -> str:
+    """What the ranks that lost the coordination store left (:mod:`ddp_smoke.verdict`)."""
+    records = {r: v for r, v in lost.read(str(report_dir)).items()
+               if str(v.get("run_id", "")).startswith(task.run_id_of(job_id, ""))}
+    return f"\n{from_lost(records)}" if records else ""
 
 
 def _foreign(path: Path) -> str:
@@ -360,7 +327,7 @@ def _launch_report(job, p: Plan) -> dict | None:
     path = p.report_dir / "report.json"
     if path.exists():
         return None
-    run_id = run_id_of(job.job_id, 0)
+    run_id = task.run_id_of(job.job_id, 0)
     per_node = int(p.parameters["tasks_per_node"])
     hosts = {r.get("node_rank"): r.get("node")
              for r in launch_report.read_records(str(p.report_dir), run_id).values()}

@@ -10,6 +10,15 @@ Example: ``ddp-smoke FAIL · run ddp-smoke-1b2c · 16 ranks on 2 nodes · failed
 (rank 8 gpu-b: slow pair …)``. Reads only the JSON file: no torch, quick in any pod.
 Exit status 0 when it could read the report, 2 (with a one-line error) when not.
 
+A launcher that may find no report (the sbatch's last line, ``submit``) asks for the folder::
+
+    python3 -m ddp_smoke.verdict --dir REPORT_DIR [--run-id ID]
+
+which prints the report's line when there is one (of run ID, when given); else, when ranks
+that lost the coordination store left their word in ``REPORT_DIR/lost/`` (see
+:mod:`ddp_smoke.coordination.lost`), a FAIL line built from those files naming the ranks and
+nodes that went silent; exit 2 when neither is there.
+
 ``python -m ddp_smoke.verdict --launcher …`` is the launchers' side (the sbatch, the image's
 entrypoint): it writes the report when the worker never started and prints the job log's last
 line; see :mod:`ddp_smoke.outputs.launch_report`.
@@ -17,9 +26,11 @@ line; see :mod:`ddp_smoke.outputs.launch_report`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
+from .coordination import lost
 from .outputs import launch_report
 
 MAX_CHARS = 1024  # well inside the kubelet's 4096-byte limit, whole words never needed
@@ -48,13 +59,63 @@ def line(report: dict[str, Any], max_chars: int = MAX_CHARS) -> str:
     return text if len(text) <= max_chars else text[:max_chars - 1] + "…"
 
 
+def from_lost(records: dict[int, dict], max_chars: int = MAX_CHARS) -> str:
+    """A FAIL line from what the ranks that lost the store left: which store went silent,
+    during which stage, and which ranks (on which nodes) said nothing: they, or the node
+    hosting the store, are gone."""
+    any_record = records[min(records)]
+    world = int(any_record.get("world_size") or 0)
+    hosts = next((r["hosts"] for r in records.values() if r.get("hosts")), None) or []
+    silent = [r for r in range(world) if r not in records]
+    stages = sorted({str(r.get("stage")) for r in records.values()})
+    store = any_record.get("store", "?")
+
+    def where(rank: int) -> str:
+        host = hosts[rank] if rank < len(hosts) else None
+        return f"rank {rank} {host}" if host else f"rank {rank}"
+    silent_nodes = sorted({hosts[r] for r in silent if r < len(hosts) and hosts[r]})
+    parts = ["ddp-smoke FAIL", f"run {any_record.get('run_id', '?')}",
+             f"{world} ranks" if world else "? ranks",
+             f"no report: the coordination store at {store} went silent during "
+             f"{'/'.join(stages)}",
+             f"silent: {', '.join(where(r) for r in silent) or 'none'}"
+             + (f" (node {', '.join(silent_nodes)})" if silent_nodes else ""),
+             f"lost the store: {', '.join(where(r) for r in sorted(records))}"]
+    text = " · ".join(parts).replace("\n", " ")
+    return text if len(text) <= max_chars else text[:max_chars - 1] + "…"
+
+
+def from_folder(report_dir: str, run_id: str | None = None) -> str | None:
+    """The line for a report folder: the report's, else the lost ranks', else None."""
+    try:
+        with open(os.path.join(report_dir, "report.json")) as f:
+            report = json.load(f)
+        if isinstance(report, dict) and (run_id is None or report.get("run_id") == run_id):
+            return line(report)
+    except (OSError, ValueError):
+        pass
+    records = lost.read(report_dir, run_id)
+    return from_lost(records) if records else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ddp_smoke.verdict REPORT.json``: print the line; 2 when unreadable."""
+    """``python -m ddp_smoke.verdict REPORT.json``: print the line; 2 when unreadable.
+    ``--dir REPORT_DIR [--run-id ID]``: the folder's line (see above); 2 when none."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--launcher"]:  # a launcher's verdict when no worker wrote one
         return launch_report.main(args[1:])
+    if args[:1] == ["--dir"] and len(args) in (2, 4) and (len(args) == 2
+                                                         or args[2] == "--run-id"):
+        got = from_folder(args[1], args[3] if len(args) == 4 else None)
+        if got is None:
+            print(f"ddp-smoke: error: no report and no lost ranks' records in {args[1]}",
+                  file=sys.stderr)
+            return 2
+        print(got)
+        return 0
     if len(args) != 1:
-        print("ddp-smoke: error: usage: python -m ddp_smoke.verdict REPORT.json", file=sys.stderr)
+        print("ddp-smoke: error: usage: python -m ddp_smoke.verdict REPORT.json | --dir REPORT_DIR "
+              "[--run-id ID]", file=sys.stderr)
         return 2
     try:
         with open(args[0]) as f:

@@ -14,7 +14,6 @@ Timing assertions only use the injected slowdowns, never absolute speeds.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import struct
@@ -32,6 +31,7 @@ from ddp_smoke.outputs import plot
 from ddp_smoke.checks import bandwidth, compute
 from ddp_smoke.errors import ConfigError
 from ddp_smoke.checks.api import Evidence
+from tests import report_schema
 from tests.launch import BIN, REPO, free_port
 
 LAUNCH_TIMEOUT_S = 150  # every launch, together; each rank's own waits are bounded by --timeout
@@ -145,21 +145,24 @@ def test_bandwidth_judge_applies_floors_and_says_by_how_much():
 
 
 def test_compute_judge_names_the_straggler_and_floor_misses():
-    def obs(tflops):
+    def obs(median, best=None):
         return {"device_type": "cuda", "device_name": "NVIDIA H200", "matrix_size": 8192,
                 "threads": 1, "hbm_gbps": 4300.0, "profile": profiles.load("h200-8gpu"),
-                "matmul": {"bf16": {"tflops": tflops, "tflops_median": tflops, "blocks": 5,
+                "matmul": {"bf16": {"tflops": best or median, "tflops_median": median,
+                                    "tflops_sustained": median, "spread": 0.1, "blocks": 5,
                                     "products_per_block": 100}}}
-    values = [780.0, 790.0, 785.0, 600.0]  # median 782.5; 600 is 23.3 % below
-    ev = Evidence("compute", [obs(v) for v in values],
+    # median 782.5; rank 3 sustains 600 (23.3 % below) though its best block, 790, is fine:
+    # a rank slow for much of the time is named (issue 23), not hidden by its peak
+    ev = Evidence("compute", [obs(780.0), obs(790.0), obs(785.0), obs(600.0, best=790.0)],
                   [{"rank": r, "host": f"n{r}"} for r in range(4)], config.resolve({}, {}))
     result = compute.judge(ev)
     reasons = {(k.rank, k.reason) for k in result.culprits}
-    assert (3, "bf16 matmul 600.0 TFLOPS is 23.3 % below the median 782.5 TFLOPS "
-               "(straggler margin 10%)") in reasons
-    assert (3, "bf16 matmul 600.0 TFLOPS is 5.7 % below the h200-8gpu floor 636.0 TFLOPS"
-            ) in reasons
+    assert (3, "bf16 matmul sustains 600.0 TFLOPS (median block; best 790.0 TFLOPS), 23.3 % "
+               "below the ranks' median 782.5 TFLOPS (straggler margin 10%)") in reasons
+    assert (3, "bf16 matmul sustains 600.0 TFLOPS (median block), 5.7 % below the h200-8gpu "
+               "floor 636.0 TFLOPS") in reasons
     assert len(reasons) == 2
+    assert "sustained/best" in result.notes[1] and "spread" in result.notes[1]
 
 
 # -- profiles ---------------------------------------------------------------------------------
@@ -219,7 +222,7 @@ def runs(tmp_path_factory):
         logs = "\n".join((base / f"{name}-{i}.log").read_text() for i in range(len(ps)))
         report = base / name / "report.json"
         out[name] = {"codes": codes, "log": logs,
-                     "report": json.loads(report.read_text()) if report.exists() else None}
+                     "report": report_schema.read(report) if report.exists() else None}
     return out
 
 
@@ -275,14 +278,14 @@ def test_compute_lists_every_rank_and_passes_possible_floors(runs):
     assert c["status"] == "pass", c
     assert [r["rank"] for r in c["figures"]["ranks"]] == [0, 1]
     assert all(r["matmul"]["fp32"]["tflops"] > 0 for r in c["figures"]["ranks"])
-    assert "fp32 (GFLOPS)" in runs["sweep"]["log"]
+    assert "fp32 sustained/best (GFLOPS)" in runs["sweep"]["log"]
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
 def test_injected_slow_rank_is_named_by_compute(runs):
     c = _check(runs["faults"], "compute")
     assert c["status"] == "fail" and runs["faults"]["codes"] == [1, 1, 1]
-    stragglers = [k for k in c["culprits"] if "below the median" in k["reason"]]
+    stragglers = [k for k in c["culprits"] if "below the ranks' median" in k["reason"]]
     assert [k["rank"] for k in stragglers] == [1], c["culprits"]
 
 
@@ -295,7 +298,8 @@ def test_impossible_floors_fail_both_checks_and_say_by_how_much(runs):
                for k in bw["culprits"] if k["rank"] is None), bw["culprits"]
     floors = [k for k in c["culprits"] if "floor" in k["reason"]]
     assert sorted(k["rank"] for k in floors) == [0, 1, 2]
-    assert all(re.search(r"fp32 matmul [\d.]+ GFLOPS is 100\.0 % below", k["reason"])
+    assert all(re.search(r"fp32 matmul sustains [\d.]+ GFLOPS \(median block\), 100\.0 % below",
+                         k["reason"])
                for k in floors)
 
 

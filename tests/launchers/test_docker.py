@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import report_schema
 from tests.sandbox.docker import (REPO, RDMA_PACKAGES, BuiltImage, Engine,  # noqa: F401
                                   PodNetwork, docker_engine, pod_network, wait_all, worker_image)
 
@@ -157,7 +158,7 @@ def test_docker_run_writes_a_passing_two_rank_report(docker_engine, worker_image
     assert runs[0] != runs[1] and sorted(p.name for p in out.iterdir()) == sorted(runs)
     for line in TUTORIAL:
         assert line in logs.splitlines(), logs
-    report = json.loads((out / runs[1] / "report.json").read_text())
+    report = report_schema.read(out / runs[1] / "report.json")
     assert (report["verdict"], report["world_size"], report["nodes"], report["backend"]) == (
         "pass", 2, 1, "gloo"), report
     assert sorted(r["local_rank"] for r in report["ranks"]) == [0, 1]
@@ -194,6 +195,6 @@ def test_two_containers_as_two_nodes_rendezvous_with_c10d(
     logs = "\n".join(f"--- {n.name} (exit {s})\n{n.logs()}"
                      for n, s in zip((node_a, node_b), statuses))
     assert statuses == [0, 0], logs
-    report = json.loads((out / "report.json").read_text())
+    report = report_schema.read(out / "report.json")
     assert (report["verdict"], report["world_size"], report["nodes"]) == ("pass", 2, 2), logs
     assert sorted(r["host"] for r in report["ranks"]) == sorted(names), report["ranks"]

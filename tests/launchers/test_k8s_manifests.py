@@ -687,6 +687,7 @@ def _run_pod(pod: ko.Pod, tmp_path: Path, rc: int = 1):
     return proc, json.loads((tmp_path / f"{pod.name}.json").read_text())
 
 
+@pytest.mark.planted_report  # FAKE_TORCHRUN's, not the kit's
 def test_pytorchjob_pods_run_c10d_torchrun_and_log_the_report(tmp_path):
     docs = ko.load_manifests(K8S)
     pods = ko.compute_pods(docs, pod_ips={"ddp-smoke-master-0": "10.9.0.2",
@@ -706,6 +707,7 @@ def test_pytorchjob_pods_run_c10d_torchrun_and_log_the_report(tmp_path):
     assert message.startswith("ddp-smoke FAIL · run ? · ") and "\n" not in message.strip()
 
 
+@pytest.mark.planted_report  # a stale one, which the script must remove
 def test_a_stale_report_is_never_logged_as_this_runs(tmp_path):
     """A report.json left on a shared volume by an earlier job of the same name is removed
     before torchrun starts: a run whose rank 0 died early logs no report, not the old one."""
@@ -753,6 +755,7 @@ def test_master_pod_names_the_node_ranks_that_never_joined(tmp_path):
     assert "\n" not in message
 
 
+@pytest.mark.planted_report  # FAKE_TORCHRUN's, not the kit's
 def test_indexed_job_pods_say_who_hosts_the_store(tmp_path):
     docs = ko.load_manifests(K8S / "indexed-job")
     names = ko.pod_names(docs)

@@ -51,7 +51,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests import k8s_operator as ko
+from tests import k8s_operator as ko, report_schema
 from tests.sandbox import hosts
 from tests.sandbox.docker import (REPO, BuiltImage, Container, PodNetwork,  # noqa: F401
                                   docker_engine, wait_all, worker_image)
@@ -269,7 +269,7 @@ def _assert_passing_report(runs: dict[str, Any], pods: list[ko.Pod],
         if path.exists():
             holders.append(pod)
             assert path.stat().st_uid == pod.run_as_user, "report not written as runAsUser"
-            report = json.loads(path.read_text())
+            report = report_schema.read(path)
             assert len(lines) == 1, info
             assert json.loads(lines[0][len(REPORT_LINE):]) == report, info  # the log = the file
         else:
@@ -366,7 +366,7 @@ def test_indexed_job_pod_failure_keeps_rank_0s_report(k8s_net: PodNetwork,
     lines = [ln for p in pods for ln in runs[p.name]["logs"].splitlines()
              if ln.startswith(REPORT_LINE)]
     assert len(lines) == 1, info
-    report = json.loads(lines[0][len(REPORT_LINE):])
+    report = report_schema.validate(json.loads(lines[0][len(REPORT_LINE):]), "logged report")
     assert report["verdict"] == "fail", info
     named = {c["rank"] for check in report["checks"] for c in check["culprits"]}
     if report.get("error"):

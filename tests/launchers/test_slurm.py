@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import report_schema
 from tests.sandbox.slurm import slurm_fixture
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "ddp_smoke.sbatch"
@@ -40,7 +41,7 @@ class Job:
         out = submit_dir / f"ddp-smoke-{self.id}.out"
         self.output = out.read_text(errors="replace") if out.exists() else ""
         self.report_path = submit_dir / "reports" / f"{self.id}{run}" / "report.json"
-        self.report = (json.loads(self.report_path.read_text()) if self.report_path.exists()
+        self.report = (report_schema.read(self.report_path) if self.report_path.exists()
                        else None)
 
     def last_line(self) -> str:
@@ -223,7 +224,7 @@ def test_requeue_is_refused_and_a_forced_rerun_gets_its_own_report(cluster, tmp_
     _scontrol(cluster, "update", f"JobId={forced}", "StartTime=now")
     rerun = tmp_path / "reports" / f"{forced}.r1" / "report.json"
     _wait_for(rerun)
-    report = json.loads(rerun.read_text())
+    report = report_schema.read(rerun)
     assert (_run_id(report), report["verdict"]) == (f"{forced}.r1", "pass")
     first = tmp_path / "reports" / forced / "report.json"
-    assert not first.exists() or _run_id(json.loads(first.read_text())) == forced
+    assert not first.exists() or _run_id(report_schema.read(first)) == forced

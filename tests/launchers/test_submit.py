@@ -31,6 +31,21 @@ def test_local_fault_raises_with_the_culprit_and_the_report(tmp_path):
     assert "rank 1" in str(e.value)
 
 
+@pytest.mark.timeout(180)
+def test_local_rank0_dead_returns_the_survivors_report(tmp_path):
+    """Issue 24: rank 0 hosted the store and took it along; task 0's store host now holds it,
+    and a survivor's report naming rank 0 comes back (it was TaskDied, no culprit, and a
+    traceback from the watchdog's look at the abort list in task 1's log)."""
+    t = time.monotonic()
+    with pytest.raises(SmokeFailed) as e:
+        submit("local", procs_per_node=3, folder=tmp_path, wait_timeout_s=150,
+               worker_args=QUICK + ["--fault", "0:crash@ddp_step"])
+    print(f"\nsubmit local, rank 0 crashed: report back after {time.monotonic() - t:.1f} s")
+    assert [(k["rank"], k["check"]) for k in e.value.culprits] == [(0, "ddp_step")]
+    stopped = next(c for c in e.value.report["checks"] if c["name"] == "ddp_step")
+    assert stopped["figures"]["writer"] == "rank 1"
+
+
 def test_plan_renders_slurm_parameters_and_refuses_node_local_folders(tmp_path):
     p = plan("slurm", nodes=2, procs_per_node=4, gpus_per_node=4, partition="gpu",
              account="ops", folder=REPO / ".sandbox" / "x", container_image="img:1",

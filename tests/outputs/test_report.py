@@ -8,14 +8,17 @@ from ddp_smoke.outputs.report import to_junit, write_report
 from ddp_smoke.outputs.summary import render
 
 
+NAMES = ("environment", "ddp_step", "collectives")  # real names: the report must validate
+
+
 def _report(*statuses, error=None):
-    checks = [CheckResult(f"c{i}", s, summary=f"s{i}",
+    checks = [CheckResult(NAMES[i], s, summary=f"s{i}",
                           culprits=[Culprit(1, "node2", "slow")] if s == FAIL else [])
               for i, s in enumerate(statuses)]
     ranks = [{"rank": 0, "local_rank": 0, "host": "node1"},
              {"rank": 1, "local_rank": 0, "host": "node2"}]
-    return Report("0", "t", "gloo", 2, ranks, checks, {"timeout": 9, "checks": []},
-                  {"total_s": 1.0}, error)
+    return Report("0", "2026-11-30T12:00:00+00:00", "gloo", 2, ranks, checks,
+                  {"timeout": 9, "checks": []}, {"total_s": 1.0}, error, run_id="run-1")
 
 
 def test_verdict_passes_only_when_every_check_passes_or_skips():
@@ -39,7 +42,7 @@ def test_contract_keys_and_nodes(tmp_path):
 def test_junit_counts_failures_and_skips():
     root = ET.fromstring(to_junit(_report(PASS, FAIL, SKIP)))
     assert (root.get("tests"), root.get("failures"), root.get("skipped")) == ("3", "1", "1")
-    assert "rank 1 host node2: slow" in root.find("testcase[@name='c1']/failure").text
+    assert "rank 1 host node2: slow" in root.find("testcase[@name='ddp_step']/failure").text
 
 
 def test_summary_names_culprits_and_ends_with_the_verdict():

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from tests import report_schema
 from tests.launch import torchrun
 
 
@@ -36,7 +37,8 @@ def test_full_report_dir_keeps_the_report_on_stderr_and_releases_every_rank(tmp_
     errors = [line for line in run.stderr.splitlines() if "ddp-smoke: error: cannot write" in line]
     assert len(errors) == 1, run.stderr[-3000:]
     assert "report.json: No space left on device (ENOSPC)" in errors[0]
-    lines = [json.loads(line) for line in run.stderr.splitlines() if line.startswith('{"verdict"')]
+    lines = [report_schema.validate(json.loads(line), "the report on stderr")
+             for line in run.stderr.splitlines() if line.startswith('{"verdict"')]
     assert len(lines) == 1 and lines[0]["verdict"] == "pass"  # the checks passed; nothing lost
     # torchrun prints its own traceback for a failed worker; none may come from the kit
     assert not [line for line in run.stderr.splitlines()

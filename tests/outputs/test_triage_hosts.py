@@ -26,7 +26,7 @@ RATE = "200mbit"  # ~25 MB/s: far below the ~1 GB/s gloo gets over an unthrottle
 SMALL = {"bandwidth": {"max_bytes_cpu": 1 << 20, "iters": 3, "time_per_size_s": 0.05,
                        "pair_bytes_cpu": 4 << 20, "pair_iters": 3}}
 
-box = sandbox_fixture(PREFIX, SUBNET, 3)
+box = sandbox_fixture(PREFIX, SUBNET, 3, needs=("tc",))
 
 
 def _tc(*argv: str, netns: str | None = None, check: bool = True) -> None:

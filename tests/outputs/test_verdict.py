@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from ddp_smoke import verdict
 
 FAILED = {"verdict": "fail", "run_id": "job-1", "world_size": 16, "nodes": 2,
@@ -25,6 +27,7 @@ def test_line_is_bounded_and_single():
     assert len(text) == verdict.MAX_CHARS and "\n" not in text and text.endswith("…")
 
 
+@pytest.mark.planted_report  # FAILED holds only the fields the line reads
 def test_cli_reads_a_report_and_refuses_a_missing_one(tmp_path):
     path = tmp_path / "report.json"
     path.write_text(json.dumps(FAILED))

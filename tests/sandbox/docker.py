@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
-from tests.sandbox import hosts
+from tests.sandbox import hosts, tools
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "docker"
@@ -59,7 +59,7 @@ DEBS = CACHE / "debs"  # .deb files for the Dockerfile's RDMA packages (in the c
 # The Dockerfile's final stage installs exactly these (its RUN line says so too).
 RDMA_PACKAGES = ("libibverbs1", "ibverbs-providers", "librdmacm1", "ibverbs-utils")
 BASE_WHEELS = CACHE / "wheels-base"  # torch for the base; kept out of the build context
-APT_PACKAGES = {"dockerd": "docker.io", "debootstrap": "debootstrap", "ip": "iproute2"}
+TOOLS = ("dockerd", "docker", "debootstrap", "ip")  # from apt: tests/sandbox/tools.py APT
 # python3-pip but no python3-venv: like the real pytorch/pytorch base (pip, no ensurepip).
 BASE_PACKAGES = ("python3", "python3-pip", "passwd")
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -135,27 +135,18 @@ def missing_requirements() -> str | None:
     return None
 
 
-def ensure_packages(tools: Mapping[str, str] = APT_PACKAGES) -> None:
-    """Installs the Debian packages of whichever tools are missing.
+def ensure_packages() -> None:
+    """Installs the Debian packages of whichever of TOOLS are missing (tools.ensure).
 
     Raises:
         MissingPart: when apt-get cannot install them (no network, not Debian).
     """
-    missing = sorted({pkg for tool, pkg in tools.items() if shutil.which(tool) is None})
-    if not missing:
+    if not tools.missing(*TOOLS):
         return
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "-o", "DPkg::Lock::Timeout=300", "install", "-y",
-               "--no-install-recommends", *missing]
-    update = ["apt-get", "-o", "DPkg::Lock::Timeout=300", "update"]
     try:
-        if not glob.glob("/var/lib/apt/lists/*_Packages*"):
-            _run(update, APT_TIMEOUT_S, env=env)
-        if _run(install, APT_TIMEOUT_S, check=False, env=env).returncode != 0:
-            _run(update, APT_TIMEOUT_S, env=env)  # stale lists: the usual cause
-            _run(install, APT_TIMEOUT_S, env=env)
-    except DockerError as exc:
-        raise MissingPart(f"could not install {missing}: {exc}") from exc
+        tools.ensure(*TOOLS)
+    except tools.MissingProgram as exc:
+        raise MissingPart(str(exc)) from exc
     _refuse_system_dockerd()
 
 

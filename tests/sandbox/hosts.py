@@ -40,13 +40,16 @@ import sys
 import time
 from typing import Callable, Iterable, Sequence
 
+from tests.sandbox import tools
+
 DEFAULT_PREFIX = "dsh"
 DEFAULT_SUBNET = "10.231.1.0/24"
 FIRST_HOST_OFFSET = 10  # host i (1-based) gets .10+i: .11, .12, …
 IP_TIMEOUT_S = 10  # an `ip` call is instant; a stuck one must not hang a test
 STOP_GRACE_S = 3.0  # daemons need ~2 s to exit on SIGTERM before SIGKILL
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{1,7}$")  # keeps `<prefix>-node99` under 15 chars
-_ROOT_TOOLS = ("ip", "nsenter", "unshare", "hostname")
+# What a sandbox runs itself; iptables for the bridge's ACCEPT rule (see _Firewall).
+_ROOT_TOOLS = ("ip", "nsenter", "unshare", "hostname", "iptables")
 
 
 class SandboxError(RuntimeError):
@@ -103,13 +106,15 @@ def host_command(host: Host, argv: Sequence[str]) -> list[str]:
             'hostname "$0" && exec "$@"', host.name, *argv]
 
 
-def missing_requirements() -> str | None:
-    """Returns why sandboxes cannot run here, or None when they can."""
+def missing_requirements(needs: Sequence[str] = ()) -> str | None:
+    """Installs what sandboxes (and the caller's tests: needs) run when missing (apt); returns
+    why sandboxes cannot run here, or None when they can."""
     if os.geteuid() != 0:
         return "network-namespace hosts need root (ip netns, veth, bridge, unshare --uts)"
-    missing = [tool for tool in _ROOT_TOOLS if shutil.which(tool) is None]
-    if missing:
-        return f"missing tools {missing}: apt-get install iproute2 util-linux hostname"
+    try:
+        tools.ensure(*_ROOT_TOOLS, *needs)
+    except tools.MissingProgram as exc:
+        return str(exc)
     return None
 
 
@@ -502,16 +507,18 @@ def teardown_by_name(prefix: str, hosts_file: str = "/etc/hosts") -> list[str]:
     return problems + box.leftovers()
 
 
-def sandbox_fixture(prefix: str, subnet: str, count: int, scope: str = "module"):
+def sandbox_fixture(prefix: str, subnet: str, count: int, scope: str = "module",
+                    needs: Sequence[str] = ()):
     """Returns a pytest fixture yielding a started HostSandbox, skipping without root.
 
-    Use at module level: ``hosts = sandbox_fixture("dsh", "10.231.1.0/24", 3)``.
+    Use at module level: ``hosts = sandbox_fixture("dsh", "10.231.1.0/24", 3)``; needs names
+    the programs the module's tests run themselves (``("tc",)``), installed before the start.
     """
     import pytest  # only the tests need pytest; the CLI must not
 
     @pytest.fixture(scope=scope)
     def _sandbox():
-        reason = missing_requirements()
+        reason = missing_requirements(needs)
         if reason:
             pytest.skip(reason)
         with HostSandbox(prefix, subnet, count) as box:

@@ -30,14 +30,15 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from tests.sandbox import tools
 from tests.sandbox.hosts import (HostSandbox, SandboxError, is_alive, missing_requirements,
                                  stop_pids, teardown_by_name)
 
 PREFIX, SUBNET = "dss", "10.231.2.0/24"
 CTLD_PORT = 6917  # not Slurm's 6817, so a real slurmctld on this machine stays untouched
-PACKAGES = ("slurm-wlm", "munge")
-BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
-APT_TIMEOUT_S = 900  # the lock wait (300 s) plus a download on a slow mirror
+# Installed from slurm-wlm and munge (tests/sandbox/tools.py APT); the tests run these too.
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "scancel",
+            "squeue")
 READY_TIMEOUT_S = 30  # daemons answer within ~1 s; nodes register within a few
 PROBE_TIMEOUT_S = 60  # the first batch job waits ~3 s for the scheduler
 
@@ -90,7 +91,7 @@ def _run(argv: Sequence[str], timeout: float,
 
 def missing_binaries() -> list[str]:
     """Returns the Slurm/munge programs not on PATH."""
-    return [b for b in BINARIES if shutil.which(b) is None]
+    return tools.missing(*BINARIES)
 
 
 def ensure_installed() -> None:
@@ -99,20 +100,10 @@ def ensure_installed() -> None:
     Raises:
         SandboxError: when apt cannot install them (the apt output's tail is in the message).
     """
-    if not missing_binaries():
-        return
-    if shutil.which("apt-get") is None:
-        raise SandboxError(f"missing {missing_binaries()} and no apt-get: install {PACKAGES}")
-    install = ["apt-get", "-o", "DPkg::Lock::Timeout=300", "install", "-y",
-               "--no-install-recommends", *PACKAGES]
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    proc = _run(install, APT_TIMEOUT_S, env)
-    if proc.returncode != 0:  # most often: no package lists yet on a fresh machine
-        _run(["apt-get", "-o", "DPkg::Lock::Timeout=300", "update"], APT_TIMEOUT_S, env)
-        proc = _run(install, APT_TIMEOUT_S, env)
-    if proc.returncode != 0 or missing_binaries():
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
-        raise SandboxError(f"apt could not install {PACKAGES}: {' | '.join(tail)}")
+    try:
+        tools.ensure(*BINARIES)
+    except tools.MissingProgram as exc:
+        raise SandboxError(str(exc)) from exc
 
 
 class SlurmSandbox:

@@ -165,7 +165,7 @@ def test_rank_0_paused_while_the_others_wait_is_still_a_pass(tmp_path, attempt):
                   env={"OMP_NUM_THREADS": "1"})
     run.wait_until(_in_compute)
     pid = run.worker_pid(0)
-    os.kill(pid, signal.SIGSTOP)  # CPU-timed compute: the pause costs rank 0 no GFLOPS
+    os.kill(pid, signal.SIGSTOP)  # one block of 30 paused: rank 0's median block does not move
     time.sleep(3)
     os.kill(pid, signal.SIGCONT)
     done = run.finish()

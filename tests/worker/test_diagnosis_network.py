@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.launch import Heartbeats
-from tests.multinode import Nodes, torchrun_argv
-from tests.sandbox.hosts import Host, HostSandbox, netns_pids, sandbox_fixture
+from tests.multinode import Nodes, store_of, torchrun_argv
+from tests.sandbox.hosts import Host, HostSandbox, sandbox_fixture
 
 PREFIX, SUBNET = "dsf", "10.231.5.0/24"
 NODES = 4
@@ -34,7 +34,7 @@ SMALL_SWEEP = """bandwidth:
 # Long enough to cut a node off in the middle (6 CPU-seconds per rank, no collective in it).
 MID_COMPUTE = "compute:\n  blocks: 60\n  block_s: 0.1\n"
 
-box = sandbox_fixture(PREFIX, SUBNET, NODES)
+box = sandbox_fixture(PREFIX, SUBNET, NODES, needs=("tc", "iptables"))
 _port = iter(range(29510, 29600))
 
 
@@ -144,19 +144,6 @@ def test_throttled_link_is_named_with_both_ends(box, tmp_path, attempt):
     assert culprits[0]["reason"].startswith("link ")
 
 
-def _store_of(box: HostSandbox) -> tuple[str, int]:
-    """MASTER_ADDR/PORT of the run, read from a worker's environment (the agent's store)."""
-    for pid in netns_pids(box.hosts[0].netns):
-        try:
-            env = dict(v.split("=", 1) for v in
-                       Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
-        except OSError:
-            continue
-        if "RANK" in env and "MASTER_PORT" in env:
-            return env["MASTER_ADDR"], int(env["MASTER_PORT"])
-    raise LookupError("no worker yet")
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("attempt", range(REPEAT))
 def test_partitioned_node_is_named(box, tmp_path, attempt):
@@ -166,7 +153,7 @@ def test_partitioned_node_is_named(box, tmp_path, attempt):
     watch = None
     for _ in range(600):
         try:
-            watch = Heartbeats(*_store_of(box), NODES)
+            watch = Heartbeats(*store_of(box.hosts[0]), NODES)
             break
         except LookupError:
             time.sleep(0.1)

@@ -32,10 +32,10 @@ QUICK = ["--checks", "environment", "--backend", "gloo", "--timeout", "60"]
 
 
 def _report(**kw) -> Report:
-    base = dict(version="t", started_at="now", backend="gloo", world_size=1,
-                ranks=[{"rank": 0, "local_rank": 0, "host": "h"}],
+    base = dict(version="t", started_at="2026-11-30T12:00:00+00:00", backend="gloo",
+                world_size=1, ranks=[{"rank": 0, "local_rank": 0, "host": "h"}],
                 checks=[CheckResult("environment", PASS)], config={"timeout": 1.0},
-                run_id="run-1")
+                timings={"total_s": 1.0}, run_id="run-1")  # a report as the kit writes one
     return Report(**{**base, **kw})
 
 
@@ -317,6 +317,7 @@ def _fsyncs():
         os.fsync = real
 
 
+@pytest.mark.planted_report  # "{}" written only to count the fsyncs
 def test_report_and_checkpoint_fsync_file_and_directory(tmp_path):
     with _fsyncs() as seen:
         write_atomic(str(tmp_path / "report.json"), "{}")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import report_schema
 from tests.multinode import Nodes as _Nodes, torchrun_argv as _torchrun
 from tests.sandbox.hosts import Host, HostSandbox, sandbox_fixture
 
@@ -40,7 +41,7 @@ def _run_job(box: HostSandbox, tmp_path: Path, nnodes: int, nproc: int, port: in
                                     "join_timeout=60,read_timeout=30", worker))
     codes = nodes.wait(timeout_s=150)
     assert set(codes.values()) == {0}, f"exit codes {codes}\n{nodes.tails()}"
-    report = json.loads((report_dir / "report.json").read_text())
+    report = report_schema.read(report_dir / "report.json")
     print(f"\n{nnodes}x{nproc}: wall {nodes.elapsed():.1f} s, timings {report['timings']}")
     return report
 

@@ -1,24 +1,37 @@
-"""Compute: every rank's dense matmul throughput; stragglers against the median; floors.
+"""Compute: every rank's sustained dense matmul throughput; stragglers against the median; floors.
 
 Each rank multiplies two random n×n matrices (``compute.matrix_size_gpu``, bf16 and TF32 by
 default, ``dtypes_gpu``; ``matrix_size_cpu`` in fp32 on CPU), 2n³ FLOP per product: warm-up,
-one timed product to size a block of about ``block_s`` seconds, then ``blocks`` timed blocks
-(CUDA events on a GPU; on CPU this process's CPU seconds, so other processes on a shared host
-do not make a rank look slow). A rank's figure is its best block: interference only lowers a
-block, so the best one is what the device can do. On a GPU, also the device-to-device copy
-bandwidth of 1 GiB (``hbm``; bytes read + written, GB = 1e9 B). Units: TFLOPS = 1e12 FLOP/s in
-the report; the human table shows GFLOPS on CPU.
+one timed product to size a block of about ``block_s`` seconds, then a fixed amount of work,
+``blocks`` blocks of that many products, timed as a whole and block by block.
+
+Figures per rank and dtype (1 TFLOPS = 1e12 FLOP/s; the human table shows GFLOPS on CPU):
+
+* ``tflops_median`` — the median block: the rate the rank kept up for at least half the time.
+  This is the judged figure (sustained, not peak): a rank throttled for much of the run (a
+  thermally throttled GPU, a power cap, a CPU quota) is slow in most blocks, even when its best
+  block is fine;
+* ``tflops_sustained`` — the whole fixed work over the whole time it took;
+* ``spread`` — (best block − worst block) / median block: how unsteady the rank was;
+* ``tflops`` — the best block: what the device can do (peak).
+
+Blocks are timed with CUDA events on a GPU. On CPU the median, sustained and spread figures are
+wall-clock (what a job gets: a rank held to a fraction of a core by a quota takes longer), and
+the best block is in this process's CPU seconds (what a core delivers while it runs).
+On a GPU, also the device-to-device copy bandwidth of 1 GiB (``hbm``; bytes read + written,
+GB = 1e9 B).
 On CPU under torchrun, OMP_NUM_THREADS=1 by default: a rank computes on one thread, and ranks
 of one host share its cores (and SMT siblings) with each other and with everything else
-running there; GFLOPS are then per CPU-second, i.e. per core busy.
-Culprits: every rank more than ``straggler_margin`` below the median of its dtype (default
-10 %: healthy GPUs of one node differ by about 5 %; ``straggler_margin_cpu``, 30 %, on CPU);
-ranks below the profile's ``min_tflops`` floor, or whose device is not the profile's, with the
-shortfall in percent.
+running there; ranks of one host see the same load, so the comparison with the median holds.
+Culprits: every rank whose median block is more than ``straggler_margin`` below the median of
+all ranks (default 10 %: healthy GPUs of one node differ by about 5 %; ``straggler_margin_cpu``,
+30 %, on CPU); ranks whose median block is below the profile's ``min_tflops`` floor, or whose
+device is not the profile's, with the shortfall in percent.
 """
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -60,7 +73,7 @@ def run(ctx) -> dict:
 
 
 def _matmul(n: int, dtype, precision, ctx, cfg: dict, clock: Clock) -> dict:
-    """Best and median TFLOPS over ``blocks`` timed blocks of n×n×n products."""
+    """A fixed amount of n×n×n products, timed as a whole and per block (see the module)."""
     previous = torch.get_float32_matmul_precision()
     if precision:
         torch.set_float32_matmul_precision(precision)
@@ -79,12 +92,24 @@ def _matmul(n: int, dtype, precision, ctx, cfg: dict, clock: Clock) -> dict:
 
         for _ in range(2):
             product()  # warm-up: library handles, kernel selection, clocks
+        # Sized in the clock's own seconds (CPU seconds on CPU), so a throttled rank is given
+        # as much work as the others, and takes longer over it.
         per_block = max(1, round(cfg["block_s"] / clock.measure(product)))
-        blocks = [perf.matmul_tflops(n, per_block, clock(block)) for _ in range(cfg["blocks"])]
+        best, walls, t = [], [], time.perf_counter()
+        for _ in range(cfg["blocks"]):
+            w = time.perf_counter()
+            best.append(clock(block))
+            # on a GPU the events time the device; on CPU the wall clock what the job got
+            walls.append(best[-1] if clock.cuda else time.perf_counter() - w)
+        whole = sum(walls) if clock.cuda else time.perf_counter() - t
     finally:
         torch.set_float32_matmul_precision(previous)
-    return {"tflops": max(blocks), "tflops_median": statistics.median(blocks),
-            "products_per_block": per_block, "blocks": len(blocks)}
+    rates = [perf.matmul_tflops(n, per_block, s) for s in walls]
+    median = statistics.median(rates)
+    return {"tflops": perf.matmul_tflops(n, per_block, min(best)), "tflops_median": median,
+            "tflops_sustained": perf.matmul_tflops(n, per_block * len(walls), whole),
+            "spread": round((max(rates) - min(rates)) / median, 4) if median else None,
+            "products_per_block": per_block, "blocks": len(walls)}
 
 
 def _hbm_gbps(device, clock: Clock) -> float:
@@ -113,24 +138,29 @@ def judge(ev) -> CheckResult:
     margin = cfg["straggler_margin_cpu" if cpu else "straggler_margin"]
     medians, culprits = {}, []
     for dtype in obs[0]["matmul"]:
-        values = {r: o["matmul"][dtype]["tflops"] for r, o in enumerate(obs)}
+        values = {r: _sustained(o["matmul"][dtype]) for r, o in enumerate(obs)}
         medians[dtype], slow = perf.stragglers(values, margin)
         culprits += [ev.culprit(r, (
-            f"{dtype} matmul {_rate(values[r], cpu)} is "
-            f"{perf.shortfall_pct(values[r], medians[dtype]):.1f} % below the median "
+            f"{dtype} matmul sustains {_rate(values[r], cpu)} (median block; best "
+            f"{_rate(obs[r]['matmul'][dtype]['tflops'], cpu)}), "
+            f"{perf.shortfall_pct(values[r], medians[dtype]):.1f} % below the ranks' median "
             f"{_rate(medians[dtype], cpu)} (straggler margin {margin:.0%})")) for r in slow]
     culprits += _floors(ev, profile, cpu)
     ranks = [{"rank": r, "host": ev.host(r), "device_name": o["device_name"],
               "threads": o["threads"], "matmul": o["matmul"], "hbm_gbps": o["hbm_gbps"]}
              for r, o in enumerate(obs)]
-    figures = {"legend": "tflops: best timed block of n x n x n products, 2n^3 FLOP each, "
-                         "1 TFLOPS = 1e12 FLOP/s; tflops_median: median block; hbm_gbps: "
-                         "device copy, bytes read + written, GB = 1e9 B",
+    figures = {"legend": "n x n x n products, 2n^3 FLOP each, 1 TFLOPS = 1e12 FLOP/s, a "
+                         "fixed amount of work in blocks; tflops_median (judged): the median "
+                         "block, the rate kept up at least half the time; tflops_sustained: "
+                         "all the work over all its time; spread: (best - worst block) / "
+                         "median block; tflops: the best block (peak); on CPU all but the "
+                         "best block are wall-clock; hbm_gbps: device copy, bytes read + "
+                         "written, GB = 1e9 B",
                "profile": profile["name"], "matrix_size": obs[0]["matrix_size"],
                "straggler_margin": margin, "median_tflops": medians, "ranks": ranks,
                "floors": profile["compute"].get("min_tflops", {})}
-    summary = "; ".join(f"{d} median {_rate(m, cpu)} over {len(obs)} rank(s) (min "
-                        f"{_rate(min(o['matmul'][d]['tflops'] for o in obs), cpu)})"
+    summary = "; ".join(f"{d} sustained median {_rate(m, cpu)} over {len(obs)} rank(s) (min "
+                        f"{_rate(min(_sustained(o['matmul'][d]) for o in obs), cpu)})"
                         for d, m in medians.items())
     if culprits:
         summary = f"{len(culprits)} problem(s): {culprits[0].reason}"
@@ -153,12 +183,18 @@ def _floors(ev, profile: dict, cpu: bool) -> list:
             out.append(ev.culprit(r, f"device {o['device_name']!r} is not the profile "
                                      f"{profile['name']}'s {want!r}"))
         for dtype, floor in floors.items():
-            got = o["matmul"].get(dtype, {}).get("tflops")
-            if got is not None and got < floor:
+            got = o["matmul"].get(dtype)
+            if got is not None and _sustained(got) < floor:
                 out.append(ev.culprit(r, (
-                    f"{dtype} matmul {_rate(got, cpu)} is {perf.shortfall_pct(got, floor):.1f} % "
-                    f"below the {profile['name']} floor {_rate(floor, cpu)}")))
+                    f"{dtype} matmul sustains {_rate(_sustained(got), cpu)} (median block), "
+                    f"{perf.shortfall_pct(_sustained(got), floor):.1f} % below the "
+                    f"{profile['name']} floor {_rate(floor, cpu)}")))
     return out
+
+
+def _sustained(m: dict) -> float:
+    """The judged figure of one rank and dtype: its median block."""
+    return m["tflops_median"]
 
 
 def _rate(tflops: float, cpu: bool) -> str:
@@ -167,16 +203,22 @@ def _rate(tflops: float, cpu: bool) -> str:
 
 def _table(ranks: list[dict], cpu: bool, figures: dict) -> list[str]:
     dtypes = list(ranks[0]["matmul"])
-    unit = "GFLOPS" if cpu else "TFLOPS"
-    lines = [f"# compute: {figures['matrix_size']}^3 matmul per rank, best of "
-             f"{ranks[0]['matmul'][dtypes[0]]['blocks']} blocks; profile {figures['profile']}; "
+    unit, scale = ("GFLOPS", 1e3) if cpu else ("TFLOPS", 1)
+    lines = [f"# compute: {figures['matrix_size']}^3 matmul per rank, "
+             f"{ranks[0]['matmul'][dtypes[0]]['blocks']} blocks; sustained = median block "
+             f"(judged), spread = (best - worst) / median; profile {figures['profile']}; "
              "GB = 1e9 B",
              f"# {'rank':>5} {'host':<20} {'threads':>7} " + " ".join(
-                 f"{d + ' (' + unit + ')':>16}" for d in dtypes) + f" {'hbm (GB/s)':>11}  device"]
+                 f"{d + ' sustained/best (' + unit + ')':>30} {'spread':>6}" for d in dtypes)
+             + f" {'hbm (GB/s)':>11}  device"]
     for r in ranks:
-        rates = " ".join(f"{r['matmul'][d]['tflops'] * (1e3 if cpu else 1):>16.1f}"
-                         for d in dtypes)
+        rates = " ".join(f"{m['tflops_median'] * scale:>20.1f}/{m['tflops'] * scale:<9.1f} "
+                         f"{_pct(m.get('spread')):>6}" for m in (r["matmul"][d] for d in dtypes))
         hbm = f"{r['hbm_gbps']:.0f}" if r["hbm_gbps"] else "-"
         lines.append(f"  {r['rank']:>5} {str(r['host']):<20} {r['threads']:>7} {rates} "
                      f"{hbm:>11}  {r['device_name']}")
     return lines
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"

@@ -4,7 +4,9 @@ The variables read (set by torchrun, submitit's ``TorchDistributedEnvironment``,
 Kubernetes manifests): RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (required);
 LOCAL_WORLD_SIZE, GROUP_RANK (else SLURM_NODEID), TORCHELASTIC_RUN_ID,
 TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT, SUBMITIT_FOLDER, SLURM_JOB_ID,
-SLURM_STEP_ID, SLURM_RESTART_COUNT and DDP_SMOKE_RUN_ID. A malformed one is a ConfigError
+SLURM_STEP_ID, SLURM_RESTART_COUNT, DDP_SMOKE_RUN_ID and DDP_SMOKE_STORE (``host:port`` of a
+store host process, :mod:`ddp_smoke.store_host`, that then holds the coordination
+store instead of the torchrun agent or rank 0). A malformed one is a ConfigError
 (one line, exit 2) on every rank, before any rank connects.
 
 The run id
@@ -60,6 +62,13 @@ class LaunchEnv:
     launcher: str
     run_id: str
     run_id_shared: bool = False  # True: the id came from the launcher (rank 0 still posts it)
+    store: tuple[str, int] | None = None  # DDP_SMOKE_STORE: a store host outlives every rank
+
+    @property
+    def store_address(self) -> str:
+        """``host:port`` of the coordination store, wherever it is hosted."""
+        host, port = self.store or (self.master_addr, self.master_port)
+        return f"{host}:{port}"
 
     @classmethod
     def from_environ(cls, environ=os.environ) -> "LaunchEnv":
@@ -85,7 +94,21 @@ class LaunchEnv:
                    local_world_size=local_world, group_rank=group_rank, master_addr=addr,
                    master_port=port,
                    agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-                   launcher=launcher, run_id=rid, run_id_shared=shared)
+                   launcher=launcher, run_id=rid, run_id_shared=shared,
+                   store=store_address(environ))
+
+
+def store_address(environ=os.environ) -> tuple[str, int] | None:
+    """DDP_SMOKE_STORE as ``(host, port)``, None when unset or empty."""
+    raw = environ.get("DDP_SMOKE_STORE", "")
+    if not raw:
+        return None
+    host, _, port = raw.rpartition(":")
+    if not host or any(c.isspace() or c in "/\0" for c in host) or not port.isdigit() \
+            or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"DDP_SMOKE_STORE={raw!r}: expected HOST:PORT of the store host "
+                          "(python -m ddp_smoke.store_host prints it)")
+    return host, int(port)
 
 
 def _int(environ, key: str, lo: int, hi: int, default: int | None = None) -> int:

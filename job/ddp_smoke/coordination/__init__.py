@@ -11,4 +11,8 @@ Once a run is aborted the watchdog owns the exit (:func:`.ending.exit_aborted`):
 has to wake the main thread, which may sit inside a C++ collective. The main thread ends the
 process only on a clean run, or when it finds the abort first and the watchdog has not begun
 to finish it (:meth:`.protocol.Coordinator.claim_finish` decides, under a lock, once).
+
+Diagnosis beyond who stopped: :mod:`.stragglers` judges, from the time each rank spent inside
+each collective (:mod:`.progress`), who kept the others waiting; :mod:`.reach` probes, outside
+the process group, which node or link cannot be crossed when every rank waits.
 """

@@ -10,6 +10,9 @@ order; the first kind found names the culprits, every other rank that stopped is
 3. died — its heartbeat stopped without a termination notice (killed, crashed, frozen, or its
    node lost the network);
 4. never connected to the coordination store;
+4b. reachability (:mod:`ddp_smoke.coordination.reach`): a node no other node can connect to,
+   or a link between two nodes that reach others but not each other — the cause behind ranks
+   that all wait, alive, in the process group's set-up or inside one collective;
 5. did not arrive at the check the others were waiting in (process alive);
 6. collective progress (:mod:`ddp_smoke.coordination.progress`): ranks that never *entered* the collective the
    others are blocked in, or are stuck in an older one; for a point-to-point exchange, the
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model import Culprit
+from . import reach
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Snapshot:
         where: innermost frame of the kit's code on each live rank's main thread.
         store: ``addr:port`` of the coordination store, for "never connected".
         dead_after_s: heartbeat silence that counts as dead.
+        reach: each live node leader's probes of the others (``tried``, ``failed``).
     """
 
     stage: str
@@ -60,6 +65,7 @@ class Snapshot:
     where: dict = field(default_factory=dict)
     store: str = "?"
     dead_after_s: float = 1.5
+    reach: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -70,7 +76,8 @@ class Verdict:
 
 def judge(s: Snapshot) -> Verdict:
     """Culprits and victims of an aborted run (pure)."""
-    culprits = (_terminated_first(s) or (_raised(s) + _died(s) + _never(s)) or _absent(s)
+    culprits = (_terminated_first(s) or (_raised(s) + _died(s) + _never(s))
+                or reach.judge(s.reach, s.hosts) or _absent(s)
                 or _by_progress(s) or _unfinished(s) or _comm_only(s)
                 or [Culprit(None, None, "aborted: " + "; ".join(
                     f"rank {r} {a['kind']}" for r, a in sorted(s.aborts.items())) or "unknown")])

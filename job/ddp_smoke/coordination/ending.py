@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Callable
 
-from . import keys, progress
+from . import keys, lost, progress, runtime
 from .judge import FORENSICS_WAIT_S, first_error, forensics_of, judge_abort
 from .store import DEAD_AFTER_S, beat_of, look_period, next_waiting, posted, try_get, wait_key
 
@@ -116,15 +116,23 @@ def await_report(c, store, timeout_s: float) -> str | None:
 
 
 def give_up(c, e: BaseException) -> None:
-    """The coordination store is gone (rank 0 hosted it, or its node is lost), or leaving
-    failed otherwise: say what this rank knows as one JSON line on stderr, and leave."""
-    stage, store = c.stage, f"{c.env.master_addr}:{c.env.master_port}"
-    lost = isinstance(e, (RuntimeError, OSError))  # c10d's store errors are RuntimeErrors
-    print(json.dumps({"ddp_smoke_rank": c.env.rank, "run_id": c.env.run_id, "stage": stage,
-                      "progress": progress.progress(), "error": f"{type(e).__name__}: {e}"[:300],
-                      "store": store, "aborted": True}), file=sys.stderr)
+    """The coordination store is gone (its host, rank 0 or the store host, or that node is
+    lost), or leaving failed otherwise: say what this rank knows as one JSON line on stderr,
+    and leave it as REPORT_DIR/lost/<rank>.json too, for the launcher to read
+    (:mod:`ddp_smoke.coordination.lost`)."""
+    stage, store = c.stage, c.env.store_address
+    gone = isinstance(e, (RuntimeError, OSError))  # c10d's store errors are RuntimeErrors
+    record = {"ddp_smoke_rank": c.env.rank, "run_id": c.env.run_id, "stage": stage,
+              "progress": progress.progress(), "error": f"{type(e).__name__}: {e}"[:300],
+              "store": store, "aborted": True, "host": runtime.hostname(),
+              "world_size": c.env.world_size,
+              "hosts": [r.get("host") for r in c.ranks] if c.ranks else None}
+    print(json.dumps(record), file=sys.stderr)
+    if c.report_dir:
+        lost.write(c.report_dir, c.env.rank, record)
+    holder = "the store host" if c.env.store else "rank 0"
     leave(f"lost the coordination store at {store} during {stage} ({type(e).__name__}); "
-          "rank 0 or its node is gone" if lost else
+          f"{holder} or its node is gone" if gone else
           f"could not finish the aborted run at {stage}: {type(e).__name__}: {e}", code=1)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..model import FAIL, CheckResult
-from . import blame, keys
+from . import blame, keys, reach
 from .store import DEAD_AFTER_S, dead_ranks, posted, ranks_with
 
 FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
@@ -24,6 +24,8 @@ def judge_abort(c, store) -> set[int]:
     reasons = {**posted(store, keys.ABORT), **reasons}  # and those posted while we looked
     live = connected - set(dead)
     found = posted(store, keys.FORENSICS)
+    # every live node leader's probes of the others (reach.py)
+    probed = posted(store, keys.REACH, live & set(reach.leaders(store)), reach.WAIT_S)
     arrive = keys.CONNECT if stage == "init" else keys.of(keys.ARRIVE, c.key(stage))
     snap = blame.Snapshot(
         stage=stage, world_size=c.env.world_size, timeout_s=float(c.cfg["timeout"]),
@@ -32,7 +34,8 @@ def judge_abort(c, store) -> set[int]:
         finished=ranks_with(store, keys.of(keys.OBS, c.key(stage)), world),
         dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != keys.STOPPED},
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
-        store=f"{c.env.master_addr}:{c.env.master_port}", dead_after_s=DEAD_AFTER_S)
+        reach=probed,
+        store=c.env.store_address, dead_after_s=DEAD_AFTER_S)
     verdict = blame.judge(snap)
     # Each live rank leaves its forensics once it sees the abort, maybe after this judge
     # began: a culprit's innermost frame is worth a short wait.
@@ -44,7 +47,10 @@ def judge_abort(c, store) -> set[int]:
     figures = {"arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
                "dead": sorted(dead), "victims": verdict.victims,
                "progress": {str(r): p for r, p in sorted(beats.items())},
-               "aborts": [reasons[r] for r in sorted(reasons)]}
+               "unreached": {str(r): p["failed"] for r, p in sorted(probed.items())
+                             if p.get("failed")},
+               "aborts": [reasons[r] for r in sorted(reasons)],
+               "writer": f"rank {c.env.rank}"}  # rank 0, or the survivor that took over
     judged = {k.name for it, k in c.judged if it == c.iteration}
     # Outside a check (process-group init, between checks) the run itself failed: "launch".
     name = stage if stage in c.checks and stage not in judged else "launch"

@@ -24,6 +24,11 @@ waiting/<r>             every rank   alive and waiting for the verdict: a candid
 writer                  one rank     the rank writing the report (compare-and-set)
 final                   the writer   the verdict: pass or fail
 bye, bye/all            every rank   counter of ranks that read ``final``; ``/all`` when all did
+probe/<r>               node leader  its reachability probe's address and port (JSON)
+probe/listed            node leader  "r," appended once the probe is open: the node leaders
+reach/<r>               node leader  after an abort: the leaders it tried and could not reach
+reach/listed            node leader  "r," appended once its findings are posted
+meta                    first rank   the run's shape for the store host (JSON; compare-and-set)
 ======================  ===========  ==================================================
 """
 from __future__ import annotations
@@ -31,7 +36,8 @@ from __future__ import annotations
 RANK, BACKEND_NCCL, CONNECT, RUN_ID = "rank", "backend/nccl", "connect", "run_id"
 ARRIVE, OBS, RESULT, NEXT = "arrive", "obs", "result", "next"
 BEAT, ABORT, FORENSICS, WAITING = "beat", "abort", "forensics", "waiting"
-WRITER, FINAL, BYE = "writer", "final", "bye"
+WRITER, FINAL, BYE, META = "writer", "final", "bye", "meta"
+PROBE, REACH = "probe", "reach"
 
 # Abort kinds (``kind`` in abort/<r>), and what each means.
 ERROR = "error"            # the check or the harness raised on that rank

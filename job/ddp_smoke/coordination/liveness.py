@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from . import keys, progress
 from .ending import exit_aborted, give_up
-from .store import BEAT_S, look_period, read_beats
+from .store import BEAT_S, beat_of, look_period, read_beats
 
 TERMINATING = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", signal.SIGUSR1: "SIGUSR1",
                signal.SIGUSR2: "SIGUSR2"}
@@ -78,7 +78,23 @@ class Watchdog(threading.Thread):
             c.abort(store, keys.TIMEOUT, {"waiting_for": c.stage})
         if c.awaiting is not None:
             self.watch(store, *c.awaiting)
+        if c.following is not None:
+            self.follow(store, c.following)
         return c.aborted(store)
+
+    def follow(self, store, what: str) -> None:
+        """Another rank, while it waits for rank 0 to say that every rank arrived: rank 0
+        silent for DEAD_AFTER_S (killed, its node lost) stops the run now, not at the
+        deadline, and the lowest survivor writes the report. One read of rank 0's heartbeat
+        a period: at 4,096 ranks a fifth of the store's budget."""
+        c = self.coord
+        if time.monotonic() - self.looked < max(self.WATCH_S,
+                                                look_period(c.env.world_size, 4)):
+            return
+        self.looked = time.monotonic()
+        beat = beat_of(store, 0)
+        if beat is not None and c.silence.update({0: beat.get("n")}) == [0]:
+            c.abort(store, keys.LOST, {"silent": [0], "waiting_for": what})
 
     def watch(self, store, what: str, prefix: str) -> None:
         """Rank 0, while its main thread waits for every rank's ``prefix/<rank>``: a rank

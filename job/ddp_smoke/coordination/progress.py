@@ -14,6 +14,11 @@ recorded as "inside a sendrecv with rank P" without advancing ``seq``.
 NCCL collectives return once enqueued; here the caller's stream is synchronised before the
 call counts as left, so "inside" means the same thing on both backends: the data has not
 arrived yet.
+
+The recorder also keeps how long this rank spent inside each symmetric world collective of the
+current check (:meth:`Recorder.spent`): the rank that arrives last spends the least time
+inside while the others wait for it, which :mod:`ddp_smoke.coordination.stragglers` reads
+without any clock agreement between hosts.
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ import torch.distributed as dist
 # torch 2.13 renamed the tensor forms; older releases (2.11 on some GPU images) lack the new names
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# A broadcast's root may leave as soon as its data is sent: its short stay is no late arrival.
+# Every other world collective holds each rank until the last one has contributed.
+_ASYMMETRIC = {"broadcast"}
 
 
 class Recorder:
@@ -40,6 +48,8 @@ class Recorder:
         self.peer = None        # the other end of a point-to-point exchange
         self.inside = False
         self.since = time.monotonic()
+        self._spent: list[float | None] = []  # seconds inside each world collective of the check
+        self.keep = 2048                      # at most this many kept per check (set by the harness)
 
     @contextlib.contextmanager
     def track(self, op: str, nbytes: int = 0, peer: int | None = None):
@@ -53,7 +63,18 @@ class Recorder:
             yield
         finally:
             with self._lock:
-                self.inside, self.since = False, time.monotonic()
+                now = time.monotonic()
+                if peer is None and len(self._spent) < self.keep:
+                    # None keeps the k-th entry the k-th collective on every rank
+                    self._spent.append(None if op in _ASYMMETRIC else now - self.since)
+                self.inside, self.since = False, now
+
+    def spent(self) -> list[float | None]:
+        """Seconds this rank spent inside each world collective since the last call (in
+        issue order, the first ``keep`` of them; None for a broadcast), and start anew."""
+        with self._lock:
+            got, self._spent = self._spent, []
+        return [None if s is None else round(s, 6) for s in got]
 
     def snapshot(self) -> dict:
         """JSON-able progress: ``seq``, ``op``, ``bytes``, ``peer``, ``inside``, ``for_s``."""

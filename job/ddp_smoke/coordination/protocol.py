@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..model import CheckResult, check_from_dict
-from . import forensics, keys
+from . import forensics, keys, reach
 from .store import DEAD_AFTER_S, POLL_MAX_S, STORE_OPS_PER_S, Silence, reads, try_get
 
 GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watchdog acts first
@@ -70,6 +70,8 @@ class Coordinator:
         self.poll_max = max(POLL_MAX_S, 4 * env.world_size / STORE_OPS_PER_S)
         # rank 0, while it waits for every rank's prefix/<rank>: (what it waits for, prefix)
         self.awaiting: tuple[str, str] | None = None
+        # another rank, while it waits for rank 0's prefix/all: what it waits for
+        self.following: str | None = None
         self.silence = Silence(DEAD_AFTER_S)  # every look at the heartbeats, kept: the judge
         self._forensics: dict | None = None  # this rank's own
 
@@ -124,8 +126,14 @@ class Coordinator:
         if self.env.rank == 0:
             self.await_all(store, prefix, what)
             store.set(keys.every(prefix), "1")
-        else:
+            return
+        with self._lock:  # meanwhile the watchdog watches rank 0's heartbeat
+            self.following = what
+        try:
             self.wait_for(store, [keys.every(prefix)], what)
+        finally:
+            with self._lock:
+                self.following = None
 
     def await_all(self, store, prefix: str, what: str) -> None:
         """Rank 0: wait until every rank has posted ``prefix/<rank>``. Meanwhile its
@@ -221,6 +229,7 @@ class Coordinator:
             store.append(keys.listed(keys.FORENSICS), f"{self.env.rank},")
         except Exception:  # noqa: BLE001 — the store is gone; the files are still there
             pass
+        reach.survey(store, self.env.rank)  # a node's leader: who it can still connect to
 
 
 def error_detail(e: BaseException) -> dict:

@@ -85,8 +85,13 @@ def connect_store(env: LaunchEnv, timeout_s: float, may_host: bool = True) -> di
     """A TCPStore client on MASTER_ADDR:MASTER_PORT, or its server.
 
     Rank 0 hosts the store when no torchrun agent does (submitit, plain env launchers), on
-    its first connection only (``may_host``); later connections are clients of it.
+    its first connection only (``may_host``); later connections are clients of it. With
+    DDP_SMOKE_STORE every rank is a client of the launcher's store host, which no rank's
+    death takes down (:mod:`ddp_smoke.store_host`).
     """
+    if env.store is not None:
+        return dist.TCPStore(env.store[0], env.store[1], env.world_size, False,
+                             datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     is_master = may_host and env.rank == 0 and not env.agent_store
     return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master,
                          datetime.timedelta(seconds=timeout_s), wait_for_workers=False)

@@ -2,6 +2,7 @@
 one row per check with its culprits, then the verdict."""
 from __future__ import annotations
 
+from ..coordination import stragglers
 from ..model import FAIL, PASS, Report
 
 
@@ -23,6 +24,9 @@ def render(report: Report, path: str) -> str:
     lines.append(f"# {'check':<16} {'status':<6} {'time_s':>8}  result")
     for c in report.checks:
         lines.append(f"  {c.name:<16} {c.status.upper():<6} {c.duration_s:>8.3f}  {c.summary}")
+        waits = stragglers.line(c.figures.get("waits") or {})
+        if waits:
+            lines.append(f"  {'':<16} {waits}")
         for k in c.culprits:
             who = (f"rank {k.rank} ({k.host})" if k.rank is not None else
                    f"link ranks {k.ranks[0]}-{k.ranks[1]} ({k.hosts[0]} <-> {k.hosts[1]})"

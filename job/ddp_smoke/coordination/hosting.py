@@ -1,0 +1,214 @@
+"""The store host's side of the protocol: where it runs, what it watches, when it is done.
+
+The coordination store can live in a process of its own, the *store host*
+(``python -m ddp_smoke.store_host``), which no rank's death takes down; the workers use it
+when DDP_SMOKE_STORE=HOST:PORT is in their environment (:func:`ddp_smoke.coordination.runtime.
+connect_store`), and without it the torchrun agent's store or rank 0's, as before.
+
+Why: when rank 0's process (submitit, plain env) or its torchrun agent hosts the store, the
+store dies with it, and no survivor can take over the report. With the store host the store
+stays up, a lost rank 0 is judged like any lost rank, and the lowest survivor writes the report;
+when no rank can write at all, the store host writes the report of last resort.
+
+Here: the run's shape each rank posts for it (:func:`post_meta`), what it watches
+(:class:`Watch`, :func:`serve`), where each launcher's nodes find it (:func:`plan`, the
+address file of :func:`publish_address`), and starting one detached (:func:`start_detached`).
+Plain TCPStore calls only. No torch at import (submit's side imports this).
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+from . import keys
+from .store import DEAD_AFTER_S, Silence, read_beats, try_get
+
+ENV = "DDP_SMOKE_STORE"
+PREFIX = "ddp_smoke/0"  # the harness's PrefixStore (TORCHELASTIC_RESTART_COUNT 0: no restarts)
+LOOK_S = 0.25           # a look at the store: final, meta and every heartbeat, in ~4 calls
+LINGER_S = 10.0         # after final: the ranks read the verdict and add themselves to "bye"
+
+
+def say(message: str) -> None:
+    print(f"ddp-smoke store host: {message}", file=sys.stderr, flush=True)
+
+
+def post_meta(store, world_size: int, cfg: dict, report_dir: str, started_at: str) -> None:
+    """Each rank, once connected: the run's shape for the store host (one call; first wins)."""
+    meta = {"world_size": world_size, "config": cfg, "report_dir": report_dir,
+            "started_at": started_at, "posted_at": time.time()}
+    store.compare_set(keys.META, "", json.dumps(meta, default=str))
+
+
+def read_meta(store) -> dict | None:
+    got = try_get(store, keys.META)
+    try:
+        return json.loads(got) if got else None
+    except ValueError:
+        return None
+
+
+class Watch:
+    """What the store host sees of the run: final or not, and when each heartbeat last moved."""
+
+    def __init__(self, store):
+        self.store, self.meta = store, None
+        self.silence = Silence(DEAD_AFTER_S)
+        self.moved: dict[int, float] = {}  # rank -> monotonic time its counter last moved
+
+    def look(self) -> str | None:
+        """One look; returns the final verdict when set."""
+        final = try_get(self.store, keys.FINAL)
+        if final is not None:
+            return final.decode()
+        if self.meta is None:
+            self.meta = read_meta(self.store)
+        if self.meta is not None:
+            beats = read_beats(self.store, range(int(self.meta["world_size"])))
+            self.silence.update({r: b.get("n") for r, b in beats.items()})
+            self.moved = {r: t for r, (_, t) in self.silence.last.items()}
+        return None
+
+    def all_silent_for(self) -> float | None:
+        """Seconds since the last heartbeat of any rank moved; None before any beat."""
+        if not self.moved:
+            return None
+        return time.monotonic() - max(self.moved.values())
+
+    def bye(self) -> bool:
+        return try_get(self.store, keys.every(keys.BYE)) is not None
+
+
+def serve(watch: Watch, max_s: float, over: threading.Event,
+          last_resort: Callable[[Watch, str], int]) -> int:
+    """Watch the run until it is final (0) or no rank can write: then ``last_resort(watch,
+    why)`` writes the report from the store and its status (1) is returned."""
+    silent_s = 3 * DEAD_AFTER_S  # the harness's TAKEOVER_S: survivors had their chance
+    end, over_at = time.monotonic() + max_s, None
+    while time.monotonic() < end:
+        final = watch.look()
+        if final is not None:
+            say(f"the run is final ({final})")
+            linger = time.monotonic() + LINGER_S
+            while not over.is_set() and not watch.bye() and time.monotonic() < linger:
+                over.wait(LOOK_S)
+            return 0
+        quiet = watch.all_silent_for()
+        if over.is_set() and over_at is None:
+            over_at = time.monotonic()
+        # The launcher says the run is over (srun ended, or the job is being cancelled): a
+        # rank still beating may be writing the report; it gets DEAD_AFTER_S of silence, or
+        # LINGER_S at most, before this host writes instead.
+        ended = over_at is not None and (quiet is None or quiet > DEAD_AFTER_S
+                                         or time.monotonic() - over_at > LINGER_S)
+        if ended or (quiet is not None and quiet > silent_s):
+            if watch.meta is None:
+                say("no rank ever posted the run's shape: nothing to report")
+                return 0 if over.is_set() else 1
+            why = ("the launcher ended with no report written" if ended else
+                   f"every heartbeat silent for {quiet:.1f} s and no report written")
+            return last_resort(watch, why)
+        time.sleep(LOOK_S)  # (over.wait would return at once once set)
+    say(f"no verdict within --max-s {max_s:g} s")
+    return last_resort(watch, f"no verdict within {max_s:g} s") if watch.meta is not None else 1
+
+
+def start_detached(host: str, report_dir: str, max_s: float, timeout_s: float = 60.0) -> str:
+    """Start a store host in a session of its own (a launcher that is itself one of the ranks'
+    processes: submit's task 0); return its address once it listens. It outlives the caller:
+    the caller's death is what it is for. Raises RuntimeError when it does not start."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddp_smoke.store_host",
+                             "--host", host, "--report-dir", report_dir, "--max-s", str(max_s)],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    if not select.select([proc.stdout], [], [], timeout_s)[0]:
+        proc.kill()
+        raise RuntimeError(f"the store host did not start within {timeout_s:g} s")
+    line = proc.stdout.readline().decode().strip()
+    if not line:
+        raise RuntimeError(f"the store host exited with status {proc.wait()}")
+    return line
+
+
+def publish_address(path: str, address: str) -> None:
+    """Leave the store host's address where the other ranks' launchers wait for it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(address + "\n")
+    os.replace(tmp, path)  # whole or absent
+
+
+def await_address(path: str, timeout_s: float) -> str:
+    """The address :func:`publish_address` left at ``path``; RuntimeError after ``timeout_s``."""
+    end, pause = time.monotonic() + timeout_s, 0.05
+    while time.monotonic() < end:
+        try:
+            with open(path) as f:
+                got = f.read().strip()
+            if got:
+                return got
+        except OSError:
+            pass
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)
+    raise RuntimeError(f"no store host address at {path} within {timeout_s:g} s (task 0 "
+                       "starts the store host: did it start?)")
+
+
+def plan(torchrun_args: list[str], hostname: str | None = None,
+         addresses: set[str] | None = None) -> tuple[str, str]:
+    """Where a node's store host is, from its torchrun options: ``("host", ADDR:PORT)`` on the
+    node that hosts torchrun's rendezvous (it runs the store host), ``("join", ADDR:PORT)`` on
+    the others. Every node derives the same address from the same ``--rdzv-endpoint``: the
+    endpoint's host, its port + 1 (one more port the first node accepts). The rendezvous host
+    is decided as torchrun decides it: ``is_host`` in ``--rdzv-conf``, else the endpoint names
+    this machine (its hostname, FQDN, ``--local-addr`` or an address of its own).
+    ``--standalone`` (one node): ``("host", "127.0.0.1:0")``, a free port. ValueError when
+    the options say neither."""
+    opts: dict[str, str] = {}
+    it = iter(torchrun_args)
+    for arg in it:
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("_", "-")  # torchrun takes --rdzv_endpoint and --rdzv-endpoint
+        if not eq and name != "standalone":
+            value = next(it, "")
+        opts[name] = value
+    if "standalone" in opts:
+        return "host", "127.0.0.1:0"
+    endpoint = opts.get("rdzv-endpoint") or (
+        f"{opts['master-addr']}:{opts.get('master-port', '29500')}" if "master-addr" in opts
+        else "")
+    if not endpoint:
+        raise ValueError("no --rdzv-endpoint (or --master-addr) among the torchrun options: "
+                         "the nodes cannot agree on where the store host is")
+    host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "29400")
+    if not port.isdigit():
+        raise ValueError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT")
+    conf = dict(kv.partition("=")[::2] for kv in opts.get("rdzv-conf", "").split(",") if kv)
+    if "is-host" in opts or "is_host" in conf:
+        here = str(conf.get("is_host", opts.get("is-host"))).lower() in ("1", "true")
+    elif "node-rank" in opts and "rdzv-endpoint" not in opts:
+        here = opts["node-rank"] == "0"  # static rendezvous: node 0 hosts the master
+    else:
+        name = hostname or socket.gethostname()
+        mine = {"localhost", "127.0.0.1", name, socket.getfqdn(name), opts.get("local-addr")}
+        here = host in mine | (addresses if addresses is not None else _own_addresses())
+    return ("host" if here else "join"), f"{host}:{int(port) + 1}"
+
+
+def _own_addresses() -> set[str]:
+    """What this machine's name resolves to (as torchrun matches its endpoint)."""
+    try:
+        return {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)}
+    except OSError:
+        return set()

@@ -1,0 +1,67 @@
+"""What a rank that lost the coordination store leaves behind: one JSON file per rank.
+
+A rank that loses the store can tell nobody through it. It prints its one JSON line on stderr
+(the harness's ``_give_up``) and also writes it as ``REPORT_DIR/lost/<rank>.json``: on a
+cluster the report folder is shared, so the launcher (the sbatch's last line, ``submit``),
+which may live on when the store's node did not, reads every survivor's word from one place
+and names the node that went silent (:func:`ddp_smoke.verdict.from_folder`). No torch here:
+the verdict reads these files in any pod or on a login node.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+FOLDER = "lost"
+
+
+def write(report_dir: str, rank: int, record: dict) -> str | None:
+    """Leave ``record`` as ``report_dir/lost/<rank>.json``; the path, or None when the folder
+    cannot be written (the stderr line still says it)."""
+    folder = os.path.join(report_dir, FOLDER)
+    path = os.path.join(folder, f"{rank}.json")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(json.dumps(record) + "\n")
+        os.replace(tmp, path)  # whole or absent: the reader may look at any moment
+        return path
+    except OSError:
+        return None
+
+
+def read(report_dir: str, run_id: str | None = None) -> dict[int, dict]:
+    """Every rank's record in ``report_dir/lost``, by rank; only run ``run_id``'s when given."""
+    folder = os.path.join(report_dir, FOLDER)
+    out = {}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return {}
+    for name in names:
+        stem, dot, ext = name.partition(".")
+        if ext != "json" or not stem.isdigit():
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and (run_id is None or record.get("run_id") == run_id):
+            out[int(stem)] = record
+    return out
+
+
+def clear(report_dir: str) -> None:
+    """Rank 0, before it connects: an earlier run's records must never speak for this run."""
+    folder = os.path.join(report_dir, FOLDER)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(folder, name))
+        except OSError:
+            pass

@@ -1,0 +1,211 @@
+"""Who can reach whom, outside the process group: the link nobody can cross, the node nobody reaches.
+
+When every rank is alive and waiting — a collective or the process group's set-up stuck past
+its deadline — the heartbeats and the collective progress cannot say why: both ends of a dead
+link wait, and so do the ranks waiting for them. A fresh TCP connection between the nodes can:
+
+* at start, each node's leader (local rank 0) opens a small TCP probe port, on the address it
+  uses to reach the coordination store, and posts it (``probe/<rank>``, listed in
+  ``probe/listed``). Nothing is sent on it; accepting the connection is the whole answer;
+* when the run is aborted, each live leader connects to other leaders' probes, all at once
+  with a short timeout (``PROBE_S``), and once more to those it missed (a lost SYN is not a
+  dead link): at most ``2 × PROBE_S`` whatever the world size. Up to ``ALL_PAIRS_UP_TO``
+  nodes every leader tries every other; beyond, its ``RING`` neighbours on each side and
+  ``SAMPLE`` more drawn at random (seeded by its rank), so each node is still tried by about
+  ``2·RING + SAMPLE`` others at thousands of nodes. It posts what it tried and what it could
+  not reach (``reach/<rank>``); a refused connection counts as reached (the network delivered
+  it; the process is another matter, the heartbeats tell);
+* the judge (:func:`judge`, pure) names a **node** when it and the nodes it was tried with
+  mostly fail each other (nobody reaches it), and a **link** — both ends, neither convicted —
+  when two nodes fail each other and each reaches others. Nodes whose every probe went
+  through are never named.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import random
+import selectors
+import socket
+import threading
+import time
+
+from ..model import Culprit
+from . import keys
+
+PROBE_S = 1.5          # one connect's timeout: a connect within the sandbox or a fabric takes ms
+ROUNDS = 2             # a target missed twice is unreachable
+ALL_PAIRS_UP_TO = 64   # nodes: every leader tries every other
+RING, SAMPLE = 4, 16   # beyond: neighbours each side in rank order, and a random sample
+WAIT_S = ROUNDS * PROBE_S + 1.5  # how long the judge waits for the live leaders' findings
+_REACHED = {0, errno.ECONNREFUSED}  # the host answered: the path is there
+
+
+class Probe:
+    """A listening TCP socket that accepts and closes, on a daemon thread."""
+
+    def __init__(self, addr: str):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind((addr, 0))
+        self.sock.listen(128)
+        self.addr, self.port = addr, self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True, name="ddp-smoke-probe").start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+                conn.close()
+            except OSError:
+                return
+
+
+_PROBE: Probe | None = None
+
+
+def route_address(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (no packet is sent: a UDP socket's
+    connect only picks the route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), port))
+        return s.getsockname()[0]
+
+
+def listen(env, store) -> None:
+    """On a node's leader: open the probe port and post it. Never raises: without a probe
+    the run goes on, and an abort is judged without this evidence."""
+    global _PROBE
+    if env.local_rank != 0:
+        return
+    try:
+        _PROBE = Probe(route_address(env.master_addr, env.master_port))
+        store.set(keys.of(keys.PROBE, env.rank), json.dumps({"addr": _PROBE.addr, "port": _PROBE.port}))
+        store.append(keys.listed(keys.PROBE), f"{env.rank},")
+    except Exception:  # noqa: BLE001 — no route, no socket, or the store is gone
+        _PROBE = None
+
+
+def targets(me: int, leaders: list[int]) -> list[int]:
+    """The leaders ``me`` tries: all others up to ALL_PAIRS_UP_TO + 1 nodes; beyond, RING
+    neighbours on each side in rank order and SAMPLE more at random (seeded by ``me``)."""
+    others = [r for r in leaders if r != me]
+    if len(others) <= ALL_PAIRS_UP_TO:
+        return others
+    ring = sorted(leaders)
+    i = ring.index(me)
+    near = {ring[(i + d) % len(ring)] for d in range(-RING, RING + 1) if d}
+    rest = [r for r in others if r not in near]
+    return sorted(near | set(random.Random(me).sample(rest, min(SAMPLE, len(rest)))))
+
+
+def connect_all(addrs: dict[int, tuple[str, int]], timeout_s: float) -> set[int]:
+    """The keys of ``addrs`` whose address could not be connected to within ``timeout_s``
+    (all connects at once; a refusal counts as reached)."""
+    sel, failed, end = selectors.DefaultSelector(), set(), time.monotonic() + timeout_s
+    try:
+        for key, (addr, port) in addrs.items():
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setblocking(False)
+            code = s.connect_ex((addr, port))
+            if code in _REACHED:
+                s.close()
+            elif code in (errno.EINPROGRESS, errno.EWOULDBLOCK):
+                sel.register(s, selectors.EVENT_WRITE, key)
+            else:
+                s.close()
+                failed.add(key)
+        while sel.get_map() and (left := end - time.monotonic()) > 0:
+            for k, _ in sel.select(left):
+                if k.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) not in _REACHED:
+                    failed.add(k.data)
+                sel.unregister(k.fileobj)
+                k.fileobj.close()
+        for k in list(sel.get_map().values()):  # no answer at all: dropped on the way
+            failed.add(k.data)
+            k.fileobj.close()
+    finally:
+        sel.close()
+    return failed
+
+
+def leaders(store) -> list[int]:
+    """The ranks that opened a probe (one per node)."""
+    try:
+        key = keys.listed(keys.PROBE)
+        listed = store.get(key).decode() if store.check([key]) else ""
+    except Exception:  # noqa: BLE001 — evidence gathering never raises
+        return []
+    return sorted({int(r) for r in listed.split(",") if r})
+
+
+def survey(store, rank: int) -> None:
+    """On a node's leader, once, when the run is aborted: try the other leaders' probes and
+    post what could not be reached. Never raises."""
+    if _PROBE is None:
+        return
+    try:
+        tried = targets(rank, leaders(store))
+        got = store.multi_get([keys.of(keys.PROBE, r) for r in tried]) if tried else []
+        addrs = {r: (p["addr"], p["port"]) for r, p in zip(tried, map(json.loads, got))}
+        failed = set(addrs)
+        for _ in range(ROUNDS):
+            failed = connect_all({r: addrs[r] for r in failed}, PROBE_S)
+            if not failed:
+                break
+        store.set(keys.of(keys.REACH, rank), json.dumps({"tried": tried,
+                                                         "failed": sorted(failed)}))
+        store.append(keys.listed(keys.REACH), f"{rank},")
+    except Exception:  # noqa: BLE001 — the store went away: nothing to tell
+        pass
+
+
+# -- judging (pure) ----------------------------------------------------------------------------
+
+def judge(found: dict[int, dict], hosts: list) -> list[Culprit]:
+    """Nodes nobody reaches and links nobody crosses, from each leader's ``{"tried",
+    "failed"}``; healthy nodes never appear."""
+    pairs: dict[frozenset, bool] = {}  # unordered pair of leaders -> failed (either way)
+    for a, f in found.items():
+        bad = set(f.get("failed") or [])
+        for b in f.get("tried") or []:
+            key = frozenset((a, b))
+            pairs[key] = pairs.get(key, False) or b in bad
+    out, cut = [], set()
+    while True:  # the node failing the largest share of its pairs first, then again without it
+        tally: dict[int, list[int]] = {}
+        for key, bad in pairs.items():
+            for n in key:
+                tally.setdefault(n, [0, 0])[0 if bad else 1] += 1
+        worst = [(bad / (bad + ok), bad, -n) for n, (bad, ok) in tally.items()
+                 if bad >= 2 and bad > ok]
+        if not worst:
+            break
+        _, bad, n = max(worst)
+        n = -n
+        cut.add(n)
+        total = sum(tally[n])
+        out.append(Culprit(n, _host(hosts, n), (
+            f"node {_host(hosts, n)} is cut off: {bad} of the {total} nodes tried with it "
+            f"could not connect to it or be connected to from it, outside the process group "
+            f"(probe port, {ROUNDS} tries of {PROBE_S} s)")))
+        pairs = {k: v for k, v in pairs.items() if n not in k}
+    for key, bad in sorted(pairs.items(), key=lambda kv: sorted(kv[0])):
+        if not bad:
+            continue
+        a, b = sorted(key)
+        ways = [x for x, y in ((a, b), (b, a)) if y in set((found.get(x) or {}).get("failed")
+                                                         or [])]
+        how = ("neither could connect to the other" if len(ways) == 2 else
+               f"rank {ways[0]} could not connect to rank {b if ways[0] == a else a}")
+        reached = all(any(n in k and not v for k, v in pairs.items()) for n in (a, b))
+        out.append(Culprit(None, None, (
+            f"link {_host(hosts, a)} (rank {a}) <-> {_host(hosts, b)} (rank {b}) does not carry "
+            f"a connection: {how} outside the process group (probe port, {ROUNDS} tries of "
+            f"{PROBE_S} s), " + ("while each reaches other nodes" if reached else
+                                 "and no third node tells the link from either end")),
+            ranks=[a, b], hosts=[_host(hosts, a), _host(hosts, b)]))
+    return out
+
+
+def _host(hosts: list, rank: int):
+    return hosts[rank] if 0 <= rank < len(hosts) else None

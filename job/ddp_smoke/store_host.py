@@ -1,0 +1,121 @@
+"""The coordination store in a process of its own, which no rank's death takes down.
+
+    python -m ddp_smoke.store_host --host ADDR [--port P] [--report-dir DIR]
+    python -m ddp_smoke.store_host --host ADDR --report-dir DIR -- COMMAND …
+    python -m ddp_smoke.store_host --plan TORCHRUN_OPTIONS…   (see plan())
+
+Hosts a c10d TCPStore (the server; plain TCPStore calls only) and prints ``ADDR:PORT`` as its
+first line on stdout. The workers use it when DDP_SMOKE_STORE=ADDR:PORT is in their
+environment; without it they use torchrun's agent store or rank 0's, as before. With a
+COMMAND (torchrun, srun …) it runs the command with DDP_SMOKE_STORE exported, passes SIGTERM
+and SIGINT on to it, and exits with its status; without one it serves until SIGTERM (the
+launcher's "the run is over").
+
+Why, and what it watches: :mod:`ddp_smoke.coordination.hosting`.
+
+It exits when the run is final (the ``final`` key: the report is written), after the ranks
+had a moment to read the verdict (LINGER_S, or at once when every live rank said goodbye, or
+the launcher says the run is over). When no rank can write (every heartbeat silent for
+3 x 1.5 s and no ``final``, or the launcher ended with none) it writes the report of last
+resort from the store (:mod:`ddp_smoke.outputs.last_resort`) and exits 1. Bounded by
+``--max-s`` in any case. Exit status: the command's (0 without one), or 1 when it wrote the
+report of last resort, or 2 for bad input (one line).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from .coordination import hosting
+from .outputs import last_resort
+
+MAX_S = 86400.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--plan"]:  # the image's entrypoint: where is this node's store host?
+        try:
+            print(*hosting.plan(argv[1:]))
+        except ValueError as e:
+            print(f"ddp-smoke: error: store host: {e}", file=sys.stderr)
+            return 2
+        return 0
+    command = argv[argv.index("--") + 1:] if "--" in argv else []
+    ours = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(prog="python -m ddp_smoke.store_host",
+                                 description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default=socket.gethostname(),
+                    help="the address the workers reach this host at (default: hostname)")
+    ap.add_argument("--port", type=int, default=0, help="0: a free port")
+    ap.add_argument("--report-dir", help="where the report of last resort goes (default: the "
+                                         "folder the ranks posted)")
+    ap.add_argument("--max-s", type=float, default=MAX_S, help="exit after this long, at most")
+    a = ap.parse_args(ours)
+    if not 0 <= a.port <= 65535 or not 0 < a.max_s <= MAX_S:
+        print(f"ddp-smoke: error: store host: --port {a.port} / --max-s {a.max_s}: expected "
+              f"0..65535 and (0, {MAX_S:g}]", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+    try:  # the server listens on every address; --host is what the workers are told
+        raw = dist.TCPStore("127.0.0.1", a.port, 1, True, datetime.timedelta(seconds=30),
+                            wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        print(f"ddp-smoke: error: store host: cannot listen on port {a.port}: "
+              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    address = f"{a.host}:{raw.port}"
+    store = dist.PrefixStore(hosting.PREFIX, raw)
+    print(address, flush=True)
+    hosting.say(f"serving the coordination store at {address} (pid {os.getpid()})")
+    over = threading.Event()  # the launcher says the run is over: no rank is left
+    child = None
+    if command:
+        try:
+            child = subprocess.Popen(command, env={**os.environ, hosting.ENV: address})
+        except OSError as e:
+            print(f"ddp-smoke: error: store host: cannot run {command[0]}: {e.strerror}",
+                  file=sys.stderr)
+            return 2
+
+    def on_signal(sig, _frame):
+        if child is not None and child.poll() is None:
+            child.send_signal(sig)  # the command (torchrun) stops its workers; we watch on
+        else:
+            over.set()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    result: list[int] = []
+    watch = hosting.Watch(store)
+    watcher = threading.Thread(target=lambda: result.append(
+        hosting.serve(
+            watch, a.max_s, over,
+            lambda w, why: last_resort.write(w, address, a.report_dir, why))), daemon=True)
+    watcher.start()
+    if child is None:
+        while watcher.is_alive():
+            watcher.join(0.5)  # a join with a timeout lets the signal handlers run
+        return result[0]
+    rc = child.wait()
+    # The command (this node's torchrun) ended; other nodes' ranks may still run and read the
+    # store: the watcher decides when the run is over (final, or every heartbeat silent). A
+    # run no rank ever joined (bad input: exit 2) has nothing to wait for.
+    time.sleep(2 * hosting.LOOK_S)  # the watcher's next look has seen what the ranks posted
+    if watch.meta is None and not watch.moved:
+        over.set()
+    while watcher.is_alive():
+        watcher.join(0.5)
+    own = result[0] if result else 1
+    return rc if own == 0 else own
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""What each submitit task runs (``ddp_smoke.submit`` submits :func:`run`): the environment
+contract, the node's preflight, the store host on task 0's node, then the worker in-process."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from . import preflight
+from .cli import parse_config
+from .coordination import hosting
+
+STORE_WAIT_S = 300.0  # a task waits this long for task 0's store host (nodes start unevenly)
+PREFLIGHT_TIMEOUT_S = 30.0  # a node's preflight (torch import, CUDA initialisation)
+
+
+def submitit_version() -> str:
+    import submitit
+    return submitit.__version__
+
+
+def run(worker_args: list[str], gpus: bool, store_max_s: float = 3600.0) -> Any:
+    """What each submitit task runs: export the env contract, then the worker, in-process."""
+    import submitit
+
+    if worker_args[:1] == ["--submitit-version"]:
+        wanted, worker_args = worker_args[1], worker_args[2:]
+        if submitit.__version__ != wanted:
+            raise RuntimeError(f"submitit {submitit.__version__} in the container, {wanted} on "
+                               "the submitting side: install the same version in both (the "
+                               "image pickles and unpickles submitit's objects)")
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=gpus)
+    run_id = run_id_of(submitit.JobEnvironment().job_id,
+                       os.environ.get("SLURM_RESTART_COUNT", "0"))
+    os.environ["DDP_SMOKE_RUN_ID"] = run_id
+    report_dir = worker_args[worker_args.index("--report-dir") + 1]
+    try:
+        _preflight(worker_args, gpus)
+    except RuntimeError:  # no store host then: the others go on as before and wait no longer
+        if os.environ["RANK"] == "0":
+            hosting.publish_address(os.path.join(report_dir, "store", run_id), "none")
+        raise
+    _store_host(report_dir, run_id, store_max_s)
+    from . import harness  # late: torch only in the task, not on the submitting side
+
+    code = harness.run(parse_config(worker_args))
+    return code
+
+
+def _store_host(report_dir: str, run_id: str, max_s: float) -> None:
+    """The coordination store in a process of its own on rank 0's node, so that rank 0's
+    death does not take it down (DDP_SMOKE_STORE): task 0 starts it and leaves its address
+    in the (shared) report folder; the other tasks wait for that file."""
+    path = os.path.join(report_dir, "store", run_id)
+    if os.environ["RANK"] == "0":
+        address = hosting.start_detached(os.environ["MASTER_ADDR"], report_dir, max_s)
+        hosting.publish_address(path, address)
+    else:
+        address = hosting.await_address(path, STORE_WAIT_S)
+    if address != "none":  # task 0 failed before it could start one
+        os.environ[hosting.ENV] = address
+
+
+def _preflight(worker_args: list[str], gpus: bool) -> None:
+    """Preflight (ddp_smoke/preflight.py) in the first task of each node, before the worker:
+    a node that cannot run it fails its task in seconds with the reason, and leaves its record
+    beside the report for :func:`submit`. Without the rendezvous check: the tasks start
+    together and the others connect to rank 0's MASTER_PORT at once, where a preflight
+    listener would answer them instead of the store (the worker bounds that wait itself)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    args = preflight._parser().parse_args([
+        "--report-dir", worker_args[worker_args.index("--report-dir") + 1],
+        "--gpus", os.environ.get("SLURM_NTASKS_PER_NODE", "1") if gpus else "0",
+        "--timeout", str(PREFLIGHT_TIMEOUT_S)])
+    record = preflight.run(args)
+    print(preflight.line(record), file=sys.stderr, flush=True)
+    if not record["ok"]:
+        raise RuntimeError(preflight.line(record))
+
+
+def run_id_of(job_id: str, restart: str | int = 0) -> str:
+    """The run id a task of submitit job ``job_id`` gives the worker."""
+    return f"submitit-{job_id}-{restart}"

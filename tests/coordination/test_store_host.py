@@ -1,0 +1,139 @@
+"""The store host (issue 24): where it runs, the report of last resort it writes from a real
+store, the lost ranks' records and the verdict built from them, and the plain-env path whose
+lost store ends in one JSON line and a record, not a traceback."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from ddp_smoke import verdict
+from ddp_smoke.coordination import hosting, keys, lost
+from ddp_smoke.outputs import last_resort
+from ddp_smoke.model import Report
+from tests.launch import REPO, free_port
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--standalone", "--nproc-per-node=2"], ("host", "127.0.0.1:0")),
+    (["--nnodes=2", "--rdzv-endpoint=node-a:29500", "--local-addr=10.0.0.2"],
+     ("join", "node-a:29501")),
+    (["--nnodes=2", "--rdzv_endpoint", "node-a:29500", "--local-addr=10.0.0.1"],
+     ("join", "node-a:29501")),
+    (["--nnodes=2", "--rdzv-endpoint=10.0.0.1:29500", "--local-addr=10.0.0.1"],
+     ("host", "10.0.0.1:29501")),
+    (["--nnodes=2", "--rdzv-endpoint=x:29500", "--rdzv-conf=join_timeout=3,is_host=1"],
+     ("host", "x:29501")),
+    (["--nnodes=2", "--rdzv-endpoint=me:29500", "--rdzv-conf=is_host=0"], ("join", "me:29501")),
+    (["--nnodes=2", "--rdzv-endpoint=me:29500"], ("host", "me:29501")),  # its hostname
+    (["--nnodes=2", "--master-addr=m", "--master-port=1234", "--node-rank=0"],
+     ("host", "m:1235")),
+    (["--nnodes=2", "--master-addr=m", "--master-port=1234", "--node-rank=1"],
+     ("join", "m:1235")),
+])
+def test_every_node_derives_the_same_store_address(args, want):
+    assert hosting.plan(args, hostname="me", addresses={"10.0.0.9"}) == want
+
+
+def test_a_plan_without_an_endpoint_is_refused():
+    with pytest.raises(ValueError, match="rdzv-endpoint"):
+        hosting.plan(["--nnodes=2"], hostname="me", addresses=set())
+
+
+def _store():
+    raw = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10),
+                        wait_for_workers=False)
+    return dist.PrefixStore(hosting.PREFIX, raw)
+
+
+def test_last_resort_names_the_ranks_that_went_silent_first(tmp_path):
+    """Three ranks connected and arrived at ddp_step; rank 2's heartbeat stopped 3 s before
+    the others'. The report (the worker's schema) names rank 2 on its host, written by the
+    store host, with environment's posted result kept."""
+    store = _store()
+    cfg = {"checks": ["environment", "ddp_step"], "timeout": 20, "backend": "gloo"}
+    hosting.post_meta(store, 3, cfg, str(tmp_path), "2026-01-01T00:00:00+00:00")
+    hosting.post_meta(store, 3, {"checks": []}, "/elsewhere", "x")  # the first one stands
+    for r in range(3):
+        store.set(keys.of(keys.RANK, r), json.dumps({"rank": r, "local_rank": 0,
+                                                    "host": f"node{r}"}))
+        store.set(keys.of(keys.ARRIVE, keys.stage("environment", 0)) + f"/{r}", "1")
+        store.set(keys.of(keys.ARRIVE, keys.stage("ddp_step", 0)) + f"/{r}", "1")
+        store.set(keys.of(keys.BEAT, r), json.dumps({"n": 5, "t": 1.0, "stage": "ddp_step"}))
+    store.set(keys.RUN_ID, "run-7")
+    store.set(keys.of(keys.RESULT, keys.stage("environment", 0)),
+              json.dumps({"name": "environment", "status": "pass", "summary": "ok"}))
+    meta = hosting.read_meta(store)
+    assert meta["report_dir"] == str(tmp_path)
+    now = time.monotonic()
+    report = last_resort.build(store, meta, {0: now, 1: now - 0.2, 2: now - 3.0},
+                               "127.0.0.1:1", "test")
+    got = report.to_dict()
+    worker_fields = {f.name for f in dataclasses.fields(Report)}
+    assert worker_fields <= set(got)
+    assert got["verdict"] == "fail" and got["run_id"] == "run-7" and got["world_size"] == 3
+    checks = {c["name"]: c for c in got["checks"]}
+    assert checks["environment"]["status"] == "pass"
+    step = checks["ddp_step"]
+    assert [(c["rank"], c["host"]) for c in step["culprits"]] == [(2, "node2")]
+    assert step["figures"]["writer"] == last_resort.WRITER
+    assert step["figures"]["silent_first"] == [2]
+    assert got["error"]["type"] == "AllRanksLost" and got["error"]["host"] == "node2"
+
+
+def test_first_silent_takes_every_rank_of_a_job_killed_at_once():
+    assert last_resort.first_silent({0: 10.0, 1: 10.2, 2: 14.0}) == [0, 1]
+    assert last_resort.first_silent({}) == []
+
+
+def test_lost_records_make_a_verdict_naming_the_silent_node(tmp_path):
+    hosts = ["gpu-a", "gpu-b", "gpu-c"]
+    for r in (1, 2):
+        assert lost.write(str(tmp_path), r, {"ddp_smoke_rank": r, "run_id": "r1",
+                                             "stage": "ddp_step", "store": "gpu-a:29501",
+                                             "world_size": 3, "hosts": hosts})
+    lost.write(str(tmp_path), 0, {"ddp_smoke_rank": 0, "run_id": "older"})  # not this run's
+    line = verdict.from_folder(str(tmp_path), "r1")
+    assert line.startswith("ddp-smoke FAIL · run r1 · 3 ranks"), line
+    assert "silent: rank 0 gpu-a (node gpu-a)" in line and "during ddp_step" in line, line
+    assert "lost the store: rank 1 gpu-b, rank 2 gpu-c" in line, line
+    out = subprocess.run([sys.executable, "-m", "ddp_smoke.verdict", "--dir", str(tmp_path),
+                          "--run-id", "nobody"], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.startswith("ddp-smoke: error: "), out.stderr
+    lost.clear(str(tmp_path))
+    assert lost.read(str(tmp_path)) == {}
+
+
+@pytest.mark.timeout(120)
+def test_without_a_store_host_a_lost_store_is_one_line_and_a_record(tmp_path):
+    """The plain env contract (submitit's): rank 0 hosts the store and crashes mid-check. The
+    survivor prints one JSON line, leaves lost/1.json and exits 1: no traceback (the watchdog's
+    or the main thread's look at the abort list raised DistNetworkError before)."""
+    port = free_port()
+    procs = []
+    for r in (0, 1):
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", "DDP_SMOKE_RUN_ID": "plain-1"}
+        env.pop("DDP_SMOKE_STORE", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "ddp_smoke", "--backend", "gloo", "--checks",
+             "environment,ddp_step", "--fault", "0:crash@ddp_step", "--timeout", "20",
+             "--report-dir", str(tmp_path)], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=100) for p in procs]
+    err = outs[1][1]
+    assert procs[1].returncode == 1, err
+    assert "Traceback" not in err, err
+    lines = [json.loads(x) for x in err.splitlines() if x.startswith('{"ddp_smoke_rank"')]
+    assert len(lines) == 1 and lines[0]["ddp_smoke_rank"] == 1, err
+    assert lost.read(str(tmp_path), "plain-1").keys() == {1}
+    assert "silent: rank 0" in verdict.from_folder(str(tmp_path), "plain-1")

@@ -1,0 +1,133 @@
+"""The pure judges of issue 23: who kept the others waiting (coordination/stragglers.py) and
+which node or link cannot be crossed (coordination/reach.py), on hand-made evidence; and the
+probe's connects on loopback."""
+from __future__ import annotations
+
+import random
+import socket
+
+from ddp_smoke.coordination import blame
+from ddp_smoke.coordination import reach, stragglers
+from ddp_smoke.model import CheckResult, Culprit
+
+HOSTS = [f"n{i}" for i in range(6)]
+
+
+def _spent(n: int, k: int, late: int | None, seed: int = 0, late_share: float = 1.0):
+    """k collectives on n ranks: each rank inside 1-3 ms at random; with ``late``, that rank
+    arrives 20 ms after the others in ``late_share`` of them (so it spends the least inside)."""
+    rng = random.Random(seed)
+    rows = [[] for _ in range(n)]
+    for _ in range(k):
+        base = [rng.uniform(0.001, 0.003) for _ in range(n)]
+        if late is not None and rng.random() < late_share:
+            base = [b + (0.02 if r != late else 0.0) for r, b in enumerate(base)]
+        for r in range(n):
+            rows[r].append(base[r])
+    return rows
+
+
+def test_a_rank_the_others_wait_for_is_named_with_the_share_and_the_time():
+    figure, slow = stragglers.judge(_spent(4, 340, late=2, late_share=0.92))
+    assert [r for r, _ in slow] == [2]
+    assert slow[0][1].startswith("ranks 0, 1, 3 waited for rank 2 in ")
+    assert "of 3" in slow[0][1] and " s in all" in slow[0][1]
+    assert figure["most_last"][0]["rank"] == 2 and figure["collectives"] == 340
+
+
+def test_healthy_runs_name_nobody_at_any_size():
+    for n in (2, 3, 4, 16):
+        for seed in range(20):
+            assert stragglers.judge(_spent(n, 300, late=None, seed=seed))[1] == [], (n, seed)
+
+
+def test_few_collectives_or_small_waits_name_nobody():
+    assert stragglers.judge(_spent(4, 9, late=1))[1] == []  # under MIN_COUNTED
+    tiny = [[0.0101 if r == 1 else 0.0102] * 100 for r in range(4)]  # 0.1 ms waits
+    assert stragglers.judge(tiny)[1] == []
+
+
+def test_broadcasts_and_missing_ranks_are_left_out():
+    rows = _spent(4, 60, late=3)
+    for r in range(4):
+        rows[r][5] = None  # a broadcast: its root leaves early
+    figure, slow = stragglers.judge(rows)
+    assert [r for r, _ in slow] == [3] and figure["collectives"] == 60
+    assert stragglers.judge([None, None])[0]["collectives"] == 0
+
+
+def test_attach_fails_a_passing_check_and_leaves_a_skip_alone():
+    result = CheckResult("collectives", "pass", summary="28/28 cases exact")
+    stragglers.attach(result, _spent(4, 100, late=0), lambda r, why: Culprit(r, f"h{r}", why))
+    assert result.status == "fail" and [c.rank for c in result.culprits] == [0]
+    assert result.summary.startswith("straggler: ranks 1, 2, 3 waited for rank 0")
+    assert "waits" in result.figures and stragglers.line(result.figures["waits"])
+    skipped = CheckResult("transport", "skip", summary="gloo")
+    stragglers.attach(skipped, _spent(4, 100, late=0), lambda r, why: None)
+    assert skipped.status == "skip" and not skipped.culprits
+
+
+def test_keep_per_rank_is_bounded_at_any_world_size():
+    assert stragglers.keep_per_rank(4) == 2048
+    assert stragglers.keep_per_rank(4096) * 4096 <= stragglers.BUDGET
+    assert stragglers.keep_per_rank(1 << 20) == 64
+
+
+def _probes(n: int, bad: set) -> dict:
+    """Every leader tried every other; ``bad`` holds the (a, b) pairs a could not reach."""
+    return {a: {"tried": [b for b in range(n) if b != a],
+                "failed": sorted(b for b in range(n) if (a, b) in bad)} for a in range(n)}
+
+
+def test_a_link_is_named_with_both_ends_and_nothing_else():
+    got = reach.judge(_probes(4, {(1, 2), (2, 1)}), HOSTS)
+    assert [(c.rank, c.ranks, c.hosts) for c in got] == [(None, [1, 2], ["n1", "n2"])]
+    assert "neither could connect to the other" in got[0].reason
+    assert "each reaches other nodes" in got[0].reason
+    one_way = reach.judge(_probes(4, {(3, 0)}), HOSTS)
+    assert [c.ranks for c in one_way] == [[0, 3]]
+    assert "rank 3 could not connect to rank 0" in one_way[0].reason
+
+
+def test_a_node_nobody_reaches_is_named_not_its_peers():
+    cut = {(a, 3) for a in range(3)} | {(3, b) for b in range(3)}
+    got = reach.judge(_probes(4, cut), HOSTS)
+    assert [(c.rank, c.host) for c in got] == [(3, "n3")] and "is cut off" in got[0].reason
+    # two nodes cut: both named, the healthy ones (each failing two of its three) are not
+    two = {(a, b) for a in range(5) for b in range(5) if a != b and {a, b} & {3, 4}}
+    assert [c.rank for c in reach.judge(_probes(5, two), HOSTS)] == [3, 4]
+    # nobody answered one node's probes, and it said nothing itself (its leader is stuck)
+    silent = {a: p for a, p in _probes(4, {(a, 2) for a in range(4)}).items() if a != 2}
+    assert [c.rank for c in reach.judge(silent, HOSTS)] == [2]
+
+
+def test_healthy_probes_name_nobody_and_the_judge_falls_through():
+    assert reach.judge(_probes(6, set()), HOSTS) == []
+    s = blame.Snapshot(stage="collectives", world_size=4, timeout_s=10.0, hosts=HOSTS[:4],
+                       connected={0, 1, 2, 3}, arrived={0, 1, 2, 3},
+                       aborts={0: {"kind": "timeout", "at": 1.0}},
+                       progress={r: {"seq": 5, "inside": True, "op": "all_reduce"}
+                                 for r in range(4)},
+                       reach=_probes(4, {(1, 2), (2, 1)}))
+    verdict = blame.judge(s)
+    assert [c.ranks for c in verdict.culprits] == [[1, 2]]
+    assert sorted(v["rank"] for v in verdict.victims) == [0, 3]
+
+
+def test_targets_are_all_nodes_when_few_and_bounded_when_many():
+    assert reach.targets(2, [0, 1, 2, 3]) == [0, 1, 3]
+    many = list(range(0, 8 * 4096, 8))
+    got = reach.targets(80, many)
+    assert 80 not in got and len(got) <= 2 * reach.RING + reach.SAMPLE
+    assert {72, 64, 88, 96} <= set(got)  # ring neighbours
+    tried_by = sum(1 for me in many[:400] if 0 in reach.targets(me, many))
+    assert tried_by >= reach.RING  # node 0 is still tried by several
+
+
+def test_connect_all_on_loopback_reached_refused_and_listening():
+    probe = reach.Probe("127.0.0.1")
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: refused, which counts as reached
+        port = closed.getsockname()[1]
+        assert reach.connect_all({1: ("127.0.0.1", probe.port), 2: ("127.0.0.1", port)},
+                                 1.0) == set()

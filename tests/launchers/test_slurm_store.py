@@ -1,0 +1,95 @@
+"""Issue 24 on Slurm: a report when rank 0's worker, or every worker, is SIGKILLed mid-check.
+
+A three-node sandbox cluster (tests/sandbox/slurm.py), one rank per node, the real template.
+The sbatch hosts the coordination store in a process of its own on the batch host (the first
+node), so rank 0's death does not take the store with it: a survivor must write the report
+and name rank 0 on the first node; with every rank killed, the store host writes the report
+of last resort from what the store holds. Rank 0 is held at ddp_step (``hang``) until both
+others wait for it there, then killed: mid-check, as an OOM kill or a GPU crash would.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import store_kill
+from tests.sandbox.slurm import slurm_fixture
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "ddp_smoke.sbatch"
+MACHINE = ["--gpus-per-node=0", "--cpus-per-task=2", "--nodes=3"]
+TIMEOUT_S = 30  # the worker's stage deadline: the report must come within it + 10 s
+
+cluster = slurm_fixture(nodes=3, node_name_prefix="cn-dst")
+
+
+def _killed_job(cluster, submit_dir: Path, victims) -> tuple[dict, str, float]:
+    """Submit, wait until ranks 1 and 2 wait at ddp_step for rank 0 (held there), SIGKILL
+    ``victims`` (ranks); return the report, the job's output and seconds from kill to report."""
+    env = cluster.env(WORKER_PYTHON=sys.executable, NPROC_PER_NODE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(["sbatch", "--parsable", *MACHINE, str(TEMPLATE), "--checks",
+                           "environment,ddp_step", "--fault", "0:hang@ddp_step", "--timeout",
+                           str(TIMEOUT_S)], cwd=submit_dir, env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    out = submit_dir / f"ddp-smoke-{job}.out"
+    report = submit_dir / "reports" / job / "report.json"
+    try:
+        end, store = time.monotonic() + 120, None
+        while store is None:
+            assert time.monotonic() < end, "no store host line in the job's output"
+            time.sleep(0.3)
+            store = store_kill.store_of(out.read_text(errors="replace") if out.exists() else "")
+        store_kill.wait_arrived(store, "ddp_step", [1, 2], 120)
+        pids = store_kill.workers(run_id=job)
+        assert sorted(pids) == [0, 1, 2], pids
+        killed = store_kill.kill(pids[r] for r in victims)
+        written = store_kill.wait_file(report, TIMEOUT_S + 10)
+        assert written is not None, f"no report within {TIMEOUT_S + 10} s of the kill"
+        end = time.monotonic() + 90
+        while subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
+                             text=True).stdout.strip():
+            assert time.monotonic() < end, "the job did not end"
+            time.sleep(0.5)
+        time.sleep(1)  # the output's last line
+    finally:
+        subprocess.run(["scancel", job], env=env, timeout=10)
+    return json.loads(report.read_text()), out.read_text(errors="replace"), written - killed
+
+
+def _culprits(report: dict) -> set:
+    return {(c["rank"], c["host"]) for ch in report["checks"] for c in ch["culprits"]}
+
+
+def _stopped(report: dict) -> dict:
+    return next(c for c in report["checks"] if c["name"] == "ddp_step")
+
+
+@pytest.mark.timeout(300)
+def test_rank0_killed_a_survivor_writes_the_report(cluster, tmp_path):
+    report, output, took = _killed_job(cluster, tmp_path, [0])
+    print(f"\nslurm, rank 0 SIGKILLed: report {took:.1f} s after the kill; culprits "
+          f"{sorted(_culprits(report))}")
+    assert report["verdict"] == "fail"
+    assert _culprits(report) == {(0, cluster.hostnames[0])}, json.dumps(report)[-3000:]
+    assert _stopped(report)["figures"]["writer"] == "rank 1"  # the lowest survivor
+    assert took < TIMEOUT_S + 10
+    assert output.strip().splitlines()[-1].startswith("ddp-smoke: verdict fail"), output[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_every_rank_killed_the_store_host_writes_the_report(cluster, tmp_path):
+    report, output, took = _killed_job(cluster, tmp_path, [0, 1, 2])
+    print(f"\nslurm, every rank SIGKILLed: report {took:.1f} s after the kill; culprits "
+          f"{sorted(_culprits(report))}")
+    assert report["verdict"] == "fail"
+    assert report["error"]["type"] == "AllRanksLost"
+    assert _stopped(report)["figures"]["writer"] == "store host"
+    assert (0, cluster.hostnames[0]) in _culprits(report), json.dumps(report)[-3000:]
+    assert took < TIMEOUT_S + 10
+    assert output.strip().splitlines()[-1].startswith("ddp-smoke: verdict fail"), output[-3000:]
