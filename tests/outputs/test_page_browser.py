@@ -135,6 +135,7 @@ def test_the_page_of_a_real_run_in_chromium(chromium, single_runs, multi_runs, n
     assert browser.pixel_variance(got.png) > 100, "a blank screenshot"
 
 
+@pytest.mark.planted_report  # partial and odd reports, made from a real one on purpose
 def test_invalid_and_partial_reports_in_chromium(chromium, single_runs, tmp_path):
     real = json.loads((single_runs / "crash" / "report.json").read_text())
     cases = {"partial": {k: real[k] for k in ("verdict", "run_id", "ranks")},
