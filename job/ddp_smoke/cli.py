@@ -16,10 +16,17 @@ Usage, per launcher:
             checks one node in seconds (kit, torch/CUDA, interfaces, rendezvous port, report
             folder); the launchers run it on every node before torchrun
 
+Reading runs (no torch, no launcher; the first word picks the command):
+  ddp-smoke render REPORT.json [-o OUT.html]   rebuild report.html from any report.json
+  ddp-smoke history ROOT [--margin F] [--window N] [--min-runs N]
+            every run under ROOT: per host and GPU each figure across runs, its trend, and
+            the ones degrading (more than history.margin below their own median)
+
 Checks (in default order):
 {checks}
 
-Report: rank 0 writes REPORT_DIR/report.json (atomically) and REPORT_DIR/junit.xml. Every
+Report: rank 0 writes REPORT_DIR/report.json (atomically), REPORT_DIR/junit.xml and
+  REPORT_DIR/report.html (one self-contained page; ddp-smoke render rebuilds it). Every
   field of report.json is described in the JSON Schema this package ships,
   ddp_smoke/outputs/report.schema.json. Strict JSON (NaN/inf figures are null); secrets
   redacted by name and shape; files made with your umask. Beside it: bad_hosts.txt,
@@ -63,6 +70,7 @@ from . import __version__, checks
 from .config import load_file, resolve
 from .config.launchenv import LaunchEnv
 from .errors import ConfigError
+from .outputs import history, page
 
 
 def _manual() -> str:
@@ -156,6 +164,39 @@ def parse_config(argv: list[str] | None = None) -> dict:
     return resolve(file_values, flags, source=args.config or "config")
 
 
+def _render(argv: list[str]) -> str:
+    p = Parser(prog="ddp-smoke render",
+               description="Rebuild report.html from a report.json (any version, partial too); "
+                           "with each host's history when its folder's parent holds other runs.")
+    p.add_argument("report", metavar="REPORT.json")
+    p.add_argument("-o", "--output", metavar="OUT.html",
+                   help="where to write the page (default: report.html beside the report)")
+    args = p.parse_args(argv)
+    return page.render_file(args.report, args.output)
+
+
+def _history(argv: list[str]) -> str:
+    d = history.defaults()
+    p = Parser(prog="ddp-smoke history",
+               description="Every report.json under ROOT (one folder per run): per host and per "
+                           "GPU, each figure across runs, its trend, and those degrading. Keeps "
+                           f"an SQLite index, ROOT/{history.INDEX_NAME}, rebuilt when stale.")
+    p.add_argument("root", metavar="ROOT", help="the folder of runs (e.g. reports/)")
+    p.add_argument("--margin", type=float, metavar="F",
+                   help=f"fraction below its median that marks a figure degrading (default: "
+                        f"each run's history.margin: {d['margin']} on GPU, {d['margin_cpu']} "
+                        "on CPU)")
+    p.add_argument("--window", type=int, metavar="N",
+                   help=f"earlier runs the median is over (default {d['window']})")
+    p.add_argument("--min-runs", type=int, metavar="N",
+                   help=f"earlier runs needed to judge (default {d['min_runs']})")
+    args = p.parse_args(argv)
+    return history.run(args.root, args.margin, args.window, args.min_runs)
+
+
+COMMANDS = {"render": _render, "history": _history}
+
+
 def say_once(line: str) -> None:
     """Bad flags or config are the same on every rank: only the first local rank of each node
     says so (one line per node, not one per rank), in one write, so no two lines run
@@ -166,7 +207,17 @@ def say_once(line: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m ddp_smoke``; exits 0 (pass), 1 (fail) or 2 (bad input)."""
+    """Entry point of ``python -m ddp_smoke`` and ``ddp-smoke``: the worker (flags only), or a
+    command named by the first word (``render``, ``history``); exits 0 (pass), 1 (fail) or 2
+    (bad input)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:  # no torch, no launcher: reading runs anywhere
+        try:
+            print(COMMANDS[argv[0]](argv[1:]), flush=True)
+        except ConfigError as e:
+            print(f"ddp-smoke: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(0)
     try:
         cfg = parse_config(argv)  # before importing torch: bad input fails fast
     except ConfigError as e:

@@ -11,10 +11,10 @@ import sys
 
 from ..errors import ConfigError, ReportWriteError
 from ..model import FAIL, Report
-from . import hosts, metrics, plot, summary
+from . import hosts, metrics, page, plot, summary
 from .report import to_json_line, write_report
 
-ARTIFACTS = ("report.json", "junit.xml", plot.FILENAME, *hosts.LISTS.values())
+ARTIFACTS = ("report.json", "junit.xml", plot.FILENAME, page.FILENAME, *hosts.LISTS.values())
 
 
 def prepare(report_dir: str) -> list[str]:
@@ -54,13 +54,14 @@ def check_writable(report_dir: str) -> None:
 
 def publish(report: Report, report_dir: str, run_id: str) -> str:
     """Write every output of a finished run, in this order: report.json and junit.xml, the
-    plot, the human summary, the host lists and next steps (and ``--act``), the Prometheus
+    plot, the page (report.html), the human summary, the host lists and next steps (and ``--act``), the Prometheus
     file. Returns the verdict the other ranks are told: ``fail`` when the report was lost
     (it then goes to stderr as one JSON line). Never raises."""
     lost, png = False, None
     try:
         path = write_report(report, report_dir)
         png = plot.write_busbw_png(report, report_dir)  # only with matplotlib installed
+        page.write(report, report_dir)  # report.html, with history when ROOT has runs
     except (ReportWriteError, OSError) as e:  # full, over quota, read-only, stale NFS
         path, lost = f"(not written: {e})", True
         print(f"ddp-smoke: error: {e}; the report follows as one JSON line", file=sys.stderr)

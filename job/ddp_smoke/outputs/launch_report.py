@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from .. import __version__
 from ..errors import ReportWriteError
 from ..model import FAIL, CheckResult, Culprit, Report
-from . import hosts
+from . import hosts, page
 from .report import write_report
 
 STAGES = ("preflight", "run")
@@ -312,6 +312,7 @@ def main(argv: list[str]) -> int:
                    records)
     try:
         written = write_report(report, a.report_dir)
+        page.write(report, a.report_dir)  # report.html, as beside the worker's reports
     except (ReportWriteError, OSError) as e:  # the line below still names the nodes
         written = f"(not written: {e})"
     hosts.finish(report, a.report_dir, a.run_id)  # host lists and next steps, as the worker's

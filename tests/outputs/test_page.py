@@ -1,0 +1,237 @@
+"""report.html and history without processes: escaping, partial reports, the index, trends.
+
+The real runs and the real browser are in test_page_browser.py; these build report dicts by
+hand to reach the corners (hostile strings, missing keys, an index gone stale or corrupt).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddp_smoke.errors import ConfigError
+from ddp_smoke.outputs import history, page, runs
+
+# The reports here are made by hand (partial on purpose), not by the kit.
+pytestmark = pytest.mark.planted_report
+
+HOSTILE = '<script>alert(1)</script>"><img src=x onerror=alert(2)>'
+
+
+def _report(host_b: str = "node2", started: str = "2026-11-30T10:00:00+00:00",
+            pair: float = 1.0, tflops: float = 0.1, verdict: str = "pass") -> dict:
+    """A two-node report of the shape the worker writes (bandwidth pairs, compute)."""
+    ranks = [{"rank": 0, "local_rank": 0, "host": "node1", "device": "cpu"},
+             {"rank": 1, "local_rank": 0, "host": host_b, "device": "cpu"},
+             {"rank": 2, "local_rank": 0, "host": "node3", "device": "cpu"}]
+    pairs = [{"node_a": 0, "node_b": 1, "host_a": "node1", "host_b": host_b, "busbw_gbps": 1.0,
+              "slow": False},
+             {"node_a": 0, "node_b": 2, "host_a": "node1", "host_b": "node3", "busbw_gbps": pair,
+              "slow": pair < 0.5},
+             {"node_a": 1, "node_b": 2, "host_a": host_b, "host_b": "node3", "busbw_gbps": pair,
+              "slow": pair < 0.5}]
+    culprits = [] if verdict == "pass" else [
+        {"rank": 2, "host": "node3", "reason": "node node3 is slow with every partner",
+         "ranks": None, "hosts": None, "where": None}]
+    return {
+        "verdict": verdict, "run_id": f"run-{started}", "world_size": 3, "nodes": 3,
+        "backend": "gloo", "version": "0.1.0", "started_at": started,
+        "config": {"history": {"margin": 0.1, "margin_cpu": 0.5, "window": 5, "min_runs": 2}},
+        "ranks": ranks, "timings": {"total_s": 3.0},
+        "checks": [
+            {"name": "bandwidth", "status": verdict, "summary": "", "duration_s": 1.0,
+             "culprits": culprits,
+             "figures": {"results": [{"collective": "all_reduce", "size_bytes": 1024,
+                                      "busbw_gbps": 0.1}],
+                         "pairs": {"size_bytes": 2097152, "reference_busbw_gbps": 1.0,
+                                   "results": pairs}}},
+            {"name": "compute", "status": "pass", "summary": "", "duration_s": 0.5,
+             "culprits": [], "figures": {"matrix_size": 512, "median_tflops": {"fp32": tflops},
+                                         "ranks": [{"rank": r["rank"], "host": r["host"],
+                                                    "matmul": {"fp32": {"tflops": tflops}}}
+                                                   for r in ranks]}}]}
+
+
+def test_every_report_string_is_escaped():
+    report = _report(host_b=HOSTILE, verdict="fail")
+    report["checks"][0]["culprits"].append({"rank": 1, "host": HOSTILE, "reason": HOSTILE})
+    report["error"] = {"type": HOSTILE, "message": HOSTILE, "rank": 1}
+    report["run_id"] = HOSTILE
+    text = page.render(report)
+    assert "<script" not in text and "<img" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&quot;&gt;&lt;img" in text
+
+
+def test_the_page_is_self_contained_and_reads_on_a_phone_and_on_paper():
+    text = page.render(_report())
+    assert "default-src 'none'" in text            # the browser itself refuses any load
+    assert 'name="viewport"' in text and "@media print" in text
+    assert re.findall(r"https?://[^\"' ]+", text) == ["http://www.w3.org/2000/svg"] * \
+        text.count('xmlns="http://www.w3.org/2000/svg"')
+    assert "<script" not in text and not re.search(r"\son[a-z]+=", text)
+
+
+@pytest.mark.parametrize("broken", [
+    [], "text", None, {}, {"verdict": "fail"},
+    {"verdict": "fail", "checks": "not a list", "ranks": [1, "x", None], "hosts": 7},
+    {"verdict": "fail", "checks": [{"name": "bandwidth", "status": "fail",
+                                    "figures": {"results": [{"size_bytes": "x"}],
+                                                "pairs": {"results": [{"node_a": "?"}]}},
+                                    "culprits": [{"rank": None}, "junk"]}]},
+    {"verdict": "pass", "checks": [{"name": "compute", "status": "pass",
+                                    "figures": {"ranks": [{"matmul": {"fp32": {"tflops": None}}}]}}],
+     "timings": {"total_s": float("nan")}},
+])
+def test_invalid_and_partial_reports_render_with_what_they_have(broken):
+    text = page.render(copy.deepcopy(broken))
+    assert 'id="verdict"' in text and text.rstrip().endswith("</html>")
+    if not isinstance(broken, dict):
+        assert "not a JSON object" in text
+
+
+def test_a_failing_run_leads_with_the_verdict_culprits_and_next_commands():
+    report = _report(pair=0.05, verdict="fail")
+    report["ranks"][2]["slurm_node"] = "node3"  # next steps are the launcher's own commands
+    text = page.render(report)
+    assert text.index('id="verdict"') < text.index('id="culprits"') < text.index('id="next"') \
+        < text.index('id="hosts"')
+    assert "node node3 is slow with every partner" in text
+    assert "scontrol update NodeName=node3 State=DRAIN" in text
+
+
+# -- history --------------------------------------------------------------------------------
+
+def _write(root, name: str, report: dict) -> str:
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps(report))
+    return str(folder / "report.json")
+
+
+def test_trend_against_its_own_median():
+    assert history.trend([10, 10, 10, 4], 0.5, 5, 3)["degrading"] is True
+    assert history.trend([10, 10, 10, 6], 0.5, 5, 3)["degrading"] is False  # within the margin
+    assert history.trend([10, 10, 4], 0.5, 5, 3)["degrading"] is False      # too few runs
+    assert history.trend([1, 1, 10, 10, 10, 4], 0.5, 3, 3)["median"] == 10  # the last window
+
+
+def test_history_flags_exactly_the_host_whose_figure_fell(tmp_path):
+    for i in range(3):
+        _write(tmp_path, f"run{i}", _report(started=f"2026-11-30T1{i}:00:00+00:00"))
+    last = _write(tmp_path, "run3", _report(started="2026-11-30T13:00:00+00:00", pair=0.05))
+    text = history.run(str(tmp_path), min_runs=2)
+    flagged = [line for line in text.splitlines() if line.startswith("degrading:")]
+    assert len(flagged) == 1 and flagged[0].startswith("degrading: host node3: best node-pair"), text
+    hist = history.for_report(json.loads(open(last).read()), last)
+    assert [h["entity"] for h in hist["hosts"] if h["degrading"]] == ["node3"]
+    text = page.render(json.loads(open(last).read()), hist)
+    rows = re.findall(r"<tr>.*?</tr>", text[text.index('id="hosts"'):text.index('id="checks"')])
+    assert [re.search(r"<b>(.*?)</b>", r)[1] for r in rows if 'degrading</span>' in r] == ["node3"]
+
+
+def test_a_re_rendered_old_report_shows_the_history_it_had(tmp_path):
+    first = _write(tmp_path, "a", _report(started="2026-11-30T10:00:00+00:00"))
+    _write(tmp_path, "b", _report(started="2026-11-30T11:00:00+00:00", pair=0.05))
+    hist = history.for_report(json.loads(open(first).read()), first)
+    assert all(len(f["values"]) == 1 for h in hist["hosts"] for f in h["figures"])
+    assert not (tmp_path / runs.INDEX_NAME).exists()  # only `ddp-smoke history` makes one
+
+
+def test_the_index_follows_the_reports(tmp_path):
+    path = _write(tmp_path, "a", _report())
+    index = runs.Index(str(tmp_path), history.defaults())
+    assert index.refresh()["read"] == 1 and index.path.endswith(runs.INDEX_NAME)
+    index.close()
+    again = runs.Index(str(tmp_path), history.defaults())
+    assert again.refresh()["read"] == 0  # nothing changed: one stat, no read
+    again.close()
+    later = _report(pair=0.25)
+    with open(path, "w") as f:  # the same path rewritten: read again
+        json.dump(later, f)
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    index = runs.Index(str(tmp_path), history.defaults())
+    assert index.refresh()["read"] == 1
+    assert [p[3] for p in index.series("host", "node3")["best node-pair busbw 2 MiB"]["points"]] \
+        == [0.25]
+    index.close()
+    os.unlink(path)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "report.json").write_text("{truncated")
+    index = runs.Index(str(tmp_path), history.defaults())
+    stats = index.refresh()
+    assert (stats["removed"], stats["unreadable"], stats["reports"]) == (1, 1, 0)
+    index.close()
+
+
+def test_a_corrupt_or_foreign_index_is_rebuilt_from_the_reports(tmp_path):
+    _write(tmp_path, "a", _report())
+    (tmp_path / runs.INDEX_NAME).write_bytes(b"this is not sqlite" * 100)
+    index = runs.Index(str(tmp_path), history.defaults())
+    assert index.refresh()["reports"] == 1 and index.path != ":memory:"
+    index.close()
+
+
+def test_a_lone_report_dir_leaves_its_parent_alone(tmp_path):
+    path = _write(tmp_path, "only", _report())
+    assert history.for_report(_report(), path) is None
+    assert not (tmp_path / runs.INDEX_NAME).exists()
+
+
+def test_a_gpu_is_followed_by_its_serial_across_hosts():
+    report = _report()
+    report["ranks"][0].update(device="cuda:0", identity={"gpu_serial": "1650123"})
+    rows = [f for f in runs.figures(report) if f["kind"] == "gpu"]
+    assert rows[0]["entity"] == "serial:1650123" and "node1" in rows[0]["label"]
+
+
+# -- the commands ---------------------------------------------------------------------------
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddp_smoke", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_render_and_history_commands(tmp_path):
+    path = _write(tmp_path, "a", _report())
+    done = _cli("render", path, "-o", str(tmp_path / "out.html"))
+    assert done.returncode == 0 and (tmp_path / "out.html").exists(), done.stderr
+    done = _cli("history", str(tmp_path))
+    assert done.returncode == 0 and "host node1" in done.stdout, done.stderr
+    help_text = _cli("--help").stdout
+    assert "ddp-smoke render" in help_text and "ddp-smoke history" in help_text
+
+
+@pytest.mark.parametrize("args", [["render"], ["render", "/nonexistent/report.json"],
+                                  ["render", __file__], ["history", "/nonexistent"],
+                                  ["history", ".", "--margin", "1.5"],
+                                  ["history", ".", "--window", "0"], ["history"]])
+def test_bad_input_is_one_line_and_exit_2(args):
+    done = _cli(*args)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("ddp-smoke: error: ")
+
+
+def test_render_file_names_the_file():
+    with pytest.raises(ConfigError, match="not JSON"):
+        page.render_file(__file__)
+
+
+def test_publish_writes_the_page_beside_the_report_and_prepare_clears_it(tmp_path, capsys):
+    from ddp_smoke import outputs
+    from ddp_smoke.model import FAIL, CheckResult, Culprit, Report
+
+    report = Report(version="0.1.0", started_at="2026-11-30T10:00:00+00:00", backend="gloo",
+                    world_size=2, ranks=[{"rank": r, "local_rank": r, "host": "vm"}
+                                         for r in range(2)],
+                    checks=[CheckResult("ddp_step", FAIL, culprits=[Culprit(1, "vm", HOSTILE)])],
+                    config={"checks": ["ddp_step"], "timeout": 10}, run_id="r1")
+    assert outputs.publish(report, str(tmp_path), "r1") == FAIL
+    text = (tmp_path / "report.html").read_text()
+    assert '<span id="verdict">FAIL</span>' in text and "&lt;script&gt;" in text
+    assert str(tmp_path / "report.html") in outputs.prepare(str(tmp_path))
