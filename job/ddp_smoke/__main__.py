@@ -1,10 +1,16 @@
+"""``python -m ddp_smoke`` and the ``ddp-smoke`` command: one node's preflight
+(``ddp-smoke preflight …``), else the worker and its report commands (:mod:`ddp_smoke.cli`)."""
 import sys
 
-if sys.argv[1:2] == ["preflight"]:  # `python -m ddp_smoke preflight …`: one node's check
-    from .preflight import main as preflight_main
+from .cli import main as worker_main
+from .preflight import main as preflight_main
 
-    sys.exit(preflight_main(sys.argv[2:]))
 
-from .cli import main  # noqa: E402 — the worker: `python -m ddp_smoke [worker options]`
+def main() -> None:
+    if sys.argv[1:2] == ["preflight"]:
+        sys.exit(preflight_main(sys.argv[2:]))
+    worker_main()
 
-main()
+
+if __name__ == "__main__":
+    main()
