@@ -6,8 +6,9 @@ import time
 import pytest
 
 from ddp_smoke.errors import ConfigError
+from ddp_smoke import task
 from ddp_smoke.submit import (GPU_CPUS_PER_PROC, IMAGE_PYTHON, SmokeFailed, SmokeTimeout,
-                              TaskDied, _task, plan, submit)
+                              TaskDied, plan, submit)
 from tests.launch import REPO
 
 QUICK = ["--checks", "environment,ddp_step", "--timeout", "20"]  # a later --timeout wins
@@ -84,7 +85,7 @@ def test_container_runs_the_images_python_and_checks_submitit(tmp_path):
     assert sys.executable not in text  # the login node's interpreter appears nowhere
     with pytest.raises(RuntimeError, match=f"submitit {submitit.__version__} in the container, "
                                            "0.0.1 on the submitting side"):
-        _task(["--submitit-version", "0.0.1", "--checks", "environment"], False)
+        task.run(["--submitit-version", "0.0.1", "--checks", "environment"], False)
 
 
 def test_gpu_runs_get_whole_nodes_memory_and_cpus(tmp_path):
