@@ -52,7 +52,7 @@ venv: $(VENV)/.runtime  ## create .venv/ (torch, numpy, pyyaml, submitit, this p
 # dies. torchrun --standalone through ddp_smoke.launch_local: bad input is one line before any rank
 # starts, the output ends on the kit's last line, the exit status is the workers' (0/1/2).
 smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, LEVEL=quick, ARGS=…)
-	@$(PY) -m ddp_smoke.store_host --host 127.0.0.1 $(if $(REPORT_DIR),--report-dir $(REPORT_DIR)) -- \
+	@$(PY) -m ddp_smoke.store_host --host 127.0.0.1 --new-secret $(if $(REPORT_DIR),--report-dir $(REPORT_DIR)) -- \
 	  $(PY) -m ddp_smoke.launch_local --nproc-per-node=$(NPROC) -- \
 	  --backend gloo --level $(LEVEL) $(if $(REPORT_DIR),--report-dir $(REPORT_DIR)) $(ARGS)
 

@@ -110,6 +110,14 @@ class Spawned:
         return Run(self.proc.returncode, out, err, time.monotonic() - self.t0, self.report_dir)
 
 
+def record_value(raw: bytes) -> bytes:
+    """A store record's value. The kit signs its records (``value.`` + an 8-hex fingerprint
+    and a 32-hex MAC, coordination/signing.py); an observer without the run's secret reads the
+    value and cannot check it."""
+    cut = len(raw) - 41
+    return raw[:cut] if cut >= 0 and raw[cut:cut + 1] == b"." else raw
+
+
 class Heartbeats:
     """Read the ranks' heartbeats (stage, collective progress) from the coordination store,
     as rank 0 does: how a test knows a run is mid-check before it strikes."""
@@ -127,7 +135,7 @@ class Heartbeats:
                                         timeout=datetime.timedelta(seconds=10),
                                         wait_for_workers=False)
         key = f"ddp_smoke/0/beat/{rank}"
-        return json.loads(self._store.get(key)) if self._store.check([key]) else None
+        return json.loads(record_value(self._store.get(key))) if self._store.check([key]) else None
 
     def wait_until(self, predicate, timeout_s: float = 90, proc=None) -> list[dict]:
         """Poll ``predicate(beats)`` (every rank's last heartbeat) until true; return them."""

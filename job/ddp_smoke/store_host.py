@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-dir", help="where the report of last resort goes (default: the "
                                          "folder the ranks posted)")
     ap.add_argument("--max-s", type=float, default=MAX_S, help="exit after this long, at most")
+    ap.add_argument("--new-secret", action="store_true",
+                    help="make the run's signing secret (DDP_SMOKE_SECRET) when none is given, "
+                         "and hand it to COMMAND: only for a COMMAND that is the whole run "
+                         "(make smoke-local); across nodes the launcher gives every node one")
     a = ap.parse_args(ours)
     if not 0 <= a.port <= 65535 or not 0 < a.max_s <= MAX_S:
         print(f"ddp-smoke: error: store host: --port {a.port} / --max-s {a.max_s}: expected "
@@ -75,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     address = f"{a.host}:{raw.port}"
     # The run's records are signed (coordination/signing.py): this process reads them with the
-    # run's secret. Starting the run itself (-- COMMAND), it makes the secret when none is given.
-    secret = os.environ.get(signing.ENV) or (secrets.token_hex(32) if command else None)
+    # run's secret; without one it reads unsigned records only.
+    secret = os.environ.get(signing.ENV) or (secrets.token_hex(32) if a.new_secret else None)
     if secret is not None and not signing.HEX64.match(secret):
         print(f"ddp-smoke: error: store host: {signing.ENV}: expected 64 hex digits",
               file=sys.stderr)

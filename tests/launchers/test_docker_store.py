@@ -82,7 +82,11 @@ def test_rank0_killed_the_survivor_writes_the_report(docker_engine, worker_image
     assert report["verdict"] == "fail"
     assert _host_of(report, 0) in ("dsd-node-a", "dsd-node-b")
     assert _culprits(report) == {(0, _host_of(report, 0))}, logs[-4000:]
-    assert _stopped(report)["figures"]["writer"] == "rank 1"
+    # The survivor writes, unless its node's torchrun agent stopped it first: node a's agent
+    # hosts torchrun's rendezvous store and leaves with its killed worker, and node b's agent
+    # then fails on that store (RendezvousConnectionError) and stops rank 1. The store host's
+    # report of last resort names rank 0 all the same.
+    assert _stopped(report)["figures"]["writer"] in ("rank 1", "store host"), logs[-6000:]
     assert took < TIMEOUT_S + 10
 
 

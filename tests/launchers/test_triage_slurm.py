@@ -20,6 +20,7 @@ import pytest
 from tests.forger import Forger, abort
 from tests.sandbox.slurm import slurm_fixture
 from tests.launchers.test_slurm import _submit
+from tests.worker.test_diagnosis_straggler import CpuQuota
 
 cluster = slurm_fixture(nodes=2)
 
@@ -33,16 +34,29 @@ def _node(cluster, name: str) -> dict[str, str]:
     return {**fields, "Reason": reason.group(1) if reason else ""}
 
 
+@pytest.fixture
+def slow_second_node(cluster):
+    """The second node held to a quarter of a core (a cgroup CPU quota on its slurmd, which
+    every process of a job step on that node inherits): a real slow node, not an injected
+    fault, since --act slurm-drain never drains on an injected one."""
+    with CpuQuota(0.25, name=f"ddp-smoke-slurm-{os.getpid()}") as quota:
+        quota.add(cluster.pids[cluster.node_names[1]])
+        yield cluster.node_names[1]
+        quota.release()
+
+
 @pytest.mark.timeout(240)
-def test_act_slurm_drain_drains_exactly_the_bad_node_with_the_reason(cluster, tmp_path):
+def test_act_slurm_drain_drains_exactly_the_bad_node_with_the_reason(cluster, slow_second_node,
+                                                                      tmp_path):
     try:
         job = _submit(cluster, tmp_path, ["--checks", "environment,compute",
-                                          "--fault", "1:slow@compute", "--act", "slurm-drain"])
+                                          "--act", "slurm-drain"])
         assert job.rc != 0 and job.report is not None, job.output[-4000:]
         ranks = job.report["ranks"]
         assert all(r["slurm_node"] == r["host"] for r in ranks)  # NodeName = hostname here
         bad = ranks[1]["slurm_node"]
         good = ranks[0]["slurm_node"]
+        assert bad == slow_second_node
         assert [h["verdict"] for h in job.report["hosts"]] == ["good", "bad"]
         assert f"--act slurm-drain: {bad} drained" in job.output, job.output[-4000:]
         state = _node(cluster, bad)
@@ -74,8 +88,8 @@ def _worker_store(tag: str, timeout_s: float) -> tuple[str, int] | None:
 
 
 @pytest.mark.timeout(240)
-def test_act_slurm_drain_drains_nothing_in_a_run_whose_store_held_a_forged_record(cluster,
-                                                                                   tmp_path):
+def test_act_slurm_drain_drains_nothing_in_a_run_whose_store_held_a_forged_record(
+        cluster, slow_second_node, tmp_path):
     """The same job as above (rank 1 slow: its node is bad), with a forger on the network that
     posts rank 0 "terminated by SIGTERM" into the run's store. The forged abort names no one,
     the report carries the finding, and nothing is drained, not even the genuinely bad node."""
@@ -91,8 +105,7 @@ def test_act_slurm_drain_drains_nothing_in_a_run_whose_store_held_a_forged_recor
     thread.start()
     try:
         job = _submit(cluster, tmp_path, ["--checks", "environment,compute",
-                                          "--fault", "1:slow@compute", "--act", "slurm-drain"],
-                      FORGE_TAG=tag)
+                                          "--act", "slurm-drain"], FORGE_TAG=tag)
         forger = found.get("forger")
         if forger:
             forger.stop.set()

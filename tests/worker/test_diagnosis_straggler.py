@@ -49,6 +49,14 @@ class CpuQuota:
     def add(self, pid: int) -> None:
         (self.path / "cgroup.procs").write_text(str(pid))  # every thread of the process
 
+    def release(self) -> None:
+        """Move this group's processes that still live back to the root group."""
+        for pid in (self.path / "cgroup.procs").read_text().split():
+            try:
+                (self.path.parent / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass  # it exited meanwhile
+
     def __exit__(self, *exc) -> None:
         for _ in range(100):  # the launch has ended; its processes leave the group as they go
             try:
