@@ -223,7 +223,7 @@ def _another_iteration(c: Coordinator, store, started: float) -> bool:
     return store.get(key) == b"1"
 
 
-def _publish(c: Coordinator, error: dict | None, found: list[dict]) -> str:
+def _publish(c: Coordinator, store, error: dict | None, found: list[dict]) -> str:
     """The writer's report, from what this rank judged or adopted; returns the verdict."""
     results = repeat.combine(c.judged, [r.get("host") for r in c.ranks])
     done = {r.name for r in results}
@@ -232,7 +232,8 @@ def _publish(c: Coordinator, error: dict | None, found: list[dict]) -> str:
     report = Report(version=__version__, started_at=c.started_at, backend=c.backend,
                     world_size=c.env.world_size, ranks=c.ranks, checks=results, config=c.cfg,
                     timings=c.timings, error=error, forensics=found, run_id=c.env.run_id,
-                    security=signing.section(c.store))
+                    security=signing.section(store))  # the caller's connection: the
+    # main thread's may be blocked in a wait (a store connection serves one call at a time)
     return outputs.publish(report, c.report_dir, c.env.run_id)
 
 

@@ -45,7 +45,7 @@ def finalize(c, store, aborted: bool) -> str | None:
         error = first_error(c, store)
     c.timings["total_s"] = round(time.monotonic() - c.t0, 4)
     c.identities(store)
-    verdict = c.publish(c, error, forensics_of(c, found))
+    verdict = c.publish(c, store, error, forensics_of(c, found))  # this thread's connection
     try:  # always, so that the other ranks leave now; a lost report is no pass
         store.set(keys.FINAL, verdict)
     except Exception:  # noqa: BLE001

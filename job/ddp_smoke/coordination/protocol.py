@@ -44,7 +44,7 @@ class Coordinator:
         env: the rank's launch environment.
         cfg: the effective configuration.
         connect: ``connect(may_host) -> store``; rank 0's main connection may host the store.
-        publish: ``publish(judged, coordinator, error, forensics) -> verdict``, the writer's
+        publish: ``publish(coordinator, store, error, forensics) -> verdict``, the writer's
             outputs (the harness wires :mod:`ddp_smoke.outputs`).
     """
 
