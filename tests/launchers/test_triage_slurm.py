@@ -46,7 +46,6 @@ def slow_second_node(cluster):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=False, reason="quarantined at the session-4 integration: its slow node is now a cgroup quota, not rerun (see the closing note; to be fixed and unmarked next)")
 def test_act_slurm_drain_drains_exactly_the_bad_node_with_the_reason(cluster, slow_second_node,
                                                                       tmp_path):
     try:
@@ -83,13 +82,15 @@ def _worker_store(tag: str, timeout_s: float) -> tuple[str, int] | None:
             except OSError:
                 continue
             if env.get("FORGE_TAG") == tag and "RANK" in env and "MASTER_PORT" in env:
+                if env.get("DDP_SMOKE_STORE"):  # the kit's store is the store host's
+                    host, _, port = env["DDP_SMOKE_STORE"].rpartition(":")
+                    return host, int(port)
                 return env["MASTER_ADDR"], int(env["MASTER_PORT"])
         time.sleep(0.1)
     return None
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=False, reason="quarantined at the session-4 integration: its slow node is now a cgroup quota, not rerun (see the closing note; to be fixed and unmarked next)")
 def test_act_slurm_drain_drains_nothing_in_a_run_whose_store_held_a_forged_record(
         cluster, slow_second_node, tmp_path):
     """The same job as above (rank 1 slow: its node is bad), with a forger on the network that
