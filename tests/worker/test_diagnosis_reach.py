@@ -134,7 +134,6 @@ def _attempts(name: str):
 
 
 @pytest.mark.timeout(REPEAT * 170)
-@pytest.mark.xfail(strict=False, reason="quarantined at the session-4 integration: its fixture's installer call was fixed and not rerun (see the closing note; to be fixed and unmarked next)")
 def test_link_dropping_every_packet_from_the_start_is_named(box, tmp_path):
     a, b = box.hosts[1], box.hosts[2]
     for attempt in _attempts("link down from the start"):
@@ -162,7 +161,6 @@ def _in_compute(box: HostSandbox, nodes: Nodes) -> int:
 
 
 @pytest.mark.timeout(REPEAT * 170)
-@pytest.mark.xfail(strict=False, reason="quarantined at the session-4 integration: its fixture's installer call was fixed and not rerun (see the closing note; to be fixed and unmarked next)")
 def test_link_cut_mid_run_is_named_not_its_two_ends(box, tmp_path):
     a, b = box.hosts[1], box.hosts[2]
     for attempt in _attempts("link cut mid-run"):
@@ -177,7 +175,6 @@ def test_link_cut_mid_run_is_named_not_its_two_ends(box, tmp_path):
 
 
 @pytest.mark.timeout(REPEAT * 170)
-@pytest.mark.xfail(strict=False, reason="quarantined at the session-4 integration: its fixture's installer call was fixed and not rerun (see the closing note; to be fixed and unmarked next)")
 def test_node_cut_from_every_other_node_is_named(box, tmp_path):
     cut = box.hosts[3]
     for attempt in _attempts("node cut from the others mid-run, stores reachable"):
