@@ -8,16 +8,15 @@ detector fires on a page that does misbehave.
 """
 from __future__ import annotations
 
-import glob
 import io
-import os
 import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-APT_TIMEOUT_S = 600
+from tests.sandbox import tools
+
 LOAD_TIMEOUT_S = 60
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -29,24 +28,11 @@ class MissingBrowser(RuntimeError):
 
 
 def chromium() -> str:
-    """The chromium binary, apt-installing Debian's package when it is missing."""
-    found = shutil.which("chromium")
-    if found:
-        return found
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise MissingBrowser("chromium missing, and apt-get (as root) is needed to install it")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "-o", "DPkg::Lock::Timeout=300", "install", "-y",
-               "--no-install-recommends", "chromium"]
-    update = ["apt-get", "-o", "DPkg::Lock::Timeout=300", "update"]
-    if not glob.glob("/var/lib/apt/lists/*_Packages*"):
-        subprocess.run(update, env=env, capture_output=True, timeout=APT_TIMEOUT_S)
-    if subprocess.run(install, env=env, capture_output=True, timeout=APT_TIMEOUT_S).returncode:
-        subprocess.run(update, env=env, capture_output=True, timeout=APT_TIMEOUT_S)
-        done = subprocess.run(install, env=env, capture_output=True, text=True,
-                              timeout=APT_TIMEOUT_S)
-        if done.returncode:
-            raise MissingBrowser(f"apt-get install chromium failed: {done.stderr[-500:]}")
+    """The chromium binary, installed by the tests' one apt installer when it is missing."""
+    try:
+        tools.ensure("chromium")
+    except tools.MissingProgram as e:
+        raise MissingBrowser(str(e)) from None
     return shutil.which("chromium") or "chromium"
 
 

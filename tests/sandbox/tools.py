@@ -27,6 +27,7 @@ APT = {
                                 "scancel", "squeue")},
     "dockerd": "docker.io", "docker": "docker.io",
     "debootstrap": "debootstrap",
+    "chromium": "chromium",  # the report page's browser tests (tests/browser.py)
 }
 
 # Installed by `make .venv/.test` (pyproject.toml: dependencies and the [test] extra);
