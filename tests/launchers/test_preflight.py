@@ -83,6 +83,8 @@ SRUN = """srun: error: Task launch for StepId=2.0 failed on node bnode3: Communi
 srun: error: bnode2: task 1: Exited with exit code 1
 srun: error: bnode1: task 0: Terminated
 srun: error: bnode3: task 2: Exited with exit code 1
+srun: error: bnode4: task 3: Exited with exit code 143
+srun: error: bnode5: task 4: Exited with exit code 137
 """
 
 

@@ -52,6 +52,7 @@ _STORE_UNREACHED = re.compile(r"trying to connect to|failed to connect|connectio
 _PREFLIGHT_FAIL = re.compile(r"^ddp-smoke preflight: \S+ FAIL")
 _LAUNCH_FAILED = re.compile(r"failed on node (\S+?):\s*(.*)")
 _TASK_ENDED = re.compile(r"^srun: error: (\S+?): tasks? [\d,-]+: (.*)")
+_STOPPED = re.compile(r"exit code (?:130|137|143)\b")  # 128 + SIGINT, SIGKILL, SIGTERM
 
 
 def error_line(lines: list[str], strict: bool = False) -> str:
@@ -83,7 +84,8 @@ def _short(text: str) -> str:
 def launch_errors(text: str) -> dict[str, str]:
     """srun's per-node errors, first one per node: a task that could not be launched, or
     one that exited with a status of its own. A task ended by a signal (``Terminated``,
-    ``Killed``) is left out: srun ends every task once one failed, and those are victims."""
+    ``Killed``, or a shell's status 128+N for SIGINT, SIGKILL, SIGTERM: the task's bash saw its
+    child killed) is left out: srun ends every task once one failed, and those are victims."""
     found: dict[str, str] = {}
     for raw in text.splitlines():
         m = _LAUNCH_FAILED.search(raw)
@@ -91,7 +93,8 @@ def launch_errors(text: str) -> dict[str, str]:
             found.setdefault(m.group(1), f"task launch failed: {m.group(2).strip()}")
     for raw in text.splitlines():
         m = _TASK_ENDED.match(raw.strip())
-        if m and m.group(1) not in found and m.group(2).startswith("Exited with"):
+        if m and m.group(1) not in found and m.group(2).startswith("Exited with") \
+                and not _STOPPED.search(m.group(2)):
             found[m.group(1)] = f"srun: {m.group(2).strip()}"
     return found
 
