@@ -80,8 +80,15 @@ def test_sweep_sizes_and_iteration_budget():
 
 def test_matmul_rate_stragglers_and_shortfall():
     assert perf.matmul_tflops(1000, 3, 6e-3) == pytest.approx(1.0)  # 3·2e9 FLOP in 6 ms
-    assert perf.stragglers({0: 100.0, 1: 100.0, 2: 80.0}, 0.1) == (100.0, [2])
-    assert perf.stragglers({0: 100.0, 1: 91.0}, 0.1) == (95.5, [])
+    # pace: per block, the rank's rate over the ranks' median of that block; the median over
+    # the blocks. Rank 2 is behind in two of three blocks: named, though its best is the top.
+    pace, slow = perf.stragglers({0: [100.0, 100.0, 100.0], 1: [100.0, 90.0, 110.0],
+                                  2: [80.0, 70.0, 120.0]}, 0.1)
+    assert pace == pytest.approx({0: 1.0, 1: 1.0, 2: 0.8}) and slow == [2]
+    assert perf.stragglers({0: [100.0], 1: [91.0]}, 0.1)[1] == []
+    # a whole block slowed for everyone (load) moves the reference with it
+    assert perf.pace({0: [100.0, 10.0], 1: [90.0, 9.0], 2: [95.0, 9.5]})[1] == pytest.approx(
+        90 / 95)
     assert perf.shortfall_pct(402.0, 431.0) == pytest.approx(6.7285, rel=1e-4)
     assert perf.percentile([5, 1, 4, 2, 3], 90) == 5 and perf.percentile([1, 2], 50) == 1
 
@@ -146,23 +153,67 @@ def test_bandwidth_judge_applies_floors_and_says_by_how_much():
 
 def test_compute_judge_names_the_straggler_and_floor_misses():
     def obs(median, best=None):
+        blocks = [median, median, best or median]
         return {"device_type": "cuda", "device_name": "NVIDIA H200", "matrix_size": 8192,
-                "threads": 1, "hbm_gbps": 4300.0, "profile": profiles.load("h200-8gpu"),
+                "threads": 1, "cores": 8, "hbm_gbps": 4300.0,
+                "profile": profiles.load("h200-8gpu"),
                 "matmul": {"bf16": {"tflops": best or median, "tflops_median": median,
-                                    "tflops_sustained": median, "spread": 0.1, "blocks": 5,
-                                    "products_per_block": 100}}}
+                                    "tflops_sustained": median, "spread": 0.1, "blocks": 3,
+                                    "block_tflops": blocks, "products_per_block": 100}}}
     # median 782.5; rank 3 sustains 600 (23.3 % below) though its best block, 790, is fine:
     # a rank slow for much of the time is named (issue 23), not hidden by its peak
     ev = Evidence("compute", [obs(780.0), obs(790.0), obs(785.0), obs(600.0, best=790.0)],
                   [{"rank": r, "host": f"n{r}"} for r in range(4)], config.resolve({}, {}))
     result = compute.judge(ev)
     reasons = {(k.rank, k.reason) for k in result.culprits}
-    assert (3, "bf16 matmul sustains 600.0 TFLOPS (median block; best 790.0 TFLOPS), 23.3 % "
-               "below the ranks' median 782.5 TFLOPS (straggler margin 10%)") in reasons
+    assert (3, "bf16 matmul kept 77% of the other ranks' pace (23.3 % below, the median of its "
+               "3 blocks each against the ranks' median block of the same moment; straggler "
+               "margin 10%): sustains 600.0 TFLOPS (median block; best 790.0 TFLOPS), the "
+               "ranks' median 782.5 TFLOPS") in reasons
     assert (3, "bf16 matmul sustains 600.0 TFLOPS (median block), 5.7 % below the h200-8gpu "
                "floor 636.0 TFLOPS") in reasons
     assert len(reasons) == 2
     assert "sustained/best" in result.notes[1] and "spread" in result.notes[1]
+
+
+# Recorded block rates (TFLOPS; blocks started together) of the 4-rank straggler test's launch
+# (tests/worker/test_diagnosis_straggler.py) on a 2-core machine with one busy process beside it:
+# rank 2 held to 15 % of a core by a CPU quota (its pace, 0.53, was the highest of 8 such runs),
+# and the no-quota run with the lowest healthy pace measured (0.74, rank 0, of 16 runs).
+QUOTA_BLOCKS = [[0.0351, 0.0366, 0.034], [0.0552, 0.0396, 0.0444], [0.0124, 0.0203, 0.0239],
+                [0.0416, 0.0418, 0.0343]]
+HEALTHY_BLOCKS = [[0.0385, 0.0585, 0.0495], [0.0516, 0.0431, 0.0835], [0.0839, 0.0412, 0.101],
+                  [0.0909, 0.0535, 0.0493]]
+
+
+def _cpu_evidence(blocks: list[list[float]], cores: int) -> Evidence:
+    obs = [{"device_type": "cpu", "device_name": "AMD EPYC", "matrix_size": 512, "threads": 1,
+            "cores": cores, "hbm_gbps": None, "profile": profiles.load("cpu"),
+            "matmul": {"fp32": {"tflops": max(b), "tflops_median": sorted(b)[1],
+                                "tflops_sustained": sum(b) / 3, "spread": 0.5, "blocks": 3,
+                                "block_tflops": b, "products_per_block": 10}}} for b in blocks]
+    return Evidence("compute", obs, [{"rank": r, "host": "vm"} for r in range(len(blocks))],
+                    config.resolve({}, {}))
+
+
+def test_compute_names_a_throttled_rank_and_spares_healthy_ranks_on_shared_cores():
+    # 4 ranks, one thread each, on a host with 2 usable cores: they share cores, margin 35 %
+    result = compute.judge(_cpu_evidence(QUOTA_BLOCKS, cores=2))
+    assert result.figures["shared_cores"] == ["vm"] and result.figures["straggler_margin"] == 0.35
+    [culprit] = result.culprits
+    assert culprit.rank == 2 and culprit.reason.startswith(
+        "fp32 matmul kept 53% of the other ranks' pace (46.7 % below, the median of its 3 "
+        "blocks each against the ranks' median block of the same moment; straggler margin 35%; "
+        "ranks share cores on vm): sustains 20.3 GFLOPS (median block; best 23.9 GFLOPS)")
+    assert [r["pace"]["fp32"] for r in result.figures["ranks"]] == pytest.approx(
+        [0.9603, 1.2992, 0.5328, 1.0847], abs=2e-3)  # blocks recorded to 0.1 GFLOPS
+    healthy = compute.judge(_cpu_evidence(HEALTHY_BLOCKS, cores=2))
+    assert healthy.status == "pass" and min(
+        r["pace"]["fp32"] for r in healthy.figures["ranks"]) == pytest.approx(0.7436, abs=2e-3)
+    # the same ranks each with a core of their own: the CPU margin, 30 %
+    own = compute.judge(_cpu_evidence(HEALTHY_BLOCKS, cores=8))
+    assert own.figures["shared_cores"] == [] and own.figures["straggler_margin"] == 0.3
+    assert own.status == "pass"
 
 
 # -- profiles ---------------------------------------------------------------------------------

@@ -2,10 +2,14 @@
 
 A real throttle (a cgroup CPU quota, as a thermally throttled or power-capped device is held
 back), put on rank 2's worker process for the whole of its checks, on a real 4-rank torchrun.
-The report must name exactly rank 2: by its sustained compute rate (compute) and by the
-collectives the others spent waiting for it (coordination/stragglers.py) in the collectives
-check or the bandwidth sweep, and nobody else anywhere. The same launch
-without the quota names nobody. Three times each, in one test.
+The report must name exactly rank 2: by its pace in compute (behind the others in most blocks)
+and, in the collectives check, as the rank the others waited for longest
+(coordination/stragglers.py), and nobody else anywhere. The same launch without the quota
+names nobody. Three times each, in one test.
+
+Four ranks on this machine's two cores share them (``shared_cores``): a healthy rank's share
+is the scheduler's, which is what made the run without the quota name a rank once under load
+before compute compared blocks run at the same moment (see checks/compute.py).
 """
 from __future__ import annotations
 
@@ -83,7 +87,6 @@ def _named(report: dict) -> dict[str, list]:
 
 
 @pytest.mark.timeout(REPEAT * 240)
-@pytest.mark.xfail(strict=False, reason="quarantined at the session-4 integration: the run without the quota named rank 1 in compute once under load (see the closing note; to be fixed and unmarked next)")
 def test_throttled_rank_is_named_and_the_same_run_without_the_quota_names_none(tmp_path):
     for attempt in range(REPEAT):
         with CpuQuota(QUOTA) as quota:
@@ -94,10 +97,10 @@ def test_throttled_rank_is_named_and_the_same_run_without_the_quota_names_none(t
         said = [k["reason"] for c in slow["checks"] for k in c["culprits"]]
         print(f"\nattempt {attempt + 1}: quota {QUOTA:.0%} of a core on rank {SLOW_RANK}: report "
               f"in {time.monotonic() - t:.1f} s, named {named}; {said}")
-        # exactly rank 2, nobody else anywhere: by its sustained compute; in the collectives
-        # check the others spent the most time waiting for it. (The waits name it only when it
-        # was also last in half the collectives: a CPU quota runs it in bursts, and in these
-        # short checks that held in 3 of the 4 runs measured at these thresholds.)
+        # exactly rank 2, nobody else anywhere: by its pace in compute; in the collectives
+        # check the others spent the most time waiting for it. (The waits name it when they
+        # add up to half a second and 75 % of all: a CPU quota runs it in bursts, and in one
+        # of four measured runs it barely bit during that check.)
         assert "compute" in named and all(ranks == [SLOW_RANK] for ranks in named.values()), \
             named
         coll = next(c for c in slow["checks"] if c["name"] == "collectives")

@@ -88,10 +88,20 @@ def shortfall_pct(value: float, reference: float) -> float:
     return 100.0 * (reference - value) / reference
 
 
-def stragglers(values: dict[int, float], margin: float) -> tuple[float, list[int]]:
-    """``(median, ranks)``: the ranks whose value is below median × (1 − margin)."""
-    median = statistics.median(values.values())
-    return median, sorted(r for r, v in values.items() if v < median * (1 - margin))
+def pace(blocks: dict[int, list[float]]) -> dict[int, float]:
+    """Each rank's pace against the others: per block k (run at the same moment on every rank),
+    its rate over the median of all ranks' rates in block k; the median over k (1.0: the
+    ranks' median). A rank behind in most blocks is below 1 however fast its best block."""
+    k = min(len(b) for b in blocks.values())
+    ref = [statistics.median(b[i] for b in blocks.values()) for i in range(k)]
+    return {r: statistics.median(b[i] / ref[i] if ref[i] else 1.0 for i in range(k))
+            for r, b in blocks.items()}
+
+
+def stragglers(blocks: dict[int, list[float]], margin: float) -> tuple[dict, list[int]]:
+    """``(pace, ranks)``: every rank's :func:`pace`, and the ranks below 1 − margin."""
+    got = pace(blocks)
+    return got, sorted(r for r, p in got.items() if p < 1 - margin)
 
 
 def percentile(values, q: float) -> float:

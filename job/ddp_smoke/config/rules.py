@@ -159,6 +159,7 @@ RULES: dict[str, Any] = {
     "bandwidth.pair_margin_cpu": MARGIN,
     "compute.straggler_margin": MARGIN,
     "compute.straggler_margin_cpu": MARGIN,
+    "compute.straggler_margin_cpu_shared": MARGIN,
     "compute.matrix_size_cpu": Int(1, 16384),
     "compute.matrix_size_gpu": Int(1, 32768),  # three n x n fp32 matrices: 12 GiB at the top
     "compute.dtypes_gpu": Names(GPU_MATMUL_DTYPES),
