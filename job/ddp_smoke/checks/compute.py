@@ -5,9 +5,9 @@ default, ``dtypes_gpu``; ``matrix_size_cpu`` in fp32 on CPU), 2n³ FLOP per prod
 one timed product to size a block of about ``block_s`` seconds, then a fixed amount of work,
 ``blocks`` blocks of that many products, timed as a whole and block by block.
 
-Every rank starts each block at the same moment (a one-element all_reduce before it, through
-the kit's collective wrapper like every other collective), as the steps of a training job
-start together: block k of every rank runs while every other rank runs its block k, under the
+Every rank starts each block at the same moment (``progress.start_together``, a one-element
+all_reduce through the kit's collective wrapper, left out of the waits verdict: the pace below
+judges the same slowness), as the steps of a training job start together: block k of every rank runs while every other rank runs its block k, under the
 same load, so blocks can be compared across ranks one by one.
 
 Figures per rank and dtype (1 TFLOPS = 1e12 FLOP/s; the human table shows GFLOPS on CPU):
@@ -118,10 +118,9 @@ def _matmul(n: int, dtype, precision, ctx, cfg: dict, clock: Clock) -> dict:
         # Sized in the clock's own seconds (CPU seconds on CPU), so a throttled rank is given
         # as much work as the others, and takes longer over it.
         per_block = max(1, round(cfg["block_s"] / clock.measure(product)))
-        start = torch.zeros(1, device=ctx.device)
         best, walls = [], []
         for _ in range(cfg["blocks"]):
-            comm.all_reduce(start)  # every rank starts block k together (see the module)
+            comm.start_together(ctx.device)  # every rank starts block k together (the module)
             w = time.perf_counter()
             best.append(clock(block))
             # on a GPU the events time the device; on CPU the wall clock what the job got
