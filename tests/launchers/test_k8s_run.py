@@ -475,13 +475,11 @@ def test_pytorchjob_rank0_killed_the_report_names_it(k8s_net: PodNetwork,
     ips = _ips(docs)
     pods = ko.compute_pods(docs, pod_ips=ips)
     runs, containers = _start_job(k8s_net, docs, pods, ips, pods, tmp_path)
-    end, store = time.monotonic() + 240, None
-    while store is None:  # the Master's store host, once it listens
-        try:
-            store = store_kill.store_at(ips[pods[0].name], STORE_PORT, timeout_s=2)
-        except RuntimeError:
-            assert time.monotonic() < end, "\n".join(c.logs() for c in containers.values())
-            time.sleep(1)
+    end, master = time.monotonic() + 240, containers[pods[0].name]
+    while "serving the coordination store at " not in master.logs():  # the Master's store host
+        assert time.monotonic() < end, "\n".join(c.logs() for c in containers.values())
+        time.sleep(0.5)
+    store = store_kill.store_at(ips[pods[0].name], STORE_PORT, timeout_s=10)
     store_kill.wait_arrived(store, "ddp_step", [1], 240)
     pids = store_kill.workers(run_id=pods[0].env["DDP_SMOKE_RUN_ID"])
     assert sorted(pids) == [0, 1], pids
