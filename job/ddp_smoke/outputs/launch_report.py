@@ -49,6 +49,7 @@ _SHELL = re.compile(r"No such file or directory|command not found|Permission den
 _REFUSED = re.compile(r"^rendezvous: cannot reach .*refused")
 _STORE_UNREACHED = re.compile(r"trying to connect to|failed to connect|connection to the C10d "
                               r"store has failed|Connection refused", re.I)
+_HOST_WAITED = re.compile(r"RendezvousTimeoutError")  # the c10d host saw too few nodes join
 _PREFLIGHT_FAIL = re.compile(r"^ddp-smoke preflight: \S+ FAIL")
 _LAUNCH_FAILED = re.compile(r"failed on node (\S+?):\s*(.*)")
 _TASK_ENDED = re.compile(r"^srun: error: (\S+?): tasks? [\d,-]+: (.*)")
@@ -180,17 +181,26 @@ def _blame(nodes: list[str], culprits: list[Culprit], found: dict[str, str], pre
     node -> its error, "" when it said nothing) are culprits, and the verdict is them with the
     silent ones as victims; None when no node said anything. But when every failing node only
     failed to reach the rendezvous host, and the host (the launchers make the first node the
-    store's) said nothing, the host was late (an image still being pulled) or never ran."""
+    store's) said nothing, or only that the others never joined it, the host was late (an image
+    still being pulled) or never ran."""
     culprits = culprits + [Culprit(None, n, _short(prefix + why)) for n, why in found.items()
                            if why]
     silent = [n for n, why in found.items() if not why]
     host = nodes[0] if nodes else None
-    if not culprits or host not in silent or not all(pattern.search(k.reason)
-                                                     for k in culprits):
+    # The host that came up after the others had given up then timed out waiting for them:
+    # its only word is that nobody joined, which the others' errors already explain.
+    waited = [k for k in culprits if k.host == host and _HOST_WAITED.search(k.reason)]
+    others = [k for k in culprits if k not in waited]
+    if others and waited and not all(pattern.search(k.reason) for k in others):
+        # the others failed of their own accord: the host's timeout is their consequence
+        return others, silent, (others, silent + [f"{host}: {waited[0].reason}"])
+    if not others or (host not in silent and not waited) or not all(
+            pattern.search(k.reason) for k in others):
         return culprits, silent, (culprits, silent) if culprits else None
-    reason = f"rendezvous host: {what.format(n=len(culprits))}; it started late or not at all"
+    reason = (f"rendezvous host: {what.format(n=len(others))}; it started late or not at all"
+              + (" (its own torchrun then timed out waiting for them)" if waited else ""))
     return culprits, silent, ([Culprit(None, host, reason)],
-                              [f"{k.host}: {k.reason}" for k in culprits] +
+                              [f"{k.host}: {k.reason}" for k in others] +
                               [n for n in silent if n != host])
 
 
