@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ddp_smoke import preflight
+from ddp_smoke.coordination import lost
 from ddp_smoke.outputs import launch_report as lr
 
 PY = sys.executable
@@ -372,3 +373,25 @@ def test_a_head_timing_out_while_one_node_failed_otherwise_names_that_node(tmp_p
     assert [(k["host"], k["reason"]) for k in report["checks"][0]["culprits"]] == [
         ("c", "no worker started: ModuleNotFoundError: No module named 'x'")]
     assert [v.split(":")[0] for v in report["checks"][0]["figures"]["victims"]] == ["b", "a"]
+
+
+def test_ranks_that_lost_the_store_make_the_launchers_report_naming_the_silent_node(tmp_path):
+    """The workers ran, the store's node died with rank 0, nobody could write: the launcher's
+    report names the node whose ranks left no word in lost/, the others are victims."""
+    hosts = ["a", "a", "b", "c"]
+    for r in (2, 3):
+        assert lost.write(str(tmp_path), r, {"ddp_smoke_rank": r, "run_id": "7",
+                                             "stage": "ddp_step", "store": "a:29501",
+                                             "world_size": 4, "hosts": hosts})
+    lost.write(str(tmp_path), 1, {"ddp_smoke_rank": 1, "run_id": "6"})  # an older run's
+    proc = _launcher(tmp_path, "run", "a b c", "--exit", "1")
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    [check] = report["checks"]
+    assert check["summary"].startswith("the workers ran, but the coordination store went silent")
+    assert [(k["host"], k["rank"], k["reason"]) for k in check["culprits"]] == [
+        ("a", None, "ranks 0, 1 went silent with the coordination store at a:29501 during "
+                      "ddp_step; no report and no word from them")]
+    assert [v.split(":")[0] for v in check["figures"]["victims"]] == ["rank 2 b", "rank 3 c"]
+    assert proc.stdout.splitlines()[-1].startswith("ddp-smoke: verdict fail · launch: a: ranks 0, 1 went "
+                                  "silent"), proc.stdout
