@@ -111,6 +111,11 @@ fi
 # the worker's own checks (python -m ddp_smoke.launch_local --check), not every rank's after
 # torchrun started them, whose agent then exits 1 under its own traceback. Any other failure of
 # the check (the kit does not run here) is preflight's to name, below.
+# (the worker's --help or --version: said once, nothing launched)
+if has_option help "${worker_args[@]}" || has_option version "${worker_args[@]}" \
+        || [[ " ${worker_args[*]} " == *" -h "* ]]; then
+    exec python -m ddp_smoke "${worker_args[@]}"
+fi
 nproc=$(option_value nproc-per-node "${torchrun_args[@]}")
 nproc="${nproc:-$(option_value nproc_per_node "${torchrun_args[@]}")}"
 nnodes=$(option_value nnodes "${torchrun_args[@]}")

@@ -274,6 +274,18 @@ def test_entrypoint_preflight_failure_is_a_report_naming_this_node(tmp_path):
     assert "+ torchrun" not in proc.stderr  # stopped before torchrun
 
 
+def test_entrypoint_checks_the_worker_options_once_before_anything_starts(tmp_path):
+    """Issue 25: bad input is one line and exit 2 before preflight and torchrun (which would
+    exit 1); the worker's --help is printed once, by no rank."""
+    proc = _entrypoint(tmp_path, "--", "--checks", "enviroment")
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "did you mean 'environment'?" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+    proc = _entrypoint(tmp_path, "--", "--help")
+    assert proc.returncode == 0 and proc.stdout.count("usage: python -m ddp_smoke") == 1
+    assert "+ torchrun" not in proc.stderr and "preflight" not in proc.stderr, proc.stderr
+
+
 def test_entrypoint_torchrun_that_never_starts_a_worker_is_named(tmp_path):
     """torchrun cannot reach the rendezvous (nothing listens on the port): no worker, no
     report from one; the entrypoint writes it, with torchrun's own error line."""
