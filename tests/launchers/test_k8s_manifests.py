@@ -788,7 +788,7 @@ def test_rendezvous_host_names_the_node_ranks_that_never_joined(variant, tmp_pat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv, env = _rendezvous_host(variant, port, tmp_path)
+    host_argv, env = _rendezvous_host(variant, port, tmp_path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "torchrun").write_text("#!/bin/sh\necho torchrun ran; exit 1\n")
@@ -796,7 +796,7 @@ def test_rendezvous_host_names_the_node_ranks_that_never_joined(variant, tmp_pat
     env.update({"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
                 "DDP_SMOKE_PREFLIGHT_TIMEOUT": "4", "TERMINATION_LOG": str(tmp_path / "msg")})
     try:
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(host_argv, env=env, capture_output=True, text=True, timeout=60)
     finally:  # the TrainJob's report folder is fixed, under /tmp
         shutil.rmtree(f"/tmp/ddp-smoke-reports/ddp-smoke-v2-{tmp_path.name}", ignore_errors=True)
     assert proc.returncode == 1 and "torchrun ran" not in proc.stdout, proc.stdout + proc.stderr
