@@ -987,3 +987,29 @@ def test_customize_edits_what_the_readme_says():
         "resources"]["limits"]
     assert GPU not in limits
     assert ko.load_manifests(K8S)[1]["spec"]["nprocPerNode"] == "8"  # input untouched
+
+
+def test_a_pod_whose_ranks_lost_the_store_says_who_went_silent(tmp_path):
+    """The store's pod died with rank 0: a Worker pod's ranks left lost/<rank>.json (each
+    pod's own emptyDir), and its termination message names the silent ranks from them."""
+    docs = ko.load_manifests(K8S)
+    pod = ko.compute_pods(docs, pod_ips={"ddp-smoke-master-0": "10.9.0.2",
+                                         "ddp-smoke-worker-0": "10.9.0.3"})[1]
+    reports = tmp_path / "reports"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = {"ddp_smoke_rank": 1, "run_id": pod.env["DDP_SMOKE_RUN_ID"], "stage": "ddp_step",
+              "store": "ddp-smoke-master-0:29401", "world_size": 2,
+              "hosts": ["ddp-smoke-master-0", "ddp-smoke-worker-0"]}
+    (bin_dir / "torchrun").write_text(  # rank 1 lost the store, left its word, exited 1
+        f"#!/bin/sh\nmkdir -p \"$REPORT_DIR/lost\"\necho '{json.dumps(record)}' > "
+        "\"$REPORT_DIR/lost/1.json\"\nexit 1\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "DDP_SMOKE_PREFLIGHT": "0", "REPORT_DIR": str(reports),
+           "TERMINATION_LOG": str(tmp_path / "msg")}
+    proc = subprocess.run(pod.argv, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    message = (tmp_path / "msg").read_text()
+    assert message.startswith(f"ddp-smoke FAIL · run {record['run_id']} · 2 ranks"), message
+    assert "silent: rank 0 ddp-smoke-master-0" in message, message
