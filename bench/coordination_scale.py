@@ -103,6 +103,9 @@ def worker(args) -> None:
         raise _Left(code)
     ending.leave = leave
     forensics.dump = lambda report_dir, rank: {"where": "bench: simulated rank"}
+    if args.unsigned:  # the baseline: the same protocol with records unsigned (no secret)
+        from ddp_smoke.coordination import signing
+        signing.run_secret = lambda env, environ=None: None
     hook = threading.excepthook
     threading.excepthook = lambda a: None if issubclass(a.exc_type, _Left) else hook(a)
 
@@ -306,8 +309,10 @@ def _raise_nofile() -> None:
 
 # -- the driver ------------------------------------------------------------------------------
 
-def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: float) -> dict:
-    """One simulated run of ``world`` ranks; returns the measured figures."""
+def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: float,
+             unsigned: bool = False) -> dict:
+    """One simulated run of ``world`` ranks (records signed, unless ``unsigned``); returns
+    the measured figures."""
     import torch.distributed as dist
 
     _raise_nofile()
@@ -332,7 +337,8 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
     workers = [subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--worker", "--port", str(server.port),
          "--world", str(world), "--lo", str(lo), "--hi", str(hi), "--checks", str(checks),
-         "--steady-s", str(steady_s), "--timeout", str(timeout)],
+         "--steady-s", str(steady_s), "--timeout", str(timeout)]
+        + (["--unsigned"] if unsigned else []),
         stdout=subprocess.PIPE, stderr=log, text=True,
         env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", "DDP_SMOKE_SECRET": secret})
         for (lo, hi), log in zip(zip(bounds, bounds[1:]), logs)]
@@ -381,6 +387,10 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
     return out
 
 
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs) or float("nan")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
@@ -393,6 +403,10 @@ def main() -> None:
     p.add_argument("--steady-s", type=float)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--json", action="store_true", help="one JSON line per size, too")
+    p.add_argument("--signing-cost", type=int, metavar="PAIRS",
+                   help="per size, PAIRS runs unsigned and signed, alternating; print each "
+                        "and the ratios of the medians (signed / unsigned)")
+    p.add_argument("--unsigned", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for k in ("port", "world", "lo", "hi"):
         p.add_argument(f"--{k}", type=int, help=argparse.SUPPRESS)
@@ -411,15 +425,24 @@ def main() -> None:
           f"{'forensics':>15}  culprits",
           flush=True)
     for n in [int(x) for x in args.sizes.split(",")]:
-        r = simulate(n, args.checks, args.procs, args.steady_s, args.timeout)
-        print(f"{n:>6} {r['ops_per_check']:>10.0f} {r['ops_per_check'] / n:>11.2f} "
-              f"{r['fixed_ops_per_check'] / n:>7.2f} "
-              f"{r['coord_s_per_check']:>13.3f} {r['heartbeat_ops_per_s']:>10.0f} "
-              f"{r['detect_s']:>8.2f} {r['judge_s']:>7.2f} {r['judge_ops'] or 0:>9} "
-              f"{'%d/%d %.1fs' % tuple(r['forensics']):>15}  "
-              f"{r['culprits']}{' ' + r['error'] if r['error'] else ''}", flush=True)
-        if args.json:
-            print(json.dumps(r), flush=True)
+        runs = {False: [], True: []}
+        for unsigned in [True, False] * (args.signing_cost or 0) or [False]:
+            r = simulate(n, args.checks, args.procs, args.steady_s, args.timeout, unsigned)
+            runs[unsigned].append(r)
+            print(f"{n:>6} {r['ops_per_check']:>10.0f} {r['ops_per_check'] / n:>11.2f} "
+                  f"{r['fixed_ops_per_check'] / n:>7.2f} "
+                  f"{r['coord_s_per_check']:>13.3f} {r['heartbeat_ops_per_s']:>10.0f} "
+                  f"{r['detect_s']:>8.2f} {r['judge_s']:>7.2f} {r['judge_ops'] or 0:>9} "
+                  f"{'%d/%d %.1fs' % tuple(r['forensics']):>15}  "
+                  f"{r['culprits']}{' ' + r['error'] if r['error'] else ''}"
+                  f"{' (unsigned)' if unsigned else ''}", flush=True)
+            if args.json:
+                print(json.dumps(dict(r, unsigned=unsigned)), flush=True)
+        if args.signing_cost:
+            print(f"{n:>6} signed / unsigned, medians of {args.signing_cost} each: " + ", ".join(
+                f"{k} {_median(runs[False], k) / _median(runs[True], k):.2f}"
+                for k in ("ops_per_check", "coord_s_per_check", "heartbeat_ops_per_s",
+                          "detect_s", "judge_s")), flush=True)
 
 
 if __name__ == "__main__":

@@ -98,12 +98,32 @@ report_dir="${DDP_SMOKE_REPORT_DIR:-}"
 if [[ -z "$report_dir" && -n "${DDP_SMOKE_REPORT_ROOT:-}" ]]; then
     report_dir="$DDP_SMOKE_REPORT_ROOT/$DDP_SMOKE_RUN_ID"
 fi
+added_report_dir=0
 if [[ -n "$report_dir" ]] \
         && ! has_option report-dir "${worker_args[@]}" \
         && ! has_option report_dir "${worker_args[@]}"; then
     worker_args+=(--report-dir "$report_dir")
-    echo "ddp-smoke: run $DDP_SMOKE_RUN_ID, report $report_dir/report.json" >&2
+    added_report_dir=1
 fi
+
+# Bad input (a misspelt check or flag, a fault for a rank the run does not have, a report folder
+# that cannot be written) is said here once, in one line, with exit 2, before anything starts:
+# the worker's own checks (python -m ddp_smoke.launch_local --check), not every rank's after
+# torchrun started them, whose agent then exits 1 under its own traceback. Any other failure of
+# the check (the kit does not run here) is preflight's to name, below.
+# (the worker's --help or --version: said once, nothing launched)
+if has_option help "${worker_args[@]}" || has_option version "${worker_args[@]}" \
+        || [[ " ${worker_args[*]} " == *" -h "* ]]; then
+    exec python -m ddp_smoke "${worker_args[@]}"
+fi
+nproc=$(option_value nproc-per-node "${torchrun_args[@]}")
+nproc="${nproc:-$(option_value nproc_per_node "${torchrun_args[@]}")}"
+nnodes=$(option_value nnodes "${torchrun_args[@]}")
+status=0
+python -m ddp_smoke.launch_local --check --nproc-per-node="${nproc:-${PET_NPROC_PER_NODE:-gpu}}" \
+    --nnodes="${nnodes:-${PET_NNODES:-1}}" -- "${worker_args[@]}" || status=$?
+[[ $status -ne 2 ]] || exit 2
+[[ $added_report_dir == 0 ]] || echo "ddp-smoke: run $DDP_SMOKE_RUN_ID, report $report_dir/report.json" >&2
 
 # The launcher's side of the verdict, for this node (ddp_smoke/outputs/launch_report.py): when
 # preflight fails or torchrun ends without this run's report, it writes one naming this node

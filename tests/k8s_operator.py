@@ -19,18 +19,23 @@ What it emulates, and from where:
   annotation and labels, ``JOB_COMPLETION_INDEX`` (appended unless the container sets it), and
   ``<hostname>.<subdomain>`` names from a headless Service that selects the pod.
 * **kubelet**: env resolution in order (``$(VAR)`` in a value sees only earlier entries; a
-  later duplicate replaces an earlier one), downward-API ``fieldRef`` values, then ``$(VAR)``
+  later duplicate replaces an earlier one), downward-API ``fieldRef`` values, ``secretKeyRef``
+  values from the Secrets among the documents (as ``kubectl create secret`` makes them: ``data``
+  base64, ``stringData`` plain and winning; a missing Secret or key leaves an ``optional`` entry
+  unset and stops any other pod from starting, the kubelet's CreateContainerConfigError), then
+  ``$(VAR)``
   expansion of command and args against the final env (``$$`` → ``$``; an undefined reference
   stays as written), hostname truncation to 63 characters, the pod's own FQDN in /etc/hosts.
 
 Not emulated, and refused loudly rather than guessed: TrainJob pods (they come from the
-cluster's ClusterTrainingRuntime), sidecar containers, ``envFrom``, secrets, resource field
-refs, volumes other than emptyDir/configMap/PVC. Not added to ``env``: the ``KUBERNETES_*``
+cluster's ClusterTrainingRuntime), sidecar containers, ``envFrom``, secret volumes, resource
+field refs, volumes other than emptyDir/configMap/PVC. Not added to ``env``: the ``KUBERNETES_*``
 service variables and ``HOSTNAME``, which every real container also has (the runtime sets
 ``HOSTNAME`` to :attr:`Pod.hostname`).
 """
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import re
@@ -249,8 +254,8 @@ def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] |
     """Every pod the manifests would create, as the controllers and the kubelet would run it.
 
     Args:
-        docs: the documents of one manifest folder (see :func:`load_manifests`); ConfigMaps
-            and Services among them are used for mounts and DNS.
+        docs: the documents of one manifest folder (see :func:`load_manifests`); ConfigMaps,
+            Services and Secrets among them are used for mounts, DNS and env.
         pod_ips: pod name (see :func:`pod_names`) → the IP it will have; needed when the env
             reads ``status.podIP``.
         namespace: the namespace the job is applied to.
@@ -276,7 +281,7 @@ def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] |
             pods += _pytorchjob_pods(doc, ctx)
         elif kind == "Job":
             pods += _indexed_job_pods(doc, ctx)
-        elif kind not in ("ConfigMap", "Service"):
+        elif kind not in ("ConfigMap", "Service", "Secret"):
             raise NotImplementedError(
                 f"{kind} {doc.get('metadata', {}).get('name')!r}: its pods are not emulated "
                 "(TrainJob pods come from the cluster's ClusterTrainingRuntime)")
@@ -592,6 +597,8 @@ def _resolve_env(container: Mapping[str, Any], pod: Mapping[str, Any],
     for entry in container.get("env", []):
         if "valueFrom" in entry:
             value = _value_from(entry["name"], entry["valueFrom"], pod, ctx)
+            if value is None:  # an optional Secret (or key) that does not exist: not set
+                continue
         else:
             value = expand(entry.get("value", ""), env)  # sees earlier entries only
         env[entry["name"]] = value
@@ -599,7 +606,7 @@ def _resolve_env(container: Mapping[str, Any], pod: Mapping[str, Any],
 
 
 def _value_from(name: str, source: Mapping[str, Any], pod: Mapping[str, Any],
-                ctx: _Context) -> str:
+                ctx: _Context) -> str | None:
     meta = pod["meta"]
     if "fieldRef" in source:
         path = source["fieldRef"]["fieldPath"]
@@ -622,6 +629,14 @@ def _value_from(name: str, source: Mapping[str, Any], pod: Mapping[str, Any],
     if "configMapKeyRef" in source:
         ref = source["configMapKeyRef"]
         return _config_map(ref["name"], ctx)[ref["key"]]
+    if "secretKeyRef" in source:
+        ref = source["secretKeyRef"]
+        value = _secret(ref["name"], ctx).get(ref["key"])
+        if value is None and not ref.get("optional", False):
+            raise ValueError(f"env {name}: secret {ref['name']!r} has no key {ref['key']!r} "
+                             "(or does not exist): the kubelet would not start the container "
+                             "(CreateContainerConfigError)")
+        return value
     raise NotImplementedError(f"env {name}: {sorted(source)} is not emulated")
 
 
@@ -630,6 +645,15 @@ def _config_map(name: str, ctx: _Context) -> dict[str, str]:
         if doc.get("kind") == "ConfigMap" and doc["metadata"]["name"] == name:
             return doc.get("data", {})
     raise ValueError(f"ConfigMap {name!r} is not among the manifests: the pod would not start")
+
+
+def _secret(name: str, ctx: _Context) -> dict[str, str]:
+    """A Secret's keys and decoded values as the kubelet hands them to env; {} when absent."""
+    for doc in ctx.docs:
+        if doc.get("kind") == "Secret" and doc["metadata"]["name"] == name:
+            data = {k: base64.b64decode(v).decode() for k, v in (doc.get("data") or {}).items()}
+            return {**data, **(doc.get("stringData") or {})}  # the API server's merge
+    return {}
 
 
 def _mounts(container: Mapping[str, Any], pod_spec: Mapping[str, Any],

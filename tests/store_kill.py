@@ -18,10 +18,8 @@ from pathlib import Path
 STORE_LINE = re.compile(r"serving the coordination store at (\S+):(\d+)")
 
 
-def workers(run_id: str | None = None, marker: str | None = None) -> dict[int, int]:
-    """rank -> pid of the ddp_smoke workers of run ``run_id`` (or whose environment holds
-    ``marker``, e.g. ``KEY=value``)."""
-    found = {}
+def _processes():
+    """(pid, argv, environment) of every process root can read."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -31,6 +29,14 @@ def workers(run_id: str | None = None, marker: str | None = None) -> dict[int, i
                        if b"=" in kv)
         except OSError:
             continue
+        yield int(entry.name), cmd, env
+
+
+def workers(run_id: str | None = None, marker: str | None = None) -> dict[int, int]:
+    """rank -> pid of the ddp_smoke workers of run ``run_id`` (or whose environment holds
+    ``marker``, e.g. ``KEY=value``)."""
+    found = {}
+    for pid, cmd, env in _processes():
         if b"ddp_smoke" not in cmd or b"torch.distributed.run" in cmd or b"RANK" not in env:
             continue
         if b"ddp_smoke.store_host" in cmd:
@@ -40,8 +46,14 @@ def workers(run_id: str | None = None, marker: str | None = None) -> dict[int, i
         if marker is not None and marker.encode() not in b"\0".join(
                 k + b"=" + v for k, v in env.items()):
             continue
-        found[int(env[b"RANK"])] = int(entry.name)
+        found[int(env[b"RANK"])] = pid
     return found
+
+
+def store_hosts(run_id: str) -> list[int]:
+    """The pids of run ``run_id``'s store host (``python -m ddp_smoke.store_host``)."""
+    return [pid for pid, cmd, env in _processes() if b"ddp_smoke.store_host" in cmd
+            and env.get(b"DDP_SMOKE_RUN_ID") == run_id.encode()]
 
 
 def store_of(text: str):

@@ -41,6 +41,7 @@ COMPUTED = {
     "str(BIN / 'ddp-smoke-submit')": "ddp-smoke-submit", "str(BIN / 'torchrun')": "torchrun",
     "str(launch.BIN / 'torchrun')": "torchrun",
     "pod.argv": "sh", "master.argv": "sh",  # a manifest's command, with a stand-in torchrun
+    "host_argv": "sh",
     "PY": "python",  # tests/launchers/test_preflight.py: sys.executable
     "str(Path(sys.executable).parent / 'ddp-smoke-submit')": "ddp-smoke-submit",
     "argv[0]": None,  # execvp(argv[0], argv): argv is read as the command itself

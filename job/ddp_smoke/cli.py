@@ -49,7 +49,8 @@ Exit status: 0 verdict pass · 1 verdict fail (the report says why) · 2 bad inp
   Bad input is said by local rank 0 only (one line per node). Under plain torchrun the agent
   exits 1 whatever its workers' status: read the verdict from report.json, whose run_id names
   its run. make smoke-local (python -m ddp_smoke.launch_local) checks the options before any
-  rank starts and exits with the workers' own status.
+  rank starts and exits with the workers' own status; the image's entrypoint checks them the
+  same way (launch_local --check) before its torchrun.
 
 Failure modes: a rank that raises, dies, hangs or never arrives is named in the report; every
 wait is bounded by --timeout, after which each surviving rank exits 1 within a few seconds.

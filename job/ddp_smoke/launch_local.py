@@ -2,6 +2,7 @@
 own last line with the workers' own exit status.
 
     python -m ddp_smoke.launch_local [--nproc-per-node N] [-- WORKER OPTIONS]
+    python -m ddp_smoke.launch_local --check [--nproc-per-node N] [--nnodes N] [-- WORKER …]
 
 Why not the plain ``torchrun`` command: torchrun raises ``ChildFailedError`` when any worker
 exits non-zero, so a clean FAIL verdict (or one bad flag) ended in its 30-line traceback block,
@@ -14,6 +15,11 @@ filtered; they write straight to the terminal as under torchrun.
 Before any rank starts, the worker's options are checked as every rank would check them (flags,
 config file, faults against the world size, each check's own options, the report folder
 writable and held by no other live run): bad input is one line and exit 2, from here, once.
+``--check`` does only that and starts nothing (exit 0 or 2): the image's entrypoint runs it
+once before its torchrun, for the same reason. There ``--nnodes`` gives the world size with
+``--nproc-per-node``; a count torchrun resolves itself (``gpu``, ``auto``, ``MIN:MAX``) leaves
+what depends on it to the ranks, and on several nodes the folder's claim is not tested (a shared
+folder may already be held by another node's rank 0 of this run).
 
 Each run gets its own id ``local-<UTC time>-<random>`` (``DDP_SMOKE_RUN_ID``, unless given) and
 so its own default folder ``reports/<run id>``: two runs started in the same second no longer
@@ -34,20 +40,35 @@ from .config import prelaunch, report_dir
 from .config.launchenv import run_id as launcher_run_id
 from .errors import ConfigError
 
-USAGE = "usage: python -m ddp_smoke.launch_local [--nproc-per-node N] [-- WORKER OPTIONS]"
+USAGE = ("usage: python -m ddp_smoke.launch_local [--check [--nnodes N]] [--nproc-per-node N] "
+         "[-- WORKER OPTIONS]")
 
 
-def _split(argv: list[str]) -> tuple[int, list[str]]:
-    nproc, rest = 2, list(argv)
+def _split(argv: list[str]) -> tuple[int | None, int | None, bool, list[str]]:
+    """Processes per node, nodes (None: torchrun resolves it), check only, worker options."""
+    given, check, rest = {}, False, list(argv)
     while rest and rest[0] != "--":
         arg = rest.pop(0)
-        value = arg.split("=", 1)[1] if "=" in arg else (rest.pop(0) if rest else "")
-        if arg.split("=", 1)[0] not in ("--nproc-per-node", "--nproc_per_node"):
+        name, eq, value = arg.partition("=")
+        name = name.replace("_", "-")
+        if name == "--check" and not eq:
+            check = True
+            continue
+        if name not in ("--nproc-per-node", "--nnodes"):
             raise ConfigError(f"{arg}: unknown launcher option; {USAGE}")
-        if not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"--nproc-per-node {value!r}: expected a whole number >= 1")
-        nproc = int(value)
-    return nproc, rest[1:]
+        given[name] = value if eq else (rest.pop(0) if rest else "")
+    if "--nnodes" in given and not check:
+        raise ConfigError(f"--nnodes: only with --check (this launcher runs one node); {USAGE}")
+    counts: list[int | None] = []
+    for name, default in (("--nproc-per-node", "2"), ("--nnodes", "1")):
+        value = given.get(name, default)
+        if value.isdigit() and int(value) >= 1:
+            counts.append(int(value))
+        elif check and value:  # gpu, auto, 1:4 …: torchrun's to resolve on each node
+            counts.append(None)
+        else:
+            raise ConfigError(f"{name} {value!r}: expected a whole number >= 1")
+    return counts[0], counts[1], check, rest[1:]
 
 
 def _run_id() -> str:
@@ -58,17 +79,18 @@ def _run_id() -> str:
     return f"local-{now}-{secrets.token_hex(3)}"
 
 
-def prepare(argv: list[str]) -> tuple[int, list[str], str]:
-    """Check everything a rank would check before it connects; return the rank count, the
-    worker's options and the run id. Raises ConfigError."""
-    nproc, worker_args = _split(argv)
+def prepare(argv: list[str]) -> tuple[int | None, list[str], str, bool]:
+    """Check everything a rank would check before it connects; return the rank count per
+    node, the worker's options, the run id and whether only to check. Raises ConfigError."""
+    nproc, nodes, check, worker_args = _split(argv)
     cfg = parse_config(worker_args)
     rid = _run_id()
-    prelaunch.check_run(cfg, nproc)
+    prelaunch.check_run(cfg, nproc * nodes if nproc and nodes else None)
     folder = report_dir(cfg, rid)
     outputs.check_writable(folder)
-    prelaunch.hold(folder, rid, keep=False)  # another live run's folder: refused now
-    return nproc, worker_args, rid
+    if nodes == 1:  # another live run's folder: refused now
+        prelaunch.hold(folder, rid, keep=False)
+    return nproc, worker_args, rid, check
 
 
 def _cores() -> int:
@@ -80,10 +102,12 @@ def _cores() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        nproc, worker_args, rid = prepare(sys.argv[1:] if argv is None else argv)
+        nproc, worker_args, rid, check = prepare(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         say_once(f"ddp-smoke: error: {e}")
         return 2
+    if check:  # the image's entrypoint: its torchrun starts the ranks
+        return 0
     os.environ["DDP_SMOKE_RUN_ID"] = rid
     # the run's signing secret (coordination/signing.py): every rank's, in their environment
     os.environ.setdefault("DDP_SMOKE_SECRET", secrets.token_hex(32))

@@ -237,14 +237,15 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
         f"{p.parameters['tasks_per_node']}); folder {p.folder}")
     _wait(job, wait_timeout_s, say)
     report = _own_report(p.report_dir / "report.json", job.job_id)
-    end = time.monotonic() + LAST_RESORT_S
+    end = time.monotonic() + (LAST_RESORT_S if _store_hosted(p, job) else 0)
     while report is None and time.monotonic() < end:  # every rank died: the store host writes
         time.sleep(0.5)
         report = _own_report(p.report_dir / "report.json", job.job_id)
     if report is None:
-        notice = (_death_notice(job) + _survivors(p.report_dir, job.job_id)
+        errors = _task_errors(job, cluster)
+        notice = (_death_notice(job, errors) + _survivors(p.report_dir, job.job_id)
                   + _foreign(p.report_dir / "report.json"))
-        raise TaskDied(notice, report=_launch_report(job, p), job_id=job.job_id)
+        raise TaskDied(notice, report=_launch_report(job, p, errors), job_id=job.job_id)
     if report["verdict"] != "pass":
         failed = SmokeFailed("", report, job.job_id)
         lines = [f"rank {k['rank']} ({k['host']}) at {k['check']}: {k['reason']}"
@@ -307,24 +308,44 @@ def _finished(job) -> bool:
     return (q.returncode == 0 and not q.stdout.strip()) or "Invalid job id" in q.stderr
 
 
-def _death_notice(job) -> str:
-    """Which task died, where, and the tail of its stderr."""
-    parts = [f"ddp-smoke job {job.job_id} ended without a report (state {job.state})"]
+def _store_hosted(p: Plan, job) -> bool:
+    """Task 0 started a store host (its address, not "none"): a last-resort report may come."""
+    try:
+        address = (p.report_dir / "store" / task.run_id_of(job.job_id, 0)).read_text().strip()
+    except OSError:
+        return False
+    return address not in ("", "none")
+
+
+def _task_errors(job, cluster: str) -> dict[int, BaseException]:
+    """Each failed task's error, read once. submitit waits up to 15 s per task for a result
+    file that a task ended by a signal or os._exit never writes (a slow shared filesystem may
+    show it late); on this machine's own disk there is nothing to wait for."""
+    errors = {}
     for task_id in range(job.num_tasks):
-        task = job.task(task_id)
+        one = job.task(task_id)
+        if cluster == "local":
+            one._results_timeout_s = 0  # submitit's own knob, per job object
         try:
-            error = task.exception()
+            error = one.exception()
         except Exception as e:  # noqa: BLE001 — submitit raises on unreadable results too
             error = e
-        if error is None:
-            continue
-        tail = (task.stderr() or "").strip().splitlines()[-8:]
+        if error is not None:
+            errors[task_id] = error
+    return errors
+
+
+def _death_notice(job, errors: dict[int, BaseException]) -> str:
+    """Which task died, where, and the tail of its stderr."""
+    parts = [f"ddp-smoke job {job.job_id} ended without a report (state {job.state})"]
+    for task_id, error in errors.items():
+        tail = (job.task(task_id).stderr() or "").strip().splitlines()[-8:]
         parts.append(f"task {task_id} failed: {str(error).strip().splitlines()[0]}\n    "
                      + "\n    ".join(tail))
     return "\n".join(parts)
 
 
-def _launch_report(job, p: Plan) -> dict | None:
+def _launch_report(job, p: Plan, errors: dict[int, BaseException]) -> dict | None:
     """No report from the worker: write the launcher's (ddp_smoke/outputs/launch_report.py),
     one culprit per failed task with its first error line and its node from the preflight
     records; returned, unless the folder holds another run's report (never overwritten)."""
@@ -336,15 +357,10 @@ def _launch_report(job, p: Plan) -> dict | None:
     hosts = {r.get("node_rank"): r.get("node")
              for r in launch_report.read_records(str(p.report_dir), run_id).values()}
     culprits = []
-    for task_id in range(job.num_tasks):
-        try:
-            error = job.task(task_id).exception()
-        except Exception as e:  # noqa: BLE001 — submitit raises on unreadable results too
-            error = e
-        if error is not None:
-            text = (job.task(task_id).stderr() or "") + "\n" + str(error)
-            culprits.append(Culprit(task_id, hosts.get(task_id // per_node),
-                                    launch_report.error_line(text.splitlines())))
+    for task_id, error in errors.items():
+        text = (job.task(task_id).stderr() or "") + "\n" + str(error)
+        culprits.append(Culprit(task_id, hosts.get(task_id // per_node),
+                                launch_report.error_line(text.splitlines())))
     failed = [k for k in culprits if launch_report.failed_preflight(k.reason)]
     victims = [f"task {k.rank}: {k.reason}" for k in culprits if k not in failed] if failed \
         else []  # the others then waited for a rank that never came

@@ -40,7 +40,7 @@ def run(worker_args: list[str], gpus: bool, store_max_s: float = 3600.0,
     report_dir = worker_args[worker_args.index("--report-dir") + 1]
     try:
         _preflight(worker_args, gpus)
-    except RuntimeError:  # no store host then: the others go on as before and wait no longer
+    except RuntimeError:  # no store host then: the other tasks stop at once (no run to join)
         if os.environ["RANK"] == "0":
             hosting.publish_address(os.path.join(report_dir, "store", run_id), "none")
         raise
@@ -61,8 +61,10 @@ def _store_host(report_dir: str, run_id: str, max_s: float) -> None:
         hosting.publish_address(path, address)
     else:
         address = hosting.await_address(path, STORE_WAIT_S)
-    if address != "none":  # task 0 failed before it could start one
-        os.environ[hosting.ENV] = address
+    if address == "none":  # task 0's node failed its preflight: rank 0 will never come
+        raise RuntimeError("task 0's node failed its preflight: this task stops without a run "
+                           "to join")
+    os.environ[hosting.ENV] = address
 
 
 def _preflight(worker_args: list[str], gpus: bool) -> None:

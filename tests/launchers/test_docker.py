@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -136,6 +137,30 @@ def test_entrypoint_defaults_yield_to_the_job_environment(docker_engine,
                     "-e", "TORCH_NCCL_ASYNC_ERROR_HANDLING=3", worker_image.tag,
                     "bash", "-c", show, timeout_s=60)
     assert (default.split()[-1], given.split()[-1]) == ("1-unset", "3-TRACE")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--", "--checks", "enviroment"],
+     "unknown check 'enviroment' (did you mean 'environment'?)"),
+    # several nodes: no torchrun starts (it would wait for the rendezvous host's join timeout)
+    (["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+      "--rdzv-endpoint=nowhere.invalid:29500", "--", "--fault", "3:crash@environment"],
+     "'3:crash@environment': rank out of range for WORLD_SIZE=2"),
+])
+def test_bad_input_is_one_line_and_exit_2(docker_engine, worker_image: BuiltImage, tmp_path,
+                                          args, says):
+    """Issue 25: the entrypoint checks the worker's options once, before torchrun starts any
+    rank: one line and exit 2 (torchrun's agent would exit 1 under its traceback), no folder."""
+    out = _report_dir(tmp_path, _image_user(docker_engine, worker_image.tag))
+    t0 = time.monotonic()
+    status, logs = _run(docker_engine, "dsd-bad", "--network", "none", "--volume",
+                        f"{out}:/reports", worker_image.tag, *args, timeout_s=60)
+    lines = [ln for ln in logs.splitlines() if not ln.startswith("WARNING")]
+    print(f"\nbad input under the image: exit {status}, {len(lines)} line(s), "
+          f"{time.monotonic() - t0:.1f} s with the container's start and removal")
+    assert status == 2 and len(lines) == 1, logs
+    assert lines[0].startswith("ddp-smoke: error: ") and says in lines[0], logs
+    assert list(out.iterdir()) == []
 
 
 def test_docker_run_writes_a_passing_two_rank_report(docker_engine, worker_image: BuiltImage,

@@ -405,7 +405,8 @@ def _job_requirements(job: dict, docs: list[dict]) -> list[str]:
 def _trainjob_requirements(job: dict, docs: list[dict]) -> list[str]:
     trainer, name = job["spec"]["trainer"], job["metadata"]["name"]
     script = trainer["args"][0]
-    errors = _torchrun_errors(script) + _node_name_errors(trainer.get("env", []))
+    errors = (_torchrun_errors(script) + _node_name_errors(trainer.get("env", []))
+              + _secret_errors(trainer.get("env", [])))
     env = {e["name"]: e for e in trainer.get("env", [])}
     run_id = env.get("DDP_SMOKE_RUN_ID", {}).get("value", "")
     if not (run_id.startswith(name) and "$(JOB_UID)" in run_id
@@ -510,7 +511,7 @@ def _pod_requirements(template: dict, job: str, job_label: str, nproc) -> list[s
             and all(res.get("requests", {}).get(k) for k in ("cpu", "memory", GPU))):
         errors.append("requests cpu, memory, nvidia.com/gpu; gpu limit = processes per pod")
     errors += _security_errors(pod.get("securityContext", {}), container.get("securityContext", {}))
-    errors += _node_name_errors(container.get("env", []))
+    errors += _node_name_errors(container.get("env", [])) + _secret_errors(container.get("env", []))
     terms = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     if terms[0]["labelSelector"]["matchLabels"] != {job_label: job} \
             or terms[0]["topologyKey"] != "kubernetes.io/hostname":
@@ -541,10 +542,36 @@ def _torchrun_errors(script: str) -> list[str]:
         errors.append("sh is PID 1 and ignores SIGTERM: trap it and pass it on to torchrun")
     if "python3 -m ddp_smoke.verdict" not in script or '"${msg_file}"' not in script:
         errors.append("write the one-line verdict to the termination message file")
-    launches = [ln for ln in script.splitlines() if ln.strip().startswith("torchrun")]
+    # ("$@": the store host and its options on the pod that hosts it, nothing on the others)
+    launches = [ln for ln in script.splitlines()
+                if ln.strip().removeprefix('"$@" ').startswith("torchrun")]
     if len(launches) != 1 or "--standalone" in script:
         errors.append("exactly one torchrun per pod, never --standalone")
+    # Issue 24: the kit's store outlives rank 0 (and its node's torchrun agent) only in a
+    # process of its own, which runs torchrun as its child on the rendezvous host's pod.
+    if not (re.search(r"set -- python3 -m ddp_smoke\.store_host --host \S+ \\\n\s*--port .+ "
+                      r"--report-dir \S+ --$", script, re.M)
+            and "export DDP_SMOKE_STORE" in script
+            and any(ln.strip().startswith('"$@" torchrun') for ln in launches)):
+        errors.append("start the store host (python3 -m ddp_smoke.store_host … -- torchrun) on "
+                      "the rendezvous host's pod and export DDP_SMOKE_STORE in every pod")
+    # Issue 28: preflight before torchrun, the rendezvous host listening for every pod's hello.
+    preflight = script.find("python3 -m ddp_smoke preflight --rdzv ")
+    if not (0 <= preflight < script.find("torchrun \\")
+            and all(f in script for f in ("--serve", "--nodes ", '> "${msg_file}"'))):
+        errors.append("run preflight (python3 -m ddp_smoke preflight --rdzv … --nodes …, the "
+                      "rendezvous host with --serve) before torchrun, its line as the "
+                      "termination message when it fails")
     return errors
+
+
+def _secret_errors(env: list[dict]) -> list[str]:
+    """Issue 27: every pod of a run gets the same signing secret, from a Secret (which other
+    users cannot read), optional so that a job without one still runs (unsigned, said so)."""
+    source = next((e.get("valueFrom") for e in env if e["name"] == "DDP_SMOKE_SECRET"), None)
+    ref = (source or {}).get("secretKeyRef", {})
+    return [] if ref.get("name") and ref.get("key") and ref.get("optional") is True else [
+        "env DDP_SMOKE_SECRET from secretKeyRef (optional: true): the run's signing secret"]
 
 
 def _config_requirements(cm: dict, docs: list[dict]) -> list[str]:
@@ -606,6 +633,9 @@ TRAPS = {
     "standalone-torchrun": (JOB, "--rdzv-backend=c10d \\", "--standalone \\", "torchrun"),
     "ij-parallelism": (IJ, "parallelism: *nodes", "parallelism: 1", "parallelism"),
     "no-node-name": (TJ, "fieldPath: spec.nodeName", "fieldPath: metadata.name", "NODE_NAME"),
+    "no-store-host": (IJ, '              "$@" torchrun', "              torchrun", "store host"),
+    "no-preflight": (TJ, 'python3 -m ddp_smoke preflight --rdzv', "true --rdzv", "preflight"),
+    "secret-required": (JOB, "                      optional: true\n", "", "DDP_SMOKE_SECRET"),
     "ij-not-published": (K8S / "indexed-job" / "10-ddp-smoke-service.yaml",
                          "publishNotReadyAddresses: true", "publishNotReadyAddresses: false",
                          "publishNotReadyAddresses"),
@@ -662,6 +692,7 @@ FAKE_TORCHRUN = """#!/usr/bin/env python3
 import json, os, sys
 out = os.environ["FAKE_OUT"]
 json.dump(sys.argv[1:], open(out, "w"))
+json.dump(os.environ.get("DDP_SMOKE_STORE"), open(out + ".store", "w"))
 report = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--report-dir=")][0]
 os.makedirs(report, exist_ok=True)
 json.dump({"verdict": "fail", "culprits": [{"rank": 3}]}, open(report + "/report.json", "w"),
@@ -721,7 +752,9 @@ def test_a_stale_report_is_never_logged_as_this_runs(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "torchrun").write_text("#!/bin/sh\nexit 1\n")  # rank 0 dies before writing
     (bin_dir / "torchrun").chmod(0o755)
-    env = {**pod.env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DDP_SMOKE_PREFLIGHT": "0",
+    # (the venv's python3: the Master runs the store host, which finds no rank and no report)
+    env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "DDP_SMOKE_PREFLIGHT": "0",
            "REPORT_DIR": str(stale.parent), "TERMINATION_LOG": str(tmp_path / "msg")}
     proc = subprocess.run(pod.argv, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "ddp-smoke-report.json" not in proc.stdout, proc.stdout
@@ -729,25 +762,43 @@ def test_a_stale_report_is_never_logged_as_this_runs(tmp_path):
     assert "no report in this pod" in (tmp_path / "msg").read_text()
 
 
-def test_master_pod_names_the_node_ranks_that_never_joined(tmp_path):
-    """The Worker pod never starts (Pending, no image): the Master's preflight waits its
-    timeout for the hello, then stops before torchrun with a termination message that names
-    node rank 1."""
-    docs = ko.load_manifests(K8S)
-    master = ko.compute_pods(docs, pod_ips={"ddp-smoke-master-0": "127.0.0.1",
-                                            "ddp-smoke-worker-0": "10.9.0.3"})[0]
+def _rendezvous_host(variant: str, port: int, tmp_path: Path) -> tuple[list[str], dict]:
+    """argv and env of the pod that hosts the rendezvous, at 127.0.0.1:``port`` (cluster DNS,
+    offline), its report folder under ``tmp_path``. TrainJob pods are not emulated (Trainer
+    makes them): its script runs with the variables Trainer injects, as its header lists them."""
+    if variant == "trainer-v2":
+        (doc,) = [d for d in ko.load_manifests(FOLDERS[variant]) if d["kind"] == "TrainJob"]
+        env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "0",
+               "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
+               "DDP_SMOKE_RUN_ID": f"ddp-smoke-v2-{tmp_path.name}", "POD_IP": "127.0.0.1"}
+        return doc["spec"]["trainer"]["command"] + doc["spec"]["trainer"]["args"], env
+    docs = ko.load_manifests(FOLDERS[variant])
+    host = ko.compute_pods(docs, pod_ips={n: "127.0.0.1" for n in ko.pod_names(docs)})[0]
+    env = {**host.env, "REPORT_DIR": str(tmp_path / "reports"),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "RDZV_ENDPOINT": f"127.0.0.1:{port}"}
+    return host.argv, env
+
+
+@pytest.mark.parametrize("variant", ["pytorchjob", "indexed-job", "trainer-v2"])
+def test_rendezvous_host_names_the_node_ranks_that_never_joined(variant, tmp_path):
+    """The other pod never starts (Pending, no image): the rendezvous host's preflight (the
+    Master, index 0, node 0) waits its timeout for the hello, then stops before torchrun with
+    a termination message that names node rank 1."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    host_argv, env = _rendezvous_host(variant, port, tmp_path)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "torchrun").write_text("#!/bin/sh\necho torchrun ran; exit 1\n")
     (bin_dir / "torchrun").chmod(0o755)
-    env = {**master.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),  # cluster DNS, offline
-           "DDP_SMOKE_PREFLIGHT_TIMEOUT": "4", "REPORT_DIR": str(tmp_path / "reports"),
-           "TERMINATION_LOG": str(tmp_path / "msg")}
-    proc = subprocess.run(master.argv, env=env, capture_output=True, text=True, timeout=60)
+    env.update({"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+                "DDP_SMOKE_PREFLIGHT_TIMEOUT": "4", "TERMINATION_LOG": str(tmp_path / "msg")})
+    try:
+        proc = subprocess.run(host_argv, env=env, capture_output=True, text=True, timeout=60)
+    finally:  # the TrainJob's report folder is fixed, under /tmp
+        shutil.rmtree(f"/tmp/ddp-smoke-reports/ddp-smoke-v2-{tmp_path.name}", ignore_errors=True)
     assert proc.returncode == 1 and "torchrun ran" not in proc.stdout, proc.stdout + proc.stderr
     message = (tmp_path / "msg").read_text().strip()
     assert message.startswith("ddp-smoke preflight: ") and " FAIL · " in message, message
@@ -770,6 +821,11 @@ def test_indexed_job_pods_say_who_hosts_the_store(tmp_path):
         run_id = f"ddp-smoke-indexed-{pods[0].labels['batch.kubernetes.io/controller-uid']}"
         assert "--expect-world-size=16" in argv and f"--rdzv-id={run_id}" in argv
         assert f"--report-dir={tmp_path}/reports/{run_id}" in argv
+        # Every pod is told where the kit's store is; index 0 serves it (torchrun its child).
+        store = "ddp-smoke-indexed-0.ddp-smoke-indexed:29401"
+        assert json.loads((tmp_path / f"{pod.name}.json.store").read_text()) == store
+        served = f"serving the coordination store at {store} " in proc.stderr
+        assert served == (pod.index == 0), proc.stderr
 
 
 # -- tests/k8s_operator.py ------------------------------------------------------------------------
@@ -815,6 +871,28 @@ def test_operator_env_is_appended_and_wins():
     assert master.labels["training.kubeflow.org/job-role"] == "master"
     assert master.dns_requires_ready and "j-worker-1.default.svc.cluster.local" in w1.dns_names
     assert master.restart_policy == "OnFailure"  # the operator's default: what k8s/ avoids
+
+
+def test_secret_key_ref_as_the_kubelet_resolves_it():
+    """The Secret's value (base64 in data, plain in stringData, which wins); a missing Secret
+    or key leaves an optional entry unset and stops a required one's container."""
+    docs = ko.load_manifests(K8S)
+    ips = {n: "10.9.0.2" for n in ko.pod_names(docs)}
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "ddp-smoke-secret"},
+              "data": {"secret": "YWJj", "other": "eHl6"}}
+    pods = ko.compute_pods(docs + [secret], pod_ips=ips)
+    assert {p.env["DDP_SMOKE_SECRET"] for p in pods} == {"abc"}
+    pods = ko.compute_pods(docs + [{**secret, "stringData": {"secret": "def"}}], pod_ips=ips)
+    assert {p.env["DDP_SMOKE_SECRET"] for p in pods} == {"def"}
+    for absent in ([], [{**secret, "data": {"other": "eHl6"}}]):
+        assert not any("DDP_SMOKE_SECRET" in p.env for p in ko.compute_pods(docs + absent,
+                                                                             pod_ips=ips))
+        required = ko.customize(docs)
+        for rspec in required[1]["spec"]["pytorchReplicaSpecs"].values():
+            for entry in rspec["template"]["spec"]["containers"][0]["env"]:
+                entry.get("valueFrom", {}).get("secretKeyRef", {}).pop("optional", None)
+        with pytest.raises(ValueError, match="CreateContainerConfigError"):
+            ko.compute_pods(required + absent, pod_ips=ips)
 
 
 def test_operator_defaults_and_elastic_env():
@@ -909,3 +987,29 @@ def test_customize_edits_what_the_readme_says():
         "resources"]["limits"]
     assert GPU not in limits
     assert ko.load_manifests(K8S)[1]["spec"]["nprocPerNode"] == "8"  # input untouched
+
+
+def test_a_pod_whose_ranks_lost_the_store_says_who_went_silent(tmp_path):
+    """The store's pod died with rank 0: a Worker pod's ranks left lost/<rank>.json (each
+    pod's own emptyDir), and its termination message names the silent ranks from them."""
+    docs = ko.load_manifests(K8S)
+    pod = ko.compute_pods(docs, pod_ips={"ddp-smoke-master-0": "10.9.0.2",
+                                         "ddp-smoke-worker-0": "10.9.0.3"})[1]
+    reports = tmp_path / "reports"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = {"ddp_smoke_rank": 1, "run_id": pod.env["DDP_SMOKE_RUN_ID"], "stage": "ddp_step",
+              "store": "ddp-smoke-master-0:29401", "world_size": 2,
+              "hosts": ["ddp-smoke-master-0", "ddp-smoke-worker-0"]}
+    (bin_dir / "torchrun").write_text(  # rank 1 lost the store, left its word, exited 1
+        f"#!/bin/sh\nmkdir -p \"$REPORT_DIR/lost\"\necho '{json.dumps(record)}' > "
+        "\"$REPORT_DIR/lost/1.json\"\nexit 1\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "DDP_SMOKE_PREFLIGHT": "0", "REPORT_DIR": str(reports),
+           "TERMINATION_LOG": str(tmp_path / "msg")}
+    proc = subprocess.run(pod.argv, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    message = (tmp_path / "msg").read_text()
+    assert message.startswith(f"ddp-smoke FAIL · run {record['run_id']} · 2 ranks"), message
+    assert "silent: rank 0 ddp-smoke-master-0" in message, message

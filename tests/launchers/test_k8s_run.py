@@ -36,10 +36,20 @@ static table, so names that a real cluster answers only once a pod is Ready answ
 The pods must rendezvous (c10d, over real TCP between the namespaces) and the pod that ran rank 0
 must hold ``report.json`` in its /reports and print it as the ``ddp-smoke-report.json: `` log
 line that the manifests' headers tell users to grep: verdict pass, 2 ranks on 2 nodes, hosts =
-the pods' hostnames. The checks are the ConfigMaps' own list, unedited.
+the pods' hostnames. The checks are the ConfigMaps' own list, unedited. Every pod ran preflight
+first (the rendezvous host's heard both hellos), and the rendezvous host's pod ran the kit's
+store host (issue 24). The PyTorchJob runs with the Secret the README says to create (``kubectl
+create secret generic ddp-smoke-secret --from-literal=secret=…``): its report is signed; the
+Indexed Job runs without one (the reference is optional): it still passes, unsigned, and says so.
+
+Rank 0's worker SIGKILLed mid-check (issue 24): the PyTorchJob's pods, rank 0 held at ddp_step
+(``hang``) until rank 1 waits for it there, then killed from outside by PID as the OOM killer
+does. A survivor or the Master's store host must write the report naming exactly rank 0, within
+the stage deadline + 10 s of the kill, and a pod must log it.
 """
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import os
@@ -51,7 +61,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests import k8s_operator as ko, report_schema
+from tests import k8s_operator as ko, report_schema, store_kill
 from tests.sandbox import hosts
 from tests.sandbox.docker import (REPO, BuiltImage, Container, PodNetwork,  # noqa: F401
                                   docker_engine, wait_all, worker_image)
@@ -64,6 +74,10 @@ PREFIX, SUBNET = "dsk", "10.231.4.0/24"  # this file's own pods, bridge and addr
 NODES, NPROC = 2, 1
 RUN_TIMEOUT_S = 240  # a 2-pod run of the ConfigMap's checks takes < 1 min; a hang must end
 REPORT_LINE = "ddp-smoke-report.json: "
+# The Secret of the README's one-liner; its value here is this file's own.
+SECRET_NAME, SECRET_KEY, SECRET = "ddp-smoke-secret", "secret", os.urandom(32).hex()
+STORE_PORT = 29401  # the rendezvous port + 1: the manifests' store host
+KILL_TIMEOUT_S = 30  # the killed run's stage deadline: its report must come within it + 10 s
 # securityContext keys this file turns into `docker run` options (or checks); any other key fails.
 SECURITY_KEYS = {"runAsUser", "runAsGroup", "runAsNonRoot", "fsGroup", "fsGroupChangePolicy",
                  "seccompProfile", "allowPrivilegeEscalation", "privileged", "capabilities"}
@@ -257,9 +271,34 @@ def _describe(runs: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _secret_doc() -> dict[str, Any]:
+    """What ``kubectl create secret generic ddp-smoke-secret --from-literal=secret=…`` makes."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": SECRET_NAME},
+            "data": {SECRET_KEY: base64.b64encode(SECRET.encode()).decode()}}
+
+
+def _assert_ran_before_torchrun(runs: dict[str, Any], pods: list[ko.Pod], host: ko.Pod,
+                                store: str) -> None:
+    """Every pod's preflight passed, the rendezvous host's heard every pod; that pod (only)
+    served the kit's store, at ``store``, which every pod was given."""
+    info = _describe(runs)
+    for pod in pods:
+        logs = runs[pod.name]["logs"]
+        assert f"ddp-smoke preflight: {pod.hostname} ok in " in logs, info
+        record = json.loads(_host_path(runs[pod.name]["host_of"], f"{pod.env['REPORT_DIR']}/"
+                                       f"preflight/{pod.hostname}.json").read_text())
+        assert record["ok"] and record["run_id"] == pod.env["DDP_SMOKE_RUN_ID"], record
+        if pod is host:
+            assert sorted(record["joined"].values()) == sorted(p.hostname for p in pods), record
+        served = f"serving the coordination store at {store} " in logs
+        assert served == (pod is host), info
+
+
 def _assert_passing_report(runs: dict[str, Any], pods: list[ko.Pod],
-                           checks: list[str]) -> dict[str, Any]:
-    """The pod that ran rank 0 kept report.json in /reports and logged it; it says pass."""
+                           checks: list[str], signed: bool) -> dict[str, Any]:
+    """The pod that ran rank 0 kept report.json in /reports and logged it; it says pass,
+    signed or not as the pods were given a secret or not."""
     info = _describe(runs)
     assert [runs[p.name]["status"] for p in pods] == [0] * len(pods), info
     holders = []
@@ -287,6 +326,10 @@ def _assert_passing_report(runs: dict[str, Any], pods: list[ko.Pod],
     # transport and health skip on these CPU pods, with their reasons (no NCCL, no NVML/HCAs).
     assert [(c["name"], c["status"]) for c in report["checks"]] == [
         (name, "skip" if name in ("transport", "health") else "pass") for name in checks], info
+    assert report["security"]["signed"] is signed, report["security"]
+    assert report["security"].get("findings", []) == [], report["security"]
+    # never logged, never reported
+    assert not any(SECRET in runs[p.name]["logs"] for p in pods) and SECRET not in json.dumps(report)
     return report
 
 
@@ -300,10 +343,12 @@ def _ips(docs: list[dict[str, Any]]) -> dict[str, str]:
 
 def test_pytorchjob_pods_rendezvous_and_pass(k8s_net: PodNetwork, worker_image: BuiltImage,
                                              tmp_path):
-    docs = _customized(REPO / "k8s", worker_image.tag)
+    docs = _customized(REPO / "k8s", worker_image.tag) + [_secret_doc()]
     ips = _ips(docs)
     pods = ko.compute_pods(docs, pod_ips=ips)
     master, worker = pods
+    # The kubelet hands every pod the Secret's value (secretKeyRef): one secret for the run.
+    assert {p.env["DDP_SMOKE_SECRET"] for p in pods} == {SECRET}
     # What the operator gives the pods, from the manifest alone (nothing set by this test).
     assert (master.hostname, worker.hostname) == ("ddp-smoke-master-0", "ddp-smoke-worker-0")
     for pod in pods:
@@ -318,7 +363,8 @@ def test_pytorchjob_pods_rendezvous_and_pass(k8s_net: PodNetwork, worker_image: 
     assert init["image"] == ko.INIT_IMAGE and "nslookup ddp-smoke-master-0" in init["argv"][-1]
 
     runs = _run_job(k8s_net, docs, pods, ips, start_order=[master, worker], tmp_path=tmp_path)
-    _assert_passing_report(runs, pods, _config_checks(docs))
+    _assert_passing_report(runs, pods, _config_checks(docs), signed=True)
+    _assert_ran_before_torchrun(runs, pods, master, f"ddp-smoke-master-0:{STORE_PORT}")
 
 
 def test_indexed_job_pods_rendezvous_and_pass(k8s_net: PodNetwork, worker_image: BuiltImage,
@@ -338,9 +384,14 @@ def test_indexed_job_pods_rendezvous_and_pass(k8s_net: PodNetwork, worker_image:
     assert not pods[0].dns_requires_ready  # publishNotReadyAddresses: true
     assert pods[0].fqdn == "ddp-smoke-indexed-0.ddp-smoke-indexed.default.svc.cluster.local"
 
+    # No Secret here: the reference is optional, the run goes on unsigned and says so.
+    assert not any("DDP_SMOKE_SECRET" in p.env for p in pods)
+
     # No order among an Indexed Job's pods: the store's host (index 0) starts last here.
     runs = _run_job(k8s_net, docs, pods, ips, start_order=pods[::-1], tmp_path=tmp_path)
-    _assert_passing_report(runs, pods, _config_checks(docs))
+    _assert_passing_report(runs, pods, _config_checks(docs), signed=False)
+    _assert_ran_before_torchrun(runs, pods, pods[0],
+                                f"ddp-smoke-indexed-0.ddp-smoke-indexed:{STORE_PORT}")
 
 
 def _with_config(docs: list[dict[str, Any]], **extra: Any) -> list[dict[str, Any]]:
@@ -411,3 +462,54 @@ def test_pod_deletion_reaches_the_workers(k8s_net: PodNetwork, worker_image: Bui
     assert 137 not in statuses, logs  # ended by the signal passed on, not by a SIGKILL
     assert logs.count("death signal, shutting down workers") == len(pods), logs
     print(f"\nSIGTERM -> every pod ended in {stopped_s:.1f} s; statuses {statuses}")
+
+
+def test_pytorchjob_rank0_killed_the_report_names_it(k8s_net: PodNetwork,
+                                                     worker_image: BuiltImage, tmp_path):
+    """Issue 24: rank 0's worker SIGKILLed mid-check. The kit's store lives in the Master's
+    store host, not in a torchrun agent that leaves with its worker: a survivor, or the store
+    host when the survivor's agent stopped it first, writes the report naming rank 0."""
+    docs = _with_config(_customized(REPO / "k8s", worker_image.tag) + [_secret_doc()],
+                        checks=["environment", "ddp_step"], fault="0:hang@ddp_step",
+                        timeout=KILL_TIMEOUT_S)
+    ips = _ips(docs)
+    pods = ko.compute_pods(docs, pod_ips=ips)
+    runs, containers = _start_job(k8s_net, docs, pods, ips, pods, tmp_path)
+    end, master = time.monotonic() + 240, containers[pods[0].name]
+    while "serving the coordination store at " not in master.logs():  # the Master's store host
+        assert time.monotonic() < end, "\n".join(c.logs() for c in containers.values())
+        time.sleep(0.5)
+    store = store_kill.store_at(ips[pods[0].name], STORE_PORT, timeout_s=10)
+    store_kill.wait_arrived(store, "ddp_step", [1], 240)
+    pids = store_kill.workers(run_id=pods[0].env["DDP_SMOKE_RUN_ID"])
+    assert sorted(pids) == [0, 1], pids
+    killed = store_kill.kill([pids[0]])
+    paths = {p.name: _host_path(runs[p.name]["host_of"], f"{p.env['REPORT_DIR']}/report.json")
+             for p in pods}
+    written, holder = None, None
+    while written is None and time.monotonic() < killed + KILL_TIMEOUT_S + 10:
+        holder = next((n for n, path in paths.items() if path.exists() and path.stat().st_size),
+                      None)
+        written = time.monotonic() if holder else None
+        time.sleep(0.1)
+    statuses = wait_all_ended(list(containers.values()), 120)
+    logs = "\n".join(f"--- {n} (exit {s})\n{c.logs()[-5000:]}"
+                     for (n, c), s in zip(containers.items(), statuses))
+    assert written is not None, f"no report within {KILL_TIMEOUT_S + 10} s of the kill\n{logs}"
+    report = report_schema.read(paths[holder])
+    host_of = {r["rank"]: r["host"] for r in report["ranks"]}
+    culprits = {(c["rank"], c["host"]) for ch in report["checks"] for c in ch["culprits"]}
+    writer = next(c for c in report["checks"] if c["name"] == "ddp_step")["figures"]["writer"]
+    print(f"\nk8s pods, rank 0 SIGKILLed: report {written - killed:.1f} s after the kill, "
+          f"written by {writer} in pod {holder}; culprits {sorted(culprits)}")
+    assert report["verdict"] == "fail", logs
+    # (the store host's report of last resort has no security section: it read signed records)
+    assert report.get("security", {}).get("signed", writer == "store host") is True, logs
+    assert culprits == {(0, host_of[0])} and host_of[0] in {p.hostname for p in pods}, logs
+    # The writer: rank 1, unless its torchrun agent stopped it first (the Master's agent hosts
+    # torchrun's rendezvous store and leaves with its killed worker): then the store host.
+    assert writer in ("rank 1", "store host"), logs
+    assert None not in statuses, logs
+    lines = [ln for c in containers.values() for ln in c.logs().splitlines()
+             if ln.startswith(REPORT_LINE)]
+    assert [json.loads(ln[len(REPORT_LINE):]) for ln in lines] == [report], logs  # logged once

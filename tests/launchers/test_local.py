@@ -101,6 +101,26 @@ def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, argv,
     assert not (tmp_path / "reports").exists()  # no rank started, nothing made
 
 
+@pytest.mark.parametrize("launcher, worker, status, says", [
+    (["--nnodes", "2", "--nproc-per-node=1"], ["--fault", "2:crash@collectives"], 2,
+     "rank out of range for WORLD_SIZE=2"),
+    # a count torchrun resolves on each node (gpu, MIN:MAX): what depends on it is the ranks'
+    (["--nnodes=1:4", "--nproc-per-node", "gpu"], ["--fault", "9:crash@collectives"], 0, ""),
+    ([], ["--chekcs", "environment"], 2, "did you mean --checks?"),
+    ([], ["--checks", "environment"], 0, ""),
+], ids=["world-size", "counts-unknown", "flag-typo", "good"])
+def test_check_only_starts_nothing(tmp_path, launcher, worker, status, says):
+    """``--check``: what the image's entrypoint runs once before its torchrun (issue 25)."""
+    p = subprocess.run([sys.executable, "-m", "ddp_smoke.launch_local", "--check", *launcher,
+                        "--", "--backend", "gloo", *worker], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert (p.returncode, p.stdout) == (status, ""), p.stderr
+    assert p.stderr.count("\n") == (1 if says else 0) and says in p.stderr, p.stderr
+    # a good run's folder was tested (made, written, the claim tried); nothing else was made
+    made = [f.name for f in (tmp_path / "reports").glob("*/*")] if status == 0 else []
+    assert made == ([".ddp-smoke.lock"] if status == 0 and not launcher else []), made
+
+
 def test_a_report_folder_that_cannot_be_written_is_bad_input(tmp_path):
     """Issue 25 item 4 (before: 78 lines in 14.5 s, a FAIL table blaming the launcher)."""
     if os.geteuid() != 0:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ddp_smoke import preflight
+from ddp_smoke.coordination import lost
 from ddp_smoke.outputs import launch_report as lr
 
 PY = sys.executable
@@ -273,6 +274,18 @@ def test_entrypoint_preflight_failure_is_a_report_naming_this_node(tmp_path):
     assert "+ torchrun" not in proc.stderr  # stopped before torchrun
 
 
+def test_entrypoint_checks_the_worker_options_once_before_anything_starts(tmp_path):
+    """Issue 25: bad input is one line and exit 2 before preflight and torchrun (which would
+    exit 1); the worker's --help is printed once, by no rank."""
+    proc = _entrypoint(tmp_path, "--", "--checks", "enviroment")
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "did you mean 'environment'?" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+    proc = _entrypoint(tmp_path, "--", "--help")
+    assert proc.returncode == 0 and proc.stdout.count("usage: python -m ddp_smoke") == 1
+    assert "+ torchrun" not in proc.stderr and "preflight" not in proc.stderr, proc.stderr
+
+
 def test_entrypoint_torchrun_that_never_starts_a_worker_is_named(tmp_path):
     """torchrun cannot reach the rendezvous (nothing listens on the port): no worker, no
     report from one; the entrypoint writes it, with torchrun's own error line."""
@@ -338,3 +351,59 @@ def test_nodes_that_could_not_reach_a_silent_head_store_blame_the_head(tmp_path)
     assert culprit["host"] == "a" and culprit["reason"].startswith(
         "rendezvous host: its c10d store never answered: 1 node(s) could not connect"), culprit
     assert report["checks"][0]["figures"]["victims"][0].startswith("b: ")
+
+
+def test_a_head_that_came_up_after_the_others_gave_up_is_still_the_culprit(tmp_path):
+    """The head started late: the others timed out connecting to its store, then its own
+    torchrun timed out waiting for them (RendezvousTimeoutError): the head, not both."""
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "b.run.err").write_text(TORCH_STACK)
+    (tmp_path / "launch" / "c.run.err").write_text(TORCH_STACK)
+    (tmp_path / "launch" / "a.run.err").write_text(
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n")
+    proc = _launcher(tmp_path, "run", "a b c", "--exit", "1")
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    [culprit] = report["checks"][0]["culprits"]
+    assert culprit["host"] == "a" and culprit["reason"] == (
+        "rendezvous host: its c10d store never answered: 2 node(s) could not connect to it; it "
+        "started late or not at all (its own torchrun then timed out waiting for them)"), culprit
+    assert [v.split(":")[0] for v in report["checks"][0]["figures"]["victims"]] == ["b", "c"]
+
+
+def test_a_head_timing_out_while_one_node_failed_otherwise_names_that_node(tmp_path):
+    """The head's rendezvous timed out because node c died of its own error: c alone is named,
+    the head is a victim."""
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "c.run.err").write_text("ModuleNotFoundError: No module named 'x'\n")
+    (tmp_path / "launch" / "a.run.err").write_text(
+        "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n")
+    proc = _launcher(tmp_path, "run", "a b c", "--exit", "1")
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [(k["host"], k["reason"]) for k in report["checks"][0]["culprits"]] == [
+        ("c", "no worker started: ModuleNotFoundError: No module named 'x'")]
+    assert [v.split(":")[0] for v in report["checks"][0]["figures"]["victims"]] == ["b", "a"]
+
+
+def test_ranks_that_lost_the_store_make_the_launchers_report_naming_the_silent_node(tmp_path):
+    """The workers ran, the store's node died with rank 0, nobody could write: the launcher's
+    report names the node whose ranks left no word in lost/, the others are victims."""
+    hosts = ["a", "a", "b", "c"]
+    for r in (2, 3):
+        assert lost.write(str(tmp_path), r, {"ddp_smoke_rank": r, "run_id": "7",
+                                             "stage": "ddp_step", "store": "a:29501",
+                                             "world_size": 4, "hosts": hosts})
+    lost.write(str(tmp_path), 1, {"ddp_smoke_rank": 1, "run_id": "6"})  # an older run's
+    proc = _launcher(tmp_path, "run", "a b c", "--exit", "1")
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    [check] = report["checks"]
+    assert check["summary"].startswith("the workers ran, but the coordination store went silent")
+    assert [(k["host"], k["rank"], k["reason"]) for k in check["culprits"]] == [
+        ("a", None, "ranks 0, 1 went silent with the coordination store at a:29501 during "
+                      "ddp_step; no report and no word from them")]
+    assert [v.split(":")[0] for v in check["figures"]["victims"]] == ["rank 2 b", "rank 3 c"]
+    assert proc.stdout.splitlines()[-1].startswith("ddp-smoke: verdict fail · launch: a: ranks 0, 1 went "
+                                  "silent"), proc.stdout

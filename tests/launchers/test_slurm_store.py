@@ -27,9 +27,11 @@ TIMEOUT_S = 30  # the worker's stage deadline: the report must come within it + 
 cluster = slurm_fixture(nodes=3, node_name_prefix="cn-dst")
 
 
-def _killed_job(cluster, submit_dir: Path, victims) -> tuple[dict, str, float]:
+def _killed_job(cluster, submit_dir: Path, victims, store_host: bool = False
+                ) -> tuple[dict, str, float]:
     """Submit, wait until ranks 1 and 2 wait at ddp_step for rank 0 (held there), SIGKILL
-    ``victims`` (ranks); return the report, the job's output and seconds from kill to report."""
+    ``victims`` (ranks; and the store host when ``store_host``); return the report, the job's
+    output and seconds from kill to report."""
     env = cluster.env(WORKER_PYTHON=sys.executable, NPROC_PER_NODE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(["sbatch", "--parsable", *MACHINE, str(TEMPLATE), "--checks",
                            "environment,ddp_step", "--fault", "0:hang@ddp_step", "--timeout",
@@ -48,7 +50,9 @@ def _killed_job(cluster, submit_dir: Path, victims) -> tuple[dict, str, float]:
         store_kill.wait_arrived(store, "ddp_step", [1, 2], 120)
         pids = store_kill.workers(run_id=job)
         assert sorted(pids) == [0, 1, 2], pids
-        killed = store_kill.kill(pids[r] for r in victims)
+        hosts = store_kill.store_hosts(job) if store_host else []
+        assert len(hosts) == (1 if store_host else 0), hosts
+        killed = store_kill.kill([pids[r] for r in victims] + hosts)
         written = store_kill.wait_file(report, TIMEOUT_S + 10)
         assert written is not None, f"no report within {TIMEOUT_S + 10} s of the kill"
         end = time.monotonic() + 90
@@ -93,3 +97,24 @@ def test_every_rank_killed_the_store_host_writes_the_report(cluster, tmp_path):
     assert (0, cluster.hostnames[0]) in _culprits(report), json.dumps(report)[-3000:]
     assert took < TIMEOUT_S + 10
     assert output.strip().splitlines()[-1].startswith("ddp-smoke: verdict fail"), output[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_rank0_and_the_store_host_killed_the_launcher_names_the_silent_node(cluster, tmp_path):
+    """The store goes with rank 0 (the store host OOM-killed with it): the survivors leave
+    their word in lost/ and the sbatch's verdict writes the report from it."""
+    report, output, took = _killed_job(cluster, tmp_path, [0], store_host=True)
+    print(f"\nslurm, rank 0 and the store host SIGKILLed: report {took:.1f} s after the kill; "
+          f"culprits {sorted(_culprits(report), key=str)}")
+    assert report["verdict"] == "fail" and report["backend"] == "none"
+    [check] = report["checks"]
+    assert check["name"] == "launch"
+    assert _culprits(report) == {(0, cluster.hostnames[0])}, json.dumps(report)[-3000:]
+    assert "went silent with the coordination store" in check["culprits"][0]["reason"]
+    assert sorted(v.split(":")[0] for v in check["figures"]["victims"]) == [
+        f"rank 1 {cluster.hostnames[1]}", f"rank 2 {cluster.hostnames[2]}"]
+    assert took < TIMEOUT_S + 10
+    assert output.strip().splitlines()[-1].startswith(
+        f"ddp-smoke: verdict fail · launch: rank 0 {cluster.hostnames[0]}: went silent with the "
+        "coordination store"), \
+        output[-3000:]

@@ -22,7 +22,7 @@ from ddp_smoke.model import PASS, CheckResult, Report
 from ddp_smoke.outputs import ARTIFACTS, prepare as clear_stale
 from ddp_smoke.outputs.files import write_atomic
 from ddp_smoke.outputs.report import to_json_line, write_report
-from ddp_smoke.submit import TaskDied, owns, submit
+from ddp_smoke.submit import SmokeFailed, owns, submit
 
 from tests import launch
 from tests.checks.test_checks_correctness import evidence
@@ -116,14 +116,18 @@ def test_submit_accepts_only_its_own_jobs_report():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.xfail(strict=False, reason="quarantined at the session-4 integration: rank 0 named dead at environment with the store host and signing merged (see the closing note; to be fixed and unmarked next)")
 def test_submit_twice_into_one_folder_never_returns_the_first_verdict(tmp_path):
+    """The second run's rank 0 crashes: submit returns that run's own verdict (the survivor's
+    report naming rank 0, through the store host), never the first run's pass."""
     first = submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
                    worker_args=QUICK)
     assert first["verdict"] == "pass" and first["run_id"].startswith("submitit-")
-    with pytest.raises(TaskDied):
+    with pytest.raises(SmokeFailed) as second:
         submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
                worker_args=QUICK + ["--fault", "0:crash@environment"])
+    report = second.value.report
+    assert report["run_id"].startswith("submitit-") and report["run_id"] != first["run_id"]
+    assert {(k["rank"], k["check"]) for k in second.value.culprits} == {(0, "environment")}
 
 
 # -- 2. NaN fails, and the report stays strict JSON -----------------------------------------

@@ -17,10 +17,11 @@ LOCK_NAME = ".ddp-smoke.lock"
 _held: list = []  # the open lock file: held until this process exits, whichever way
 
 
-def check_run(cfg: dict[str, Any], world_size: int) -> None:
-    """What depends on the world size, and whether the profile fits the machine."""
+def check_run(cfg: dict[str, Any], world_size: int | None) -> None:
+    """What depends on the world size (None: not known yet, the ranks check it), and whether
+    the profile fits the machine."""
     faults = parse_faults(cfg["fault"], cfg["checks"])
-    if any(f.rank >= world_size for f in faults):
+    if world_size is not None and any(f.rank >= world_size for f in faults):
         raise ConfigError(f"key 'fault' = {cfg['fault']!r}: rank out of range for "
                           f"WORLD_SIZE={world_size}")
     check_machine(cfg)

@@ -68,13 +68,16 @@ class Watch:
         final = try_get(self.store, keys.FINAL)
         if final is not None:
             return final.decode()
+        self.look_beats()
+        return None
+
+    def look_beats(self) -> None:
         if self.meta is None:
             self.meta = read_meta(self.store)
         if self.meta is not None:
             beats = read_beats(self.store, range(int(self.meta["world_size"])))
             self.silence.update({r: b.get("n") for r, b in beats.items()})
             self.moved = {r: t for r, (_, t) in self.silence.last.items()}
-        return None
 
     def all_silent_for(self) -> float | None:
         """Seconds since the last heartbeat of any rank moved; None before any beat."""
@@ -99,6 +102,9 @@ def serve(watch: Watch, max_s: float, over: threading.Event,
             linger = time.monotonic() + LINGER_S
             while not over.is_set() and not watch.bye() and time.monotonic() < linger:
                 over.wait(LOOK_S)
+                watch.look_beats()  # a dead rank never says bye: stop once nobody beats
+                if (watch.all_silent_for() or 0) > DEAD_AFTER_S:
+                    break
             return 0
         quiet = watch.all_silent_for()
         if over.is_set() and over_at is None:

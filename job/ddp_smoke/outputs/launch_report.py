@@ -32,6 +32,7 @@ import sys
 from datetime import datetime, timezone
 
 from .. import __version__
+from ..coordination import lost
 from ..errors import ReportWriteError
 from ..model import FAIL, CheckResult, Culprit, Report
 from . import hosts, page
@@ -49,6 +50,7 @@ _SHELL = re.compile(r"No such file or directory|command not found|Permission den
 _REFUSED = re.compile(r"^rendezvous: cannot reach .*refused")
 _STORE_UNREACHED = re.compile(r"trying to connect to|failed to connect|connection to the C10d "
                               r"store has failed|Connection refused", re.I)
+_HOST_WAITED = re.compile(r"RendezvousTimeoutError")  # the c10d host saw too few nodes join
 _PREFLIGHT_FAIL = re.compile(r"^ddp-smoke preflight: \S+ FAIL")
 _LAUNCH_FAILED = re.compile(r"failed on node (\S+?):\s*(.*)")
 _TASK_ENDED = re.compile(r"^srun: error: (\S+?): tasks? [\d,-]+: (.*)")
@@ -180,17 +182,26 @@ def _blame(nodes: list[str], culprits: list[Culprit], found: dict[str, str], pre
     node -> its error, "" when it said nothing) are culprits, and the verdict is them with the
     silent ones as victims; None when no node said anything. But when every failing node only
     failed to reach the rendezvous host, and the host (the launchers make the first node the
-    store's) said nothing, the host was late (an image still being pulled) or never ran."""
+    store's) said nothing, or only that the others never joined it, the host was late (an image
+    still being pulled) or never ran."""
     culprits = culprits + [Culprit(None, n, _short(prefix + why)) for n, why in found.items()
                            if why]
     silent = [n for n, why in found.items() if not why]
     host = nodes[0] if nodes else None
-    if not culprits or host not in silent or not all(pattern.search(k.reason)
-                                                     for k in culprits):
+    # The host that came up after the others had given up then timed out waiting for them:
+    # its only word is that nobody joined, which the others' errors already explain.
+    waited = [k for k in culprits if k.host == host and _HOST_WAITED.search(k.reason)]
+    others = [k for k in culprits if k not in waited]
+    if others and waited and not all(pattern.search(k.reason) for k in others):
+        # the others failed of their own accord: the host's timeout is their consequence
+        return others, silent, (others, silent + [f"{host}: {waited[0].reason}"])
+    if not others or (host not in silent and not waited) or not all(
+            pattern.search(k.reason) for k in others):
         return culprits, silent, (culprits, silent) if culprits else None
-    reason = f"rendezvous host: {what.format(n=len(culprits))}; it started late or not at all"
+    reason = (f"rendezvous host: {what.format(n=len(others))}; it started late or not at all"
+              + (" (its own torchrun then timed out waiting for them)" if waited else ""))
     return culprits, silent, ([Culprit(None, host, reason)],
-                              [f"{k.host}: {k.reason}" for k in culprits] +
+                              [f"{k.host}: {k.reason}" for k in others] +
                               [n for n in silent if n != host])
 
 
@@ -219,13 +230,39 @@ def run_culprits(nodes: list[str], launch: dict[str, str], report_dir: str,
                                             "job's log")], []
 
 
+def lost_culprits(records: dict[int, dict]) -> tuple[list[Culprit], list[str]]:
+    """Workers ran, but the coordination store went silent and no rank could write (the node
+    hosting it died with rank 0): one culprit per node whose ranks left no word in ``lost/``
+    (they, or the store's node, are gone); the ranks that did leave one are victims."""
+    first = records[min(records)]
+    world = int(first.get("world_size") or 0)
+    hosts = next((r["hosts"] for r in records.values() if r.get("hosts")), None) or []
+    stages = "/".join(sorted({str(r.get("stage")) for r in records.values()}))
+    gone = (f"went silent with the coordination store at {first.get('store', '?')} during "
+            f"{stages}")
+    silent = [r for r in range(world) if r not in records]
+    by_node: dict[str | None, list[int]] = {}
+    for rank in silent:
+        by_node.setdefault(hosts[rank] if rank < len(hosts) else None, []).append(rank)
+    culprits = [Culprit(ranks[0], node, _short(f"{gone}; no report and no word from it"))
+                if len(ranks) == 1 else  # (Culprit.ranks is a link's two ends, not this)
+                Culprit(None, node, _short(f"ranks {', '.join(map(str, ranks))} {gone}; no "
+                                           "report and no word from them"))
+                for node, ranks in by_node.items()]
+    victims = [f"rank {r}{' ' + hosts[r] if r < len(hosts) else ''}: lost the store, left "
+               f"its word in lost/{r}.json" for r in sorted(records)]
+    return culprits or [Culprit(None, None, _short(f"every rank {gone}"))], victims
+
+
 def build(stage: str, nodes: list[str], culprits: list[Culprit], victims: list[str],
-          report_dir: str, run_id: str, launcher: str, records: dict[str, dict]) -> Report:
+          report_dir: str, run_id: str, launcher: str, records: dict[str, dict],
+          summary: str = "") -> Report:
     """A report of the worker's shape: no ranks ran, one failed check names the nodes."""
     bad = {k.host for k in culprits}
-    summary = (f"{len(bad - {None})} of {len(nodes)} node(s) failed preflight" if stage ==
-               "preflight" else f"the worker did not run on {len(bad - {None})} of "
-                                f"{len(nodes)} node(s)")
+    summary = summary or (f"{len(bad - {None})} of {len(nodes)} node(s) failed preflight"
+                          if stage == "preflight" else
+                          f"the worker did not run on {len(bad - {None})} of {len(nodes)} "
+                          "node(s)")
     figures = {"nodes_expected": nodes,
                "nodes_ok": [n for n in nodes if n not in bad and n not in victims],
                "victims": [v if ": " in v else f"{v}: stopped by the launcher after the "
@@ -290,6 +327,7 @@ def main(argv: list[str]) -> int:
     launch = launch_errors(_read(a.launch_log)) if a.launch_log else {}
     path = os.path.join(a.report_dir, "report.json")
     records = read_records(a.report_dir, a.run_id)
+    summary = ""
     if a.stage == "run":
         report = own_report(a.report_dir, a.run_id)
         if report is not None:
@@ -304,7 +342,13 @@ def main(argv: list[str]) -> int:
         if refused:  # bad input: no report by design, the worker's own line says why
             print(last_line("none (no report)", f"bad input: {refused[0]}", a.exit_code, path))
             return 2
-        culprits, victims = run_culprits(nodes, launch, a.report_dir, a.exit_code)
+        said = lost.read(a.report_dir, a.run_id)
+        if said:  # the workers ran; the ranks that lost the store left their word
+            culprits, victims = lost_culprits(said)
+            summary = ("the workers ran, but the coordination store went silent and no rank "
+                       "could write a report")
+        else:
+            culprits, victims = run_culprits(nodes, launch, a.report_dir, a.exit_code)
     else:
         culprits, victims = preflight_culprits(nodes, records, launch, a.report_dir)
         if not culprits:
@@ -312,7 +356,7 @@ def main(argv: list[str]) -> int:
             print(f"ddp-smoke: preflight ok on {len(nodes)} node(s) in {took:.1f} s", flush=True)
             return 0
     report = build(a.stage, nodes, culprits, victims, a.report_dir, a.run_id, a.launcher,
-                   records)
+                   records, summary)
     try:
         written = write_report(report, a.report_dir)
         page.write(report, a.report_dir)  # report.html, as beside the worker's reports
