@@ -197,13 +197,13 @@ def _cpu_evidence(blocks: list[list[float]], cores: int) -> Evidence:
 
 
 def test_compute_names_a_throttled_rank_and_spares_healthy_ranks_on_shared_cores():
-    # 4 ranks, one thread each, on a host with 2 usable cores: they share cores, margin 35 %
+    # 4 ranks, one thread each, on a host with 2 usable cores: they share cores, margin 45 %
     result = compute.judge(_cpu_evidence(QUOTA_BLOCKS, cores=2))
-    assert result.figures["shared_cores"] == ["vm"] and result.figures["straggler_margin"] == 0.35
+    assert result.figures["shared_cores"] == ["vm"] and result.figures["straggler_margin"] == 0.45
     [culprit] = result.culprits
     assert culprit.rank == 2 and culprit.reason.startswith(
         "fp32 matmul kept 53% of the other ranks' pace (46.7 % below, the median of its 3 "
-        "blocks each against the ranks' median block of the same moment; straggler margin 35%; "
+        "blocks each against the ranks' median block of the same moment; straggler margin 45%; "
         "ranks share cores on vm): sustains 20.3 GFLOPS (median block; best 23.9 GFLOPS)")
     assert [r["pace"]["fp32"] for r in result.figures["ranks"]] == pytest.approx(
         [0.9603, 1.2992, 0.5328, 1.0847], abs=2e-3)  # blocks recorded to 0.1 GFLOPS

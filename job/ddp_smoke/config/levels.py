@@ -10,8 +10,9 @@ diagnostic levels, ``dcgmi diag -r 1..4``, trade depth for time too, by choosing
     The local default (``make smoke-local``): a bandwidth sweep of four sizes (512 B, 16 KiB,
     512 KiB, 16 MiB on CPU; and 512 MiB on a GPU), each timed as many times as fit 0.02 s at
     the pace of its checked first run, at least 3 and at most 10; no separate warm-up (the
-    checked run warms the size up); three compute blocks of 0.02 s; no busbw.png. Under a
-    second of checks on two CPU ranks.
+    checked run warms the size up); three compute blocks of 0.05 s (shorter blocks than half a
+    CFS quota period, 100 ms, let a throttled rank's bursts decide a block); no busbw.png.
+    About a second of checks on two CPU ranks.
 ``standard``
     The worker's default, what the cluster launchers run: ``defaults.yaml`` as written — sizes
     1 KiB … 64 MiB (CPU) / 1 GiB (GPU) by ×4, up to 20 iterations or 0.25 s per size; five
@@ -32,7 +33,7 @@ LEVELS: dict[str, dict[str, Any]] = {
         "bandwidth": {"min_bytes": 512, "step_factor": 32, "max_bytes_cpu": 16 << 20,
                       "max_bytes_gpu": 512 << 20, "warmup_iters": 0, "min_iters": 3,
                       "iters": 10, "time_per_size_s": 0.02, "pair_iters": 3},
-        "compute": {"blocks": 3, "block_s": 0.02},
+        "compute": {"blocks": 3, "block_s": 0.05},
     },
     "standard": {},
     "long": {
