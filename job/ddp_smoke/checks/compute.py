@@ -48,7 +48,8 @@ it; the 16-rank launch of tests/worker/test_scale16.py):
   held to 15 % of a core by a CPU quota 0.27–0.35 alone, 0.32–0.53 beside a busy process
   (8 runs), behind in every block. Blocks that short let the quota's bursts (15 ms of every
   100 ms) decide a block, so the quick level's blocks are now 0.05 s: healthy 0.86–1.15 (8
-  runs beside a busy process, load average 5), the quota 0.32–0.44 (4 runs).
+  runs beside a busy process, load average 5; 0.91–1.07 over 16 ranks), the quota 0.32–0.44
+  (4 runs).
 
 Also ranks whose median block is below the profile's ``min_tflops`` floor, or whose device is
 not the profile's, with the shortfall in percent.
