@@ -828,6 +828,21 @@ def test_indexed_job_pods_say_who_hosts_the_store(tmp_path):
         assert served == (pod.index == 0), proc.stderr
 
 
+def test_indexed_job_pod_beyond_nnodes_is_one_line_and_exit_2(tmp_path):
+    """completions raised without NNODES: the extra pod says so once, starts nothing."""
+    docs = ko.load_manifests(K8S / "indexed-job")
+    docs[[d.get("kind") for d in docs].index("Job")]["spec"]["completions"] = 3
+    names = ko.pod_names(docs)
+    pod = ko.compute_pods(docs, pod_ips={n: f"10.9.0.{i + 2}" for i, n in enumerate(names)})[2]
+    env = {**pod.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "TERMINATION_LOG": str(tmp_path / "msg"), "REPORT_DIR": str(tmp_path / "r")}
+    proc = subprocess.run(pod.argv, env=env, capture_output=True, text=True, timeout=60)
+    line = ("ddp-smoke: error: pod index 2 but NNODES=2: set completions and NNODES to the "
+            "same number")
+    assert proc.returncode == 2 and proc.stderr.strip() == line, proc.stderr
+    assert (tmp_path / "msg").read_text().strip() == line
+
+
 # -- tests/k8s_operator.py ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, expected", [

@@ -98,7 +98,7 @@ def serve(watch: Watch, max_s: float, over: threading.Event,
     while time.monotonic() < end:
         final = watch.look()
         if final is not None:
-            say(f"the run is final ({final})")
+            # (nothing said: the writer's verdict stays the log's last line)
             linger = time.monotonic() + LINGER_S
             while not over.is_set() and not watch.bye() and time.monotonic() < linger:
                 over.wait(LOOK_S)
