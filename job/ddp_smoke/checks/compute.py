@@ -39,7 +39,7 @@ tests/worker/test_diagnosis_straggler.py, quick level, with one or two busy proc
 it; the 16-rank launch of tests/worker/test_scale16.py):
 
 * before the blocks were started together and compared one by one, a healthy rank's median
-  block fell up to 50 % below the ranks' median (18 runs, one or two busy processes; 23, 28
+  block fell up to 50 % below the ranks' median (19 runs, one or two busy processes; 23, 28
   and 50 % at the worst, the last named with the 30 % margin): a rank that finishes early
   frees a core for the others' later blocks, and one beside a busy process keeps less;
 * paces now, quick level with blocks of 0.02 s: healthy ranks 0.74–2.6 (16 runs with busy
