@@ -167,7 +167,7 @@ def test_compute_judge_names_the_straggler_and_floor_misses():
     result = compute.judge(ev)
     reasons = {(k.rank, k.reason) for k in result.culprits}
     assert (3, "bf16 matmul kept 77% of the other ranks' pace (23.3 % below, the median of its "
-               "3 blocks each against the ranks' median block of the same moment; straggler "
+               "3 blocks each against the ranks' median block of the same index; straggler "
                "margin 10%): sustains 600.0 TFLOPS (median block; best 790.0 TFLOPS), the "
                "ranks' median 782.5 TFLOPS") in reasons
     assert (3, "bf16 matmul sustains 600.0 TFLOPS (median block), 5.7 % below the h200-8gpu "
@@ -203,7 +203,7 @@ def test_compute_names_a_throttled_rank_and_spares_healthy_ranks_on_shared_cores
     [culprit] = result.culprits
     assert culprit.rank == 2 and culprit.reason.startswith(
         "fp32 matmul kept 53% of the other ranks' pace (46.7 % below, the median of its 3 "
-        "blocks each against the ranks' median block of the same moment; straggler margin 45%; "
+        "blocks each against the ranks' median block of the same index; straggler margin 45%; "
         "ranks share cores on vm): sustains 20.3 GFLOPS (median block; best 23.9 GFLOPS)")
     assert [r["pace"]["fp32"] for r in result.figures["ranks"]] == pytest.approx(
         [0.9603, 1.2992, 0.5328, 1.0847], abs=2e-3)  # blocks recorded to 0.1 GFLOPS

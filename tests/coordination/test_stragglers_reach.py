@@ -144,6 +144,19 @@ def test_attach_fails_a_passing_check_and_leaves_a_skip_alone():
     assert skipped.status == "skip" and not skipped.culprits
 
 
+def test_attach_leaves_out_a_rank_the_check_already_names():
+    """A slow link's ends arrive last in the sweep: the link explains it, no straggler too."""
+    link = Culprit(None, None, "link 0-1 slow", ranks=[0, 1], hosts=["a", "b"])
+    result = CheckResult("bandwidth", "fail", summary="slow link", culprits=[link])
+    stragglers.attach(result, _spent(4, 100, late=0), lambda r, why: Culprit(r, f"h{r}", why))
+    assert result.culprits == [link] and result.summary == "slow link"
+    assert result.figures["waits"]["most_last"][0]["rank"] == 0  # the figure stays
+    slow = Culprit(2, "h2", "slow with every partner")
+    result = CheckResult("bandwidth", "fail", summary="slow node", culprits=[slow])
+    stragglers.attach(result, _spent(4, 100, late=2), lambda r, why: Culprit(r, f"h{r}", why))
+    assert result.culprits == [slow]
+
+
 def test_keep_per_rank_is_bounded_at_any_world_size():
     assert stragglers.keep_per_rank(4) == 2048
     assert stragglers.keep_per_rank(4096) * 4096 <= stragglers.BUDGET

@@ -9,7 +9,8 @@ names nobody. Three times each, in one test.
 
 Four ranks on this machine's two cores share them (``shared_cores``): a healthy rank's share
 is the scheduler's, which is what made the run without the quota name a rank once under load
-before compute compared blocks run at the same moment (see checks/compute.py).
+before compute judged each rank's pace block by block with a margin for shared cores
+(see checks/compute.py).
 """
 from __future__ import annotations
 

@@ -5,10 +5,10 @@ default, ``dtypes_gpu``; ``matrix_size_cpu`` in fp32 on CPU), 2n³ FLOP per prod
 one timed product to size a block of about ``block_s`` seconds, then a fixed amount of work,
 ``blocks`` blocks of that many products, timed as a whole and block by block.
 
-Every rank starts each block at the same moment (``progress.start_together``, a one-element
-all_reduce through the kit's collective wrapper, left out of the waits verdict: the pace below
-judges the same slowness), as the steps of a training job start together: block k of every rank runs while every other rank runs its block k, under the
-same load, so blocks can be compared across ranks one by one.
+No collective runs inside: a rank that dies or freezes here is named from its heartbeat while
+the others wait at the gather (the kit's failure tests rely on that). Ranks start together
+(they all arrived at the check) and run the same number of blocks, so block k of each rank
+runs at about the same time; blocks are compared across ranks one by one.
 
 Figures per rank and dtype (1 TFLOPS = 1e12 FLOP/s; the human table shows GFLOPS on CPU):
 
@@ -38,8 +38,8 @@ Measured on this project's 2-core test machine (the 4-rank launch of
 tests/worker/test_diagnosis_straggler.py, quick level, with one or two busy processes beside
 it; the 16-rank launch of tests/worker/test_scale16.py):
 
-* before the blocks were started together and compared one by one, a healthy rank's median
-  block fell up to 50 % below the ranks' median (19 runs, one or two busy processes; 23, 28
+* before the blocks were compared one by one (the median block against the ranks' median),
+  a healthy rank's median block fell up to 50 % below the ranks' median (19 runs, one or two busy processes; 23, 28
   and 50 % at the worst, the last named with the 30 % margin): a rank that finishes early
   frees a core for the others' later blocks, and one beside a busy process keeps less;
 * paces now, quick level with blocks of 0.02 s: healthy ranks 0.74–2.6 (16 runs with busy
@@ -49,7 +49,10 @@ it; the 16-rank launch of tests/worker/test_scale16.py):
   (8 runs), behind in every block. Blocks that short let the quota's bursts (15 ms of every
   100 ms) decide a block, so the quick level's blocks are now 0.05 s: healthy 0.86–1.15 (8
   runs beside a busy process, load average 5; 0.91–1.07 over 16 ranks), the quota 0.32–0.44
-  (4 runs).
+  (4 runs). Those figures were measured with every block started by a one-element
+  all_reduce; that collective was taken out again (a rank dying or cut off inside compute
+  then held the others in a collective: partition → report 107 s instead of 24 s), and with
+  it the quota rank's pace was 0.18–0.28 and no healthy rank was named (3 + 3 attempts).
 
 Also ranks whose median block is below the profile's ``min_tflops`` floor, or whose device is
 not the profile's, with the shortfall in percent.
@@ -63,7 +66,6 @@ import time
 import torch
 
 from ..config import profiles
-from ..coordination import progress as comm
 from ..errors import ConfigError
 from ..model import FAIL, PASS, CheckResult, Culprit
 from . import perf
@@ -125,7 +127,6 @@ def _matmul(n: int, dtype, precision, ctx, cfg: dict, clock: Clock) -> dict:
         per_block = max(1, round(cfg["block_s"] / clock.measure(product)))
         best, walls = [], []
         for _ in range(cfg["blocks"]):
-            comm.start_together(ctx.device)  # every rank starts block k together (the module)
             w = time.perf_counter()
             best.append(clock(block))
             # on a GPU the events time the device; on CPU the wall clock what the job got
@@ -189,7 +190,7 @@ def judge(ev) -> CheckResult:
               "pace": {d: round(p[r], 4) for d, p in paces.items()}, "hbm_gbps": o["hbm_gbps"]}
              for r, o in enumerate(obs)]
     figures = {"legend": "n x n x n products, 2n^3 FLOP each, 1 TFLOPS = 1e12 FLOP/s, a "
-                         "fixed amount of work in blocks that every rank starts together; "
+                         "fixed amount of work in blocks (every rank the same number); "
                          "pace (judged against the straggler margin): per block, the rank's "
                          "rate over the ranks' median rate of that block, the median over the "
                          "blocks; tflops_median (judged against floors): the median block, the "
@@ -251,7 +252,7 @@ def _slow_reason(dtype: str, m: dict, pace: float, median: float, margin: float,
              f"{' …' if len(shared) > 4 else ''}" if shared else "")
     return (f"{dtype} matmul kept {pace:.0%} of the other ranks' pace ({100 * (1 - pace):.1f} % "
             f"below, the median of its {m['blocks']} blocks each against the ranks' median "
-            f"block of the same moment; straggler margin {margin:.0%}{where}): sustains "
+            f"block of the same index; straggler margin {margin:.0%}{where}): sustains "
             f"{_rate(_sustained(m), cpu)} (median block; best {_rate(m['tflops'], cpu)}), the "
             f"ranks' median {_rate(median, cpu)}")
 
@@ -269,7 +270,7 @@ def _table(ranks: list[dict], cpu: bool, figures: dict) -> list[str]:
     dtypes = list(ranks[0]["matmul"])
     unit, scale = ("GFLOPS", 1e3) if cpu else ("TFLOPS", 1)
     lines = [f"# compute: {figures['matrix_size']}^3 matmul per rank, "
-             f"{ranks[0]['matmul'][dtypes[0]]['blocks']} blocks started together; pace = "
+             f"{ranks[0]['matmul'][dtypes[0]]['blocks']} blocks; pace = "
              "median of the rank's blocks over the ranks' median block (judged, margin "
              f"{figures['straggler_margin']:.0%}); sustained = median block; spread = (best - "
              f"worst) / median; profile {figures['profile']}; GB = 1e9 B",

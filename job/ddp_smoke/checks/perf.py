@@ -89,7 +89,7 @@ def shortfall_pct(value: float, reference: float) -> float:
 
 
 def pace(blocks: dict[int, list[float]]) -> dict[int, float]:
-    """Each rank's pace against the others: per block k (run at the same moment on every rank),
+    """Each rank's pace against the others: per block k (the k-th of the same number on every rank, run at about the same time),
     its rate over the median of all ranks' rates in block k; the median over k (1.0: the
     ranks' median). A rank behind in most blocks is below 1 however fast its best block."""
     k = min(len(b) for b in blocks.values())

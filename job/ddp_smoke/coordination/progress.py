@@ -32,10 +32,9 @@ import torch.distributed as dist
 # torch 2.13 renamed the tensor forms; older releases (2.11 on some GPU images) lack the new names
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-# Time inside left out of the waits (None): a broadcast's root may leave as soon as its data is
-# sent, so its short stay is no late arrival; a caller that judges the time itself
-# (start_together). Every other world collective holds each rank until the last has contributed.
-_NOT_WAITS = {"broadcast", "start_together"}
+# A broadcast's root may leave as soon as its data is sent: its short stay is no late arrival.
+# Every other world collective holds each rank until the last one has contributed.
+_ASYMMETRIC = {"broadcast"}
 
 
 class Recorder:
@@ -67,7 +66,7 @@ class Recorder:
                 now = time.monotonic()
                 if peer is None and len(self._spent) < self.keep:
                     # None keeps the k-th entry the k-th collective on every rank
-                    self._spent.append(None if op in _NOT_WAITS else now - self.since)
+                    self._spent.append(None if op in _ASYMMETRIC else now - self.since)
                 self.inside, self.since = False, now
 
     def spent(self) -> list[float | None]:
@@ -132,17 +131,6 @@ def all_to_all_single(out: torch.Tensor, tensor: torch.Tensor) -> None:
     with RECORDER.track("all_to_all", _nbytes(tensor)):
         dist.all_to_all_single(out, tensor)
         _settle(out)
-
-
-def start_together(device) -> None:
-    """Every rank leaves at the same moment (a one-element all_reduce): the start of a timed
-    block compared across ranks. Counted for hang diagnosis like any collective; its time
-    inside is left out of the waits, as the caller judges who was slow itself (compute's
-    pace; a rank is not named twice for one slowness)."""
-    t = torch.zeros(1, device=device)
-    with RECORDER.track("start_together", _nbytes(t)):
-        dist.all_reduce(t)
-        _settle(t)
 
 
 def barrier() -> None:

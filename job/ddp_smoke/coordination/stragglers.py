@@ -127,9 +127,14 @@ def judge(spent: list[list | None]) -> tuple[dict, list[tuple[int, str]]]:
 
 def attach(result, spent: list[list | None], culprit) -> None:
     """Add the waits figure to a judged check's result, and its stragglers as culprits
-    (``culprit(rank, reason)`` makes one with the rank's host). A skipped check stays skipped."""
+    (``culprit(rank, reason)`` makes one with the rank's host). A skipped check stays skipped.
+    A rank the check's own evidence already names, alone or as an end of a slow link, is not
+    named again: the others waited for it because of what the check found (a throttled link
+    makes its two ends arrive last)."""
     figure, slow = judge(spent)
     result.figures["waits"] = figure
+    named = {r for k in result.culprits for r in [k.rank, *(k.ranks or [])] if r is not None}
+    slow = [(r, reason) for r, reason in slow if r not in named]
     if slow and result.status != "skip":
         result.culprits += [culprit(r, reason) for r, reason in slow]
         result.status = "fail"
