@@ -112,9 +112,11 @@ def test_silence_tells_silent_moving_and_undecided_ranks(monkeypatch):
     s = Silence(1.5)
     assert s.update({0: 1, 1: 1}) == []
     now[0] += 1.0
-    assert s.update({0: 2, 1: 1}) == [] and s.undecided([0, 1]) == [1]
+    assert s.update({0: 2, 1: 1}) == [] and s.undecided([0, 1], since=100.5) == [1]
+    # a move seen before the judging began proves nothing: rank 0 may have died since
+    assert s.undecided([0, 1], since=101.5) == [0, 1]
     now[0] += 1.0
-    assert s.update({0: 3, 1: 1}) == [1] and s.undecided([0, 1]) == []
+    assert s.update({0: 3, 1: 1}) == [1] and s.undecided([0, 1], since=101.5) == []
 
 
 def test_the_judge_names_the_rank_whose_heartbeat_stopped(world):

@@ -60,12 +60,15 @@ class Silence:
                     self.last[r] = self.moved[r] = (n, now)
             return sorted(r for r in beats if now - self.last[r][1] > self.after_s)
 
-    def undecided(self, ranks) -> list[int]:
-        """Ranks neither silent nor seen moving within ``after_s``: look again to know."""
+    def undecided(self, ranks, since: float) -> list[int]:
+        """Ranks neither silent nor seen moving since ``since`` (monotonic): look again to
+        know. A move seen before it proves nothing: a rank that died a moment before the
+        abort was judged moved within ``after_s`` (rank 0 of a submitit job, judged alive
+        30 ms after its crash)."""
         now = time.monotonic()
         with self._lock:
             return [r for r in ranks if now - self.last[r][1] <= self.after_s
-                    and now - self.moved.get(r, (None, -1e9))[1] > self.after_s]
+                    and self.moved.get(r, (None, -1e9))[1] < since]
 
 
 def look_period(world: int, calls: float) -> float:
@@ -141,12 +144,13 @@ def dead_ranks(store, ranks, exclude, silence: Silence) -> tuple[list[int], dict
     and every rank's last published progress. Looks every BEAT_S until each rank is silent
     or seen moving: at once when rank 0's watchdog was watching (an abort while it waited
     for all ranks), after DEAD_AFTER_S when a rank is dead and nobody was."""
-    end, latest = time.monotonic() + DEAD_AFTER_S + BEAT_S, {}
+    start = time.monotonic()
+    end, latest = start + DEAD_AFTER_S + BEAT_S, {}
     while True:
         forged: set[int] = set()
         latest.update(read_beats(store, ranks, forged))
         silent = silence.update({r: (latest.get(r) or {}).get("n") for r in ranks}, forged)
-        if not silence.undecided(ranks) or time.monotonic() > end:
+        if not silence.undecided(ranks, start) or time.monotonic() > end:
             break
         time.sleep(BEAT_S)
     return [r for r in silent if r not in exclude], {r: p for r, p in latest.items() if p}
