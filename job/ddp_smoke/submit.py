@@ -310,11 +310,11 @@ def _finished(job) -> bool:
 
 def _store_hosted(p: Plan, job) -> bool:
     """Task 0 started a store host (its address, not "none"): a last-resort report may come."""
+    path = Path(task.store_address_file(str(p.report_dir), task.run_id_of(job.job_id, 0)))
     try:
-        address = (p.report_dir / "store" / task.run_id_of(job.job_id, 0)).read_text().strip()
+        return path.read_text().strip() not in ("", "none")
     except OSError:
         return False
-    return address not in ("", "none")
 
 
 def _task_errors(job, cluster: str) -> dict[int, BaseException]:

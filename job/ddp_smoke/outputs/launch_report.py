@@ -192,11 +192,11 @@ def _blame(nodes: list[str], culprits: list[Culprit], found: dict[str, str], pre
     # its only word is that nobody joined, which the others' errors already explain.
     waited = [k for k in culprits if k.host == host and _HOST_WAITED.search(k.reason)]
     others = [k for k in culprits if k not in waited]
-    if others and waited and not all(pattern.search(k.reason) for k in others):
+    unreached = all(pattern.search(k.reason) for k in others)  # only failed to reach the host
+    if others and waited and not unreached:
         # the others failed of their own accord: the host's timeout is their consequence
         return others, silent, (others, silent + [f"{host}: {waited[0].reason}"])
-    if not others or (host not in silent and not waited) or not all(
-            pattern.search(k.reason) for k in others):
+    if not others or (host not in silent and not waited) or not unreached:
         return culprits, silent, (culprits, silent) if culprits else None
     reason = (f"rendezvous host: {what.format(n=len(others))}; it started late or not at all"
               + (" (its own torchrun then timed out waiting for them)" if waited else ""))
