@@ -170,11 +170,14 @@ from ddp_smoke import config
 from ddp_smoke.checks import health
 from ddp_smoke.checks.health.finding import FAIL, Limits
 from ddp_smoke.checks.health.readers import Node
-t = time.monotonic()
 node = Node(0.1)
+t = time.perf_counter()
 node.start()
+start_s = time.perf_counter() - t
 time.sleep(2.0)
+t = time.perf_counter()
 reading = node.finish()
+read_s = start_s + time.perf_counter() - t
 node.close()
 findings = health.judge_node(reading, Limits(config.defaults()["health"], {}))
 json.dump({"reading": reading, "findings": [f.as_dict() for f in findings]},
@@ -186,8 +189,9 @@ for f in findings:
     print(f"{f.level}: {f.line()}")
 failed = [f for f in findings if f.level == FAIL]
 why = (reading.get("gpu") or {}).get("unavailable")
-print(f"{len(gpus)} GPU(s) read" + (f" (replayed from {reading['replay']})" if reading["replay"]
-      else "") + (f"; NVML: {why['cause']}" if why else "") + f"; {len(failed)} failure(s)"
+print(f"{len(gpus)} GPU(s) read in {read_s:.3f} s (start + end readings)"
+      + (f" (replayed from {reading['replay']})" if reading["replay"] else "")
+      + (f"; NVML: {why['cause']}" if why else "") + f"; {len(failed)} failure(s)"
       + (f": {failed[0].line()[:160]}" if failed else ""))
 sys.exit(1 if failed or why else 0)
 """

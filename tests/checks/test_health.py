@@ -305,6 +305,14 @@ def test_row_remap_limits_hold_at_their_edges(tmp_path, rows, expected):
                              seconds=0.05))) == expected
 
 
+def test_ecc_off_and_the_drivers_recovery_action(tmp_path):
+    path = recording(tmp_path, H200, {"nvml.gpus.0.ecc_mode": [0, 0],
+                                      "nvml.gpus.1.fields.230": 2})
+    out = judged(read(path, seconds=0.05))
+    assert fails(out) == [(0, "ECC is off"), (1, "the driver asks for recovery action 2")]
+    assert [f.action for f in out if f.level == "fail"][1] == "reboot the node"
+
+
 def test_pcie_replays_judged_at_dcgms_per_lane_rate(tmp_path):
     # Gen5 x16: ceil(1e-12 x 32e9 x 60 x 16) = 31 replays per minute (DCGM health)
     for rise, expected in ((31, []), (32, [(0, "32 PCIe replays in 0 s")])):
@@ -343,6 +351,8 @@ def test_vbios_odd_one_out_and_gpu_count_against_the_profile(tmp_path):
                                       "nvml.count": 7})
     out = judged(read(path), EXPECT_H200)
     assert (None, "7 GPU(s) on the node, the profile expects 8") in fails(out)
+    [missing] = [f for f in out if f.what.startswith("attached to the NVIDIA driver")]
+    assert missing.gpu.bus_id == "0000:df:00.0" and missing.what.endswith("not enumerated by NVML")
     assert (5, "VBIOS 96.00.74.00.0D differs from the node's 96.00.A5.00.04") in fails(out)
 
 

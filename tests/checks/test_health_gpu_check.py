@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -30,7 +31,8 @@ def test_gpu_check_runs_bare_on_cpu_with_a_faulty_recorded_node(tmp_path):
     assert [(s, rows[s]["status"]) for s in rows] == [
         ("deps", "PASS"), ("nvml", "FAIL"), ("health", "SKIP"), ("sdc", "PASS"),
         ("all", "SKIP"), ("hang", "SKIP"), ("compute", "SKIP")]
-    assert "8 GPU(s) read (replayed from" in rows["nvml"]["result"]
+    assert re.search(r"^8 GPU\(s\) read in 0\.\d+ s \(start \+ end readings\) \(replayed from",
+                     rows["nvml"]["result"])
     assert "8 failure(s)" in rows["nvml"]["result"]
     assert rows["sdc"]["result"] == "SDC culprits [1] (want [1])"  # the node's 8 not counted
     assert all(rows[s]["result"] == "needs CUDA: torch.cuda.is_available() is False here"

@@ -42,7 +42,7 @@ _JUDGED_ELSEWHERE = (LOST, "NVML_ERROR_CORRUPTED_INFOROM", "NVML_ERROR_RESET_REQ
 def judge(node: dict, lim: Limits) -> list[Finding]:
     g = node.get("gpu") or {}
     if g.get("unavailable"):
-        return _unavailable(g["unavailable"], lim)
+        return _unavailable(g["unavailable"], lim, (node.get("pci") or {}).get("driver_gpus"))
     if not g:
         return []
     end, out = g.get("end") or {}, []
@@ -70,11 +70,13 @@ def judge(node: dict, lim: Limits) -> list[Finding]:
     return out
 
 
-def _unavailable(u: dict, lim: Limits) -> list[Finding]:
+def _unavailable(u: dict, lim: Limits, driver_gpus) -> list[Finding]:
     what = f"GPUs not read: {u['cause']} ({u['code']})"
     if lim.gpu_run:
         return [fail(what, "a GPU run (ranks on CUDA, or a profile that expects GPUs) must "
                      "read its GPUs", u["fix"], "issue 33: a GPU run never passes unread")]
+    if driver_gpus is None:  # no /proc/driver/nvidia/gpus: a machine without NVIDIA GPUs
+        return [unmeasured("GPUs", f"no NVIDIA driver on this node ({u['code']})")]
     return [unmeasured("GPUs", f"{u['cause']} ({u['code']}); fix: {u['fix']}")]
 
 

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 
-from . import kmsg, nvml, sysfs
+from . import kmsg, nvml, replay, sysfs
 
 REPLAY_ENV = "DDP_SMOKE_HEALTH_REPLAY"
 
@@ -32,7 +32,6 @@ class Node:
         self.period_s, self.replay = period_s, environ.get(REPLAY_ENV) or None
         root, binding = "/", None
         if self.replay:
-            from . import replay  # only a replayed run loads the recording
             recorded = replay.load(self.replay)
             root, binding = replay.materialise(recorded), replay.binding(recorded)
         self.gpu, self.unavailable = None, None
