@@ -90,7 +90,8 @@ class Check:
 
     def nvml(self) -> None:
         t = time.monotonic()
-        done = self._run("nvml", 30, [sys.executable, "-c", _NVML_STEP, str(self.out / "nvml.json")])
+        done = self._run("nvml", 30, [sys.executable, "-c", _NVML_STEP,
+                                      str(self.out / "nvml.json")])
         status = {0: "PASS", 1: "FAIL"}.get(done, "FAIL")
         lines = (self.out / "nvml.log").read_text().splitlines()
         self.row("nvml", status, time.monotonic() - t, lines[-1] if lines else f"rc {done}")
@@ -148,8 +149,9 @@ def _sdc(report, rdir):
 def _hang(report, rdir):
     failed = [c["name"] for c in (report or {}).get("checks", []) if c["status"] == "fail"]
     dump = (rdir / "flight" / "rank0.json").is_file()
-    return failed == ["collectives"] and dump, (f"failed checks {failed} (want ['collectives']); "
-                                                f"Flight Recorder dump {'written' if dump else 'missing'}")
+    return failed == ["collectives"] and dump, (
+        f"failed checks {failed} (want ['collectives']); Flight Recorder dump "
+        f"{'written' if dump else 'missing'}")
 
 
 def _health(report, rdir):
@@ -199,7 +201,8 @@ sys.exit(1 if failed or why else 0)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"))
+    parser.add_argument("--out", type=Path,
+                        default=Path(f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}"))
     parser.add_argument("--wheels", type=Path, default=None,
                         help="a folder of wheels for what the Python lacks (offline)")
     args = parser.parse_args(argv)

@@ -24,7 +24,7 @@ _COOLING = "inspect cooling and power supply; if it persists, drain and RMA"
 
 
 def judge(node: dict, lim: Limits) -> list[Finding]:
-    out, t, judged = [], lim.t, 0
+    out, t, judged = [], lim.thresholds, 0
     for g in gpus(node):
         gpu, s = ref(node, g["index"]), samples(node, g["index"])
         if s is None:

@@ -28,7 +28,7 @@ def judge(node: dict, lim: Limits) -> list[Finding]:
                               for p in g.get("processes") or ())
     for g in readable:
         gpu = ref(node, g["index"])
-        if g.get("persistence") is False and lim.t["require_persistence_mode"]:
+        if g.get("persistence") is False and lim.thresholds["require_persistence_mode"]:
             out.append(fail("persistence mode is off", "nvmlDeviceGetPersistenceMode = "
                             "disabled", "enable persistence (nvidia-persistenced, or "
                             "nvidia-smi -pm 1)", "DCGM level 1 Persistence Mode", gpu=gpu))

@@ -92,7 +92,7 @@ class Limits:
     """What a node is judged against.
 
     Attributes:
-        t: the thresholds, the ``health`` section of defaults.yaml (each with its source).
+        thresholds: the ``health`` section of defaults.yaml (each with its source).
         expect: what the node should have, the profile's ``health`` section (absent: not
             judged); HCA expectations only on runs of two or more nodes.
         gpu_run: ranks on this node use CUDA, or the profile expects GPUs: a GPU that cannot
@@ -101,7 +101,7 @@ class Limits:
         run_pids: the process ids of this run's ranks on this node (stray-process rule).
     """
 
-    t: dict[str, Any]
+    thresholds: dict[str, Any]
     expect: dict[str, Any] = field(default_factory=dict)
     gpu_run: bool = False
     gpu_ranks: int = 0

@@ -105,9 +105,9 @@ def judge(node: dict, lim: Limits) -> list[Finding]:
                 out.append(warn(what, f"not judged as GPU traffic ({how})", port=name))
         if _up(p):
             out += _counters(name, p, (hca.get("start") or {}).get(name),
-                             float(hca.get("window_s") or 0.0), lim.t, ours)
+                             float(hca.get("window_s") or 0.0), lim.thresholds, ours)
         out += _flaps(name, p, (hca.get("start") or {}).get(name),
-                      (hca.get("states") or {}).get(name, []), lim.t, ours)
+                      (hca.get("states") or {}).get(name, []), lim.thresholds, ours)
     if want.get("hca_ports") and len(good) < want["hca_ports"]:
         out.append(fail(f"{len(good)} GPU-traffic HCA port(s) up at full rate, the profile "
                         f"expects {want['hca_ports']}", f"GPU traffic: {how}; up: "

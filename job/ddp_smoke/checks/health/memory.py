@@ -29,7 +29,7 @@ _RMA = "drain and RMA (a remap failure is NVIDIA's RMA criterion)"
 
 
 def judge(node: dict, lim: Limits) -> list[Finding]:
-    out, t = [], lim.t
+    out, t = [], lim.thresholds
     for g in gpus(node):
         gpu = ref(node, g["index"])
         if g.get("ecc_enabled") is False:

@@ -45,7 +45,7 @@ def judge(node: dict, lim: Limits) -> list[Finding]:
             continue
         out += _state(links, expected, peers_up, gpu)
         out += _counters(links, (start_gpu(node, g["index"]) or {}).get("nvlink"),
-                         window_s(node), lim.t, gpu)
+                         window_s(node), lim.thresholds, gpu)
     if counts:
         design = ", ".join(f"{n} GPU(s) with {c} links" for c, n in sorted(counts.items()))
         out.append(checked(f"NVLink state and per-link error counters ({design}"

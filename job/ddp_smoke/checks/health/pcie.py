@@ -36,7 +36,7 @@ def judge(node: dict, lim: Limits) -> list[Finding]:
                             f"device/system maximum Gen{g.get('pcie_max_gen')} "
                             f"x{g.get('pcie_max_width')}", _RESEAT, "NVIDIA/NVSentinel#890",
                             gpu=gpu))
-        out += _replays(g, start_gpu(node, g["index"]), window_s(node), lim.t, gpu)
+        out += _replays(g, start_gpu(node, g["index"]), window_s(node), lim.thresholds, gpu)
     return out
 
 

@@ -49,7 +49,7 @@ def _gpu(node: dict, index: int | None, bus: str | None) -> GpuRef:
 
 
 def _xid(node, seen, lim, index, bus, xid: int, when: str) -> None:
-    t = lim.t
+    t = lim.thresholds
     gpu = _gpu(node, index, bus)
     key = (gpu.index if gpu.index is not None else bus_key(gpu.bus_id), xid)
     if xid in t["xid_ignored"]:
@@ -93,7 +93,7 @@ def _gpu_node(node: dict, lim: Limits) -> bool:
 
 
 def _kernel(node: dict, seen: dict, lim: Limits) -> list[Finding]:
-    k, window = node.get("kmsg") or {}, lim.t["xid_window_s"]
+    k, window = node.get("kmsg") or {}, lim.thresholds["xid_window_s"]
     if k.get("unavailable"):
         return [unmeasured("past XIDs", k["unavailable"])]
     if not k:
