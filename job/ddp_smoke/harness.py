@@ -38,7 +38,7 @@ from .coordination.protocol import Coordinator, Stop, error_detail
 from .coordination.store import DEAD_AFTER_S, wait_key
 from .errors import ConfigError
 from .model import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict
-from .outputs import repeat
+from .coordination import repeat
 
 
 def run(cfg: dict[str, Any]) -> int:
@@ -119,7 +119,7 @@ def _finish(c: Coordinator, store) -> int:
         return 1
     if env.rank != 0:
         verdict = ending.await_report(c, store, timeout + ending.FINAL_WAIT_S)
-        if verdict == "write":  # rank 0 died after the checks: write what it judged
+        if verdict == ending.TAKE_OVER:  # rank 0 died after the checks: write what it judged
             c.abort(store, keys.STOPPED, {"why": "rank 0 stopped before writing the report"})
             c.adopt_results(store)
             if ending.finalize(c, store, aborted=True) is None:

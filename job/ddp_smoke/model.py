@@ -130,6 +130,12 @@ def finite(data: Any) -> Any:
     return data
 
 
+def percentile(values, q: float) -> float:
+    """The q-th percentile by nearest rank (q in 0..100), as nccl-tests computes its p95/p99."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(len(ordered) * q / 100) - 1))]
+
+
 def get_field(obj, key: str, default=None):
     """A field of a Report, CheckResult or Culprit, or of its JSON dict, alike; fields another
     version may lack (a culprit's ``ranks``/``hosts``) read as ``default``."""

@@ -150,5 +150,5 @@ def test_a_survivor_claims_the_report_when_rank_0_never_writes(world, monkeypatc
         _Left(message)))
     coords = world(3)
     got = _threads(lambda c: ending.await_report(c, c.store, 1.5), coords[1:])
-    assert got[1] == "write" and coords[1].store.get("writer") == b"1"
+    assert got[1] == ending.TAKE_OVER and coords[1].store.get("writer") == b"1"
     assert isinstance(got[2], _Left) and "no rank wrote the report" in str(got[2])

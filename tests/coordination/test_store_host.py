@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ddp_smoke import verdict
+from ddp_smoke.outputs import last_line
 from ddp_smoke.coordination import signing, hosting, keys, lost
 from ddp_smoke.outputs import last_resort
 from ddp_smoke.model import Report
@@ -104,11 +104,11 @@ def test_lost_records_make_a_verdict_naming_the_silent_node(tmp_path):
                                              "stage": "ddp_step", "store": "gpu-a:29501",
                                              "world_size": 3, "hosts": hosts})
     lost.write(str(tmp_path), 0, {"ddp_smoke_rank": 0, "run_id": "older"})  # not this run's
-    line = verdict.from_folder(str(tmp_path), "r1")
+    line = last_line.from_folder(str(tmp_path), "r1")
     assert line.startswith("ddp-smoke FAIL · run r1 · 3 ranks"), line
     assert "silent: rank 0 gpu-a (node gpu-a)" in line and "during ddp_step" in line, line
     assert "lost the store: rank 1 gpu-b, rank 2 gpu-c" in line, line
-    out = subprocess.run([sys.executable, "-m", "ddp_smoke.verdict", "--dir", str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "ddp_smoke", "last-line", "--dir", str(tmp_path),
                           "--run-id", "nobody"], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.startswith("ddp-smoke: error: "), out.stderr
     lost.clear(str(tmp_path))
@@ -139,4 +139,4 @@ def test_without_a_store_host_a_lost_store_is_one_line_and_a_record(tmp_path):
     lines = [json.loads(x) for x in err.splitlines() if x.startswith('{"ddp_smoke_rank"')]
     assert len(lines) == 1 and lines[0]["ddp_smoke_rank"] == 1, err
     assert lost.read(str(tmp_path), "plain-1").keys() == {1}
-    assert "silent: rank 0" in verdict.from_folder(str(tmp_path), "plain-1")
+    assert "silent: rank 0" in last_line.from_folder(str(tmp_path), "plain-1")

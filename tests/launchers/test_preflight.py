@@ -107,7 +107,7 @@ def _record(tmp: Path, node: str, ok: bool = True, run_id: str = "7", **extra) -
 
 
 def _launcher(tmp: Path, stage: str, nodes: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "ddp_smoke.verdict", "--launcher", "--stage", stage,
+    return subprocess.run([PY, "-m", "ddp_smoke", "launch-report", "--stage", stage,
                            "--report-dir", str(tmp), "--nodes", nodes, "--run-id", "7", *extra],
                           capture_output=True, text=True, timeout=60)
 

@@ -19,6 +19,7 @@ from .store import DEAD_AFTER_S, beat_of, look_period, next_waiting, posted, try
 
 FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
 TAKEOVER_S = 3 * DEAD_AFTER_S  # rank 0 silent this long, before writing: a survivor writes
+TAKE_OVER = "take over"  # what await_report returns to the rank that must write the report
 _AT_LEAVE: list[Callable[[], None]] = []
 
 
@@ -62,7 +63,7 @@ def exit_aborted(c, store) -> None:
     """
     try:
         c.leave_forensics(store)
-        if c.env.rank == 0 or await_report(c, store, FINAL_WAIT_S) == "write":
+        if c.env.rank == 0 or await_report(c, store, FINAL_WAIT_S) == TAKE_OVER:
             c.adopt_results(store)
             if finalize(c, store, aborted=True) is not None:
                 leave(None, code=1)
@@ -73,8 +74,8 @@ def exit_aborted(c, store) -> None:
 
 
 def await_report(c, store, timeout_s: float) -> str | None:
-    """Wait for the report's verdict; return it, or ``"write"`` when this rank must write
-    the report itself.
+    """Wait for the report's verdict; return it, or :data:`TAKE_OVER` when this rank must
+    write the report itself.
 
     Rank 0 writes, and claims the ``writer`` key when it starts. A rank that has not claimed
     it and whose heartbeat stopped for TAKEOVER_S is gone: the lowest rank still waiting
@@ -108,7 +109,7 @@ def await_report(c, store, timeout_s: float) -> str | None:
             if watch == me:
                 claimed = store.compare_set(keys.WRITER, "", str(me)).decode()
                 if claimed == str(me):
-                    return "write"
+                    return TAKE_OVER
                 watch = int(claimed)
     leave(f"run aborted at {c.stage}, and no rank wrote the report within {timeout_s} s of "
           f"rank {watch}'s last heartbeat", code=1)

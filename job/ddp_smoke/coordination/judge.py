@@ -39,16 +39,16 @@ def judge_abort(c, store) -> set[int]:
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
         reach=probed,
         store=c.env.store_address, dead_after_s=DEAD_AFTER_S)
-    verdict = blame.judge(snap)
+    blamed = blame.judge(snap)
     # Each live rank leaves its forensics once it sees the abort, maybe after this judge
     # began: a culprit's innermost frame is worth a short wait.
-    unsaid = {k.rank for k in verdict.culprits if k.rank in live and k.where is None}
+    unsaid = {k.rank for k in blamed.culprits if k.rank in live and k.where is None}
     if unsaid - set(found):
         found = posted(store, keys.FORENSICS, unsaid, FORENSICS_WAIT_S)
-        for k in verdict.culprits:
+        for k in blamed.culprits:
             k.where = k.where or found.get(k.rank, {}).get("where")
     figures = {"arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
-               "dead": sorted(dead), "victims": verdict.victims,
+               "dead": sorted(dead), "victims": blamed.victims,
                "progress": {str(r): p for r, p in sorted(beats.items())},
                "unreached": {str(r): p["failed"] for r, p in sorted(probed.items())
                              if p.get("failed")},
@@ -58,8 +58,8 @@ def judge_abort(c, store) -> set[int]:
     # Outside a check (process-group init, between checks) the run itself failed: "launch".
     name = stage if stage in c.checks and stage not in judged else "launch"
     c.judged.append((c.iteration, CheckResult(
-        name, FAIL, summary=f"stopped at {stage}: {verdict.culprits[0].reason}",
-        culprits=verdict.culprits, figures=figures)))
+        name, FAIL, summary=f"stopped at {stage}: {blamed.culprits[0].reason}",
+        culprits=blamed.culprits, figures=figures)))
     return live
 
 

@@ -19,7 +19,7 @@ from ..coordination import blame, keys
 from ..coordination.store import DEAD_AFTER_S, posted, ranks_with, reads, try_get
 from ..errors import ReportWriteError
 from ..model import FAIL, SKIP, CheckResult, Report, check_from_dict
-from . import repeat
+from ..coordination import repeat
 from .report import write_report
 
 WRITER = "store host"  # the report's `writer` figure when this module wrote it
@@ -69,19 +69,19 @@ def build(store, meta: dict, silent_at: dict[int, float], address: str,
         aborts={r: a for r, a in aborts.items() if a.get("kind") != keys.STOPPED},
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
         store=address, dead_after_s=DEAD_AFTER_S)
-    verdict = blame.judge(snap)
+    blamed = blame.judge(snap)
     last = max(silent_at.values(), default=0.0)
     figures = {"writer": WRITER, "why": why, "silent_first": gone,
                "silent_after_s": {str(r): round(t - min(silent_at.values()), 3)
                                   for r, t in sorted(silent_at.items())},
                "all_silent_for_s": round(time.monotonic() - last, 3) if silent_at else None,
                "arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
-               "victims": verdict.victims,
+               "victims": blamed.victims,
                "progress": {str(r): p for r, p in sorted(beats.items())},
                "aborts": [aborts[r] for r in sorted(aborts)]}
     done = {c.name for it, c in judged if it == iteration}
     name = stage if stage in checks and stage not in done else "launch"
-    culprits = verdict.culprits
+    culprits = blamed.culprits
     judged.append((iteration, CheckResult(
         name, FAIL, summary=f"stopped at {stage}: {culprits[0].reason} (no rank could write "
                             "the report: the store host wrote it)",

@@ -8,9 +8,9 @@ verdict fail, one failed check ``preflight`` or ``launch``, one culprit per node
 make it, ``rank`` null, ``host`` the launcher's node name, ``reason`` one line, never a
 stack), then prints the job log's last line, which always names a verdict and its culprits.
 
-    python -m ddp_smoke.verdict --launcher --stage preflight --report-dir DIR --nodes "a b c" \\
+    python -m ddp_smoke launch-report --stage preflight --report-dir DIR --nodes "a b c" \\
         [--launch-log FILE] [--exit N]
-    python -m ddp_smoke.verdict --launcher --stage run --report-dir DIR --nodes "a b c" …
+    python -m ddp_smoke launch-report --stage run --report-dir DIR --nodes "a b c" …
 
 Files read, all under the report folder ``DIR`` (the sbatch and the image's entrypoint put
 them there): ``preflight/<node>.json`` (records of this run id only), ``launch/<node>.<stage>.err``
@@ -28,7 +28,6 @@ import glob
 import json
 import os
 import re
-import sys
 from datetime import datetime, timezone
 
 from .. import __version__
@@ -313,8 +312,8 @@ def last_line(verdict: str, detail: str, exit_code: int | None, path: str) -> st
 
 
 def main(argv: list[str]) -> int:
-    """``python -m ddp_smoke.verdict --launcher …`` (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m ddp_smoke.verdict --launcher")
+    """``python -m ddp_smoke launch-report …`` (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m ddp_smoke launch-report")
     p.add_argument("--stage", choices=STAGES, required=True)
     p.add_argument("--report-dir", required=True)
     p.add_argument("--nodes", required=True, help="the nodes launched, space-separated")
@@ -366,7 +365,3 @@ def main(argv: list[str]) -> int:
     detail = culprit_text(report.to_dict())
     print(last_line(report.verdict, detail, a.exit_code, written), flush=True)
     return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
