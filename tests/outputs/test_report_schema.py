@@ -51,14 +51,14 @@ def _aborted() -> dict:
                "stage": "compute"},
         forensics=[{"rank": 1, "host": "node2", "where": "in _measure, compute.py:50",
                     "stacks": "r/stacks/rank1.txt", "flight_recorder_error": "RuntimeError: x"}],
-        run_id="local-5f1c09ab")
+        run_id="local-5f1c09ab", written_by="rank 1 (took over from rank 0)")
     return json.loads(to_json(report))
 
 
 def _passed() -> dict:
     report = Report("0.1.0", "2026-11-30T23:22:51+00:00", "nccl", 2, copy.deepcopy(RANKS[:2]),
                     [CheckResult("environment", PASS, summary="ok", notes=["rank=0 …"])], {},
-                    {"total_s": 2.0}, run_id="job-1")
+                    {"total_s": 2.0}, run_id="job-1", written_by="rank 0")
     return json.loads(to_json(report))
 
 
@@ -92,8 +92,8 @@ def test_the_checks_it_names_are_the_registered_ones():
     (lambda r: r.update(extra=1), "Additional properties are not allowed ('extra'"),
     (lambda r: r["timings"].update(load_s=1.0), "timings: Additional properties"),
     (lambda r: r["error"].pop("stage"), "error"),
-    (lambda r: r["hosts"][0].update(verdict="good"), "hosts/0"),
-    (lambda r: r["hosts"][0].update(verdict="bad"), "hosts/0"),
+    (lambda r: r["hosts"][0].update(status="good"), "hosts/0"),
+    (lambda r: r["hosts"][0].update(status="bad"), "hosts/0"),
     (lambda r: r.update(started_at="yesterday"), "started_at"),
 ], ids=["no verdict", "bad verdict", "bad status", "link culprit convicts a rank",
         "culprit without where", "rank culprit with hosts", "unknown key", "unknown timing",
