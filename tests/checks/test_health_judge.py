@@ -81,16 +81,17 @@ def test_one_node_runs_do_not_ask_for_the_profiles_hcas(tmp_path):
 
 def test_health_culprits_reach_the_hosts_drain_lists_and_prometheus(tmp_path):
     from ddp_smoke.model import Report
-    from ddp_smoke.outputs import hosts as triage, metrics
+    from ddp_smoke.outputs import metrics
+    from ddp_smoke.outputs.hosts import host_lists, hosts_section
     node = read(recording(tmp_path, "h200_config_faults"))
     result = health.judge(_evidence([_obs(), _obs(node, pid=2)], ["n1", "n2"],
                                     require_persistence_mode=True))
     assert {c.host for c in result.culprits} == {"n2"}
     ranks = [{"rank": r, "local_rank": 0, "host": h} for r, h in enumerate(["n1", "n2"])]
     report = Report("0", "t", "gloo", 2, ranks, [result], {"timeout": 9, "checks": ["health"]})
-    hosts = {h["host"]: h["verdict"] for h in triage.hosts_section(report)}
+    hosts = {h["host"]: h["status"] for h in hosts_section(report)}
     assert hosts == {"n1": "good", "n2": "bad"}
-    assert triage.host_lists(triage.hosts_section(report))["bad_hosts.txt"].split() == ["n2"]
+    assert host_lists(hosts_section(report))["bad_hosts.txt"].split() == ["n2"]
     text = metrics.render(report, "run", 0.0)
     assert 'ddp_smoke_check_pass{check="health",host="n2"} 0.0' in text
 

@@ -100,7 +100,7 @@ def test_fabric_not_started_names_the_node_once(tmp_path, config_file):
     assert c["rank"] is None and c["host"] == run.report["ranks"][0]["host"]
     assert c["reason"].startswith("NVSwitch fabric not completed on all 8 GPUs")
     assert "restart nvidia-fabricmanager" in c["reason"]
-    assert [h["verdict"] for h in run.report["hosts"]] == ["bad"]
+    assert [h["status"] for h in run.report["hosts"]] == ["bad"]
 
 
 def test_a_gpu_run_without_nvml_fails_the_node_with_cause_and_fix(tmp_path, config_file,
@@ -163,5 +163,5 @@ def test_sdc_fault_names_exactly_the_perturbed_rank_every_time(tmp_path):
     assert [[c["rank"] for c in it["culprits"]] for it in check["figures"]["iterations"]] == \
         [[1], [1], [1]]
     assert "silent data corruption" in check["culprits"][0]["reason"]
-    bad = [h for h in run.report["hosts"] if h["verdict"] == "bad"]
+    bad = [h for h in run.report["hosts"] if h["status"] == "bad"]
     assert len(bad) == 1 and (tmp_path / "bad_hosts.txt").read_text().split() == [bad[0]["host"]]
