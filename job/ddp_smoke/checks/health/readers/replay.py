@@ -24,8 +24,9 @@ A recording (JSON; tests/data/health/PROVENANCE.md says where each comes from)::
      "kmsg": {"uptime_s": 86400.0, "records": ["6,1,38174242,-;NVRM: loading …"]}}
 
 Any recorded value may be a return-code name (``"NVML_ERROR_NOT_SUPPORTED"``): the call
-raises it. Time starts at ``nvmlInit``: ``changes`` and ``events`` whose ``after_s`` has passed
-apply (a GPU falls off the bus during the run, a counter rises). A call the recording does not
+raises it. Time starts when the reader starts watching (``nvmlEventSetCreate``, right after
+its start readings, however long they took): ``changes`` and ``events`` whose ``after_s`` has
+passed apply from then (a GPU falls off the bus during the run, a counter rises). A call the recording does not
 serve raises ``NVML_ERROR_FUNCTION_NOT_FOUND``, as a driver without that function does.
 The process that reads (local rank 0) holds a context on GPU 0, as the kit binds it.
 """
@@ -138,7 +139,7 @@ class _Node:
 
     def __init__(self, real, nvml: dict):
         self.real, self.rec = real, nvml
-        self.t0: float | None = None
+        self.t0: float | None = None  # when the watch began; before it, nothing is due
         self.delivered = 0
         self.lock = threading.Lock()
         self.handles = [ctypes.cast(ctypes.c_void_p(0x10000 + 0x100 * i), real.c_nvmlDevice_t)
@@ -148,7 +149,7 @@ class _Node:
     # -- time, state, errors ---------------------------------------------------------------
 
     def _elapsed(self) -> float:
-        return 0.0 if self.t0 is None else time.monotonic() - self.t0
+        return -1.0 if self.t0 is None else time.monotonic() - self.t0
 
     def _state(self) -> dict:
         """The recording with every change whose time has come applied."""
@@ -189,7 +190,6 @@ class _Node:
 
     def nvmlInit(self):
         self._v(self.rec.get("init"))
-        self.t0 = time.monotonic()
 
     def nvmlShutdown(self):
         pass
@@ -332,6 +332,8 @@ class _Node:
         return self._get(h, "nvmlDeviceGetTemperature", "temp_c")
 
     def nvmlEventSetCreate(self):
+        if self.t0 is None:
+            self.t0 = time.monotonic()
         return object()
 
     def nvmlDeviceGetSupportedEventTypes(self, h):
