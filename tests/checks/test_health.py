@@ -112,6 +112,22 @@ def test_defect_2_unknown_from_the_handle_names_the_gpu_and_the_others_are_still
     assert reading["gpu"]["events"]["registered"] == [0, 1, 2, 4, 5, 6, 7]
 
 
+@pytest.mark.parametrize("patch, what, action", [
+    ({"nvml.gpus.2.handle": "NVML_ERROR_INSUFFICIENT_POWER"},
+     "reports its external power cables improperly attached", "reseat the GPU's power cables"),
+    ({"nvml.gpus.2.handle": "NVML_ERROR_IRQ_ISSUE"},
+     "has an interrupt problem the kernel detected", "reboot the node"),
+    ({"nvml.gpus.2.calls": {"nvmlDeviceGetRemappedRows": "NVML_ERROR_RESET_REQUIRED"}},
+     "requires a reset", "reset the GPU (nvidia-smi -r) or reboot the node"),
+    ({"nvml.gpus.2.all": "NVML_ERROR_GPU_IS_LOST"}, "is lost (fallen off the bus)",
+     "reboot the node")])
+def test_each_code_nvml_answers_for_a_faulty_gpu(tmp_path, patch, what, action):
+    [f] = [f for f in judged(read(recording(tmp_path, H200, patch), seconds=0.05))
+           if f.level == "fail"]
+    assert (f.gpu.index, f.gpu.bus_id, f.what) == (2, f.gpu.bus_id, what)
+    assert f.gpu.bus_id in ("00000000:52:00.0", "0000:52:00.0") and f.action.startswith(action)
+
+
 def test_defect_2_a_gpu_lost_during_the_run_keeps_its_name_and_stops_nothing(tmp_path):
     reading = read(recording(tmp_path, "h200_gpu_off_bus"), seconds=0.3)
     out = judged(reading, gpu_run=True)

@@ -131,13 +131,13 @@ def _errors(s: dict) -> str:
 
 
 def _orphans(node: dict) -> dict[int, str]:
-    """Unreachable GPUs without a bus from NVML, paired with the one bus the driver attached
-    that NVML did not name (only when exactly one is left: never a guess among several)."""
+    """Unreachable or lost GPUs without a bus from NVML, paired with the one bus the driver
+    attached that NVML did not name (only when exactly one is left: never a guess)."""
     pci = node.get("pci") or {}
     known = by_bus(node)
     left = [b for b in pci.get("driver_gpus") or () if bus_key(b) not in known]
     nameless = [g["index"] for g in end_gpus(node)
-                if unreachable(g) and not ref(node, g["index"]).bus_id]
+                if (unreachable(g) or lost(node, g)) and not ref(node, g["index"]).bus_id]
     return {nameless[0]: left[0]} if len(left) == 1 and len(nameless) == 1 else {}
 
 
