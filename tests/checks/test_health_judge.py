@@ -125,11 +125,11 @@ def test_profile_health_keys_are_validated(tmp_path):
 
 def test_the_binding_is_pinned_to_the_tested_range_everywhere():
     spec = nvml.TESTED_BINDING
-    for path in ("pyproject.toml", "Makefile", "docker/Dockerfile"):
+    for path in ("pyproject.toml", "Makefile", "docker/Dockerfile", "tests/sandbox/docker.py"):
         text = (REPO / path).read_text()
         assert spec in text, path
         installs = [ln for ln in text.splitlines() if "nvidia-ml-py" in ln and
-                    re.search(r"install|download|^\s*\"", ln)]
+                    re.search(r"install|download|SPECS|^\s*\"", ln)]
         assert all(spec in ln for ln in installs) and (installs or path == "Makefile"), path
     assert "install $$args numpy pyyaml submitit '$(NVML_SPEC)'" in (REPO / "Makefile").read_text()
     installed = tuple(int(x) for x in metadata.version("nvidia-ml-py").split(".")[:3])
