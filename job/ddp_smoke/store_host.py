@@ -88,10 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     store = signing.SignedStore(dist.PrefixStore(hosting.PREFIX, raw), hosting.PREFIX,
                                 bytes.fromhex(secret) if secret else None, rank=-1)
     print(address, flush=True)
-    # Its reader (the sbatch, submit) reads that one line and no more: whatever this process
-    # says later (the report of last resort's summary) goes to stderr, never into a pipe that
-    # nobody drains.
-    os.dup2(2, 1)
     hosting.say(f"serving the coordination store at {address} (pid {os.getpid()})")
     over = threading.Event()  # the launcher says the run is over: no rank is left
     child = None
@@ -111,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             over.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    # The reader of the address line (the sbatch, submit) reads that one line and no more:
+    # whatever this process says later (the report of last resort's summary) goes to stderr,
+    # never into a pipe that nobody drains. (COMMAND, started above, keeps the real stdout.)
+    os.dup2(2, 1)
     result: list[int] = []
     watch = hosting.Watch(store)
     watcher = threading.Thread(target=lambda: result.append(
