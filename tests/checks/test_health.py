@@ -99,6 +99,13 @@ def test_defect_1_no_binding_installed_is_the_same_one_line(monkeypatch):
     assert node.unavailable["fix"] == f"pip install '{nvml.TESTED_BINDING}'"
 
 
+def test_a_recording_that_cannot_be_read_is_a_node_not_read_never_a_crash(tmp_path):
+    node = readers.Node(0.05, environ={readers.REPLAY_ENV: str(tmp_path / "missing.json")})
+    assert node.unavailable["code"] == "FileNotFoundError"
+    assert fails(judged({"gpu": {"unavailable": node.unavailable}}, gpu_run=True))[0][1] \
+        .startswith("GPUs not read: [Errno 2] No such file or directory")
+
+
 def test_defect_2_unknown_from_the_handle_names_the_gpu_and_the_others_are_still_read(tmp_path):
     """A GPU off the bus before the run: GetHandleByIndex answers UNKNOWN (not GPU_IS_LOST);
     its bus is the one the driver attached that NVML no longer names."""

@@ -31,14 +31,17 @@ class Node:
     def __init__(self, period_s: float, environ=os.environ):
         self.period_s, self.replay = period_s, environ.get(REPLAY_ENV) or None
         root, binding = "/", None
-        if self.replay:
-            recorded = replay.load(self.replay)
-            root, binding = replay.materialise(recorded), replay.binding(recorded)
         self.gpu, self.unavailable = None, None
-        try:
+        try:  # never fatal: a node that cannot be read is judged as such, with why
+            if self.replay:
+                recorded = replay.load(self.replay)
+                root, binding = replay.materialise(recorded), replay.binding(recorded)
             self.gpu = nvml.GpuReader(nvml.open_binding(binding))
         except nvml.Unavailable as e:
             self.unavailable = {"code": e.code, "cause": e.cause, "fix": e.fix}
+        except Exception as e:  # noqa: BLE001 — a binding or a recording this code has not met
+            self.unavailable = {"code": type(e).__name__, "cause": str(e)[:300],
+                                "fix": "report this reading failure"}
         self.root = root  # where sysfs, procfs and /dev/kmsg are read (a replay's own tree)
         self.others = [sysfs.HcaReader(root, environ.get("NCCL_IB_HCA")),
                        sysfs.PciReader(root), kmsg.KmsgReader(root)]
