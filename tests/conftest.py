@@ -29,10 +29,10 @@ def pytest_runtest_logreport(report):
 
 
 def _whole_suite(config) -> bool:
-    """Nothing selected out: the default paths, no -k, no -m, no --deselect, no -x stop."""
+    """Nothing selected out: the default paths, no -k, no -m, no --deselect, no -x/--maxfail stop."""
     return (config.args_source == pytest.Config.ArgsSource.TESTPATHS
             and not config.option.keyword and not config.option.markexpr
-            and not config.getoption("deselect") and not config.option.exitfirst)
+            and not config.getoption("deselect") and not config.option.maxfail)
 
 
 def pytest_sessionfinish(session, exitstatus):
