@@ -8,7 +8,7 @@ from typing import Any
 
 from . import preflight
 from .config.args import parse_config
-from .coordination import hosting
+from .coordination import hosting, store
 
 STORE_WAIT_S = 300.0  # a task waits this long for task 0's store host (nodes start unevenly)
 PREFLIGHT_TIMEOUT_S = 30.0  # a node's preflight (torch import, CUDA initialisation)
@@ -45,6 +45,7 @@ def run(worker_args: list[str], gpus: bool, store_max_s: float = 3600.0,
             hosting.publish_address(store_address_file(report_dir, run_id), "none")
         raise
     _store_host(report_dir, run_id, store_max_s)
+    store.quiet_slices()  # (where submitit has not imported torch already)
     from . import harness  # late: torch only in the task, not on the submitting side
 
     code = harness.run(parse_config(worker_args))

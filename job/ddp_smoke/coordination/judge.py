@@ -4,23 +4,28 @@ from __future__ import annotations
 
 from ..model import FAIL, CheckResult
 from . import blame, keys, reach
-from .store import DEAD_AFTER_S, dead_ranks, posted, ranks_with
+from .store import dead_ranks, posted, ranks_with
 
 FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
 
 
-def judge_abort(c, store) -> set[int]:
-    """Append the failed stage's result to ``c.judged``; return the ranks found alive.
+def judge_abort(c, store) -> tuple[CheckResult, set[int]]:
+    """The failed stage's result, and the ranks found alive; ``c`` is the writer's
+    :class:`.protocol.Run`.
 
-    A few store calls per kind of key, not one per rank: 4,096 ranks are judged in a fraction
-    of a second after a watched abort (bench/coordination_scale.py).
+    A few store calls per kind of key, not one per rank: 16,384 ranks are judged in a
+    fraction of a second after a watched abort (bench/coordination_scale.py).
     """
     stage, world = c.stage, range(c.env.world_size)
-    ids = c.identities(store)
+    ids = c.with_identities(store).ranks
     connected = {r for r, i in enumerate(ids) if "missing" not in i}  # genuine records
     reasons = posted(store, keys.ABORT)
     terminated = {r for r, a in reasons.items() if a["kind"] == keys.TERMINATED}
-    dead, beats = dead_ranks(store, sorted(connected), terminated, c.silence)
+    # This rank's own watchdog saw ranks go silent: whoever it saw moving since then was
+    # alive after the trouble began, with no look to wait for.
+    mine = reasons.get(c.env.rank) or {}
+    since = c.silence.last_moved(mine["silent"]) if mine.get("kind") == keys.LOST else None
+    dead, beats = dead_ranks(store, sorted(connected), terminated, c.silence, since)
     reasons = {**posted(store, keys.ABORT), **reasons}  # and those posted while we looked
     live = connected - set(dead)
     found = posted(store, keys.FORENSICS)
@@ -38,7 +43,7 @@ def judge_abort(c, store) -> set[int]:
         dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != keys.STOPPED},
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
         reach=probed,
-        store=c.env.store_address, dead_after_s=DEAD_AFTER_S)
+        store=c.env.store_address, dead_after_s=c.silence.after_s)
     blamed = blame.judge(snap)
     # Each live rank leaves its forensics once it sees the abort, maybe after this judge
     # began: a culprit's innermost frame is worth a short wait.
@@ -57,10 +62,8 @@ def judge_abort(c, store) -> set[int]:
     judged = {k.name for it, k in c.judged if it == c.iteration}
     # Outside a check (process-group init, between checks) the run itself failed: "launch".
     name = stage if stage in c.checks and stage not in judged else "launch"
-    c.judged.append((c.iteration, CheckResult(
-        name, FAIL, summary=f"stopped at {stage}: {blamed.culprits[0].reason}",
-        culprits=blamed.culprits, figures=figures)))
-    return live
+    return CheckResult(name, FAIL, summary=f"stopped at {stage}: {blamed.culprits[0].reason}",
+                       culprits=blamed.culprits, figures=figures), live
 
 
 def first_error(c, store) -> dict:

@@ -34,6 +34,11 @@ meta                    first rank   the run's shape for the store host (JSON; c
 security/listed         every rank   records that failed their signature check (JSON items)
 ======================  ===========  ==================================================
 
+An aborting rank also writes :data:`WOKEN` into each value of rank 0's that another rank may
+be blocked reading (``connect/all``, ``run_id``, ``backend``, the current and next
+``arrive/<stage>/all``, ``next/<iteration>``), where rank 0 has not written it yet: the
+reader wakes and stops, instead of waiting out a slice.
+
 Every value is signed with the run's secret (:mod:`.signing`): ``value.<fingerprint><mac>``;
 a ``/listed`` key holds one signed item per line. Counters (``bye``) cannot be signed and are
 never evidence; existence alone (``check``, ``wait``) only ever decides timing.
@@ -54,6 +59,7 @@ TERMINATED = "terminated"  # the rank received SIGTERM, SIGINT, SIGUSR1 or SIGUS
 LOST = "lost"              # rank 0's watchdog: ranks it waited for went silent (``silent``)
 STOPPED = "stopped"        # the rank stops because of another's problem: never evidence
 ABORT_KINDS = (ERROR, TIMEOUT, TERMINATED, LOST, STOPPED)
+WOKEN = "aborted: see abort/listed"  # never a flag, a run id or a count
 
 
 def of(prefix: str, rank: int | str) -> str:

@@ -1,10 +1,13 @@
 """A rank's side of the protocol: stages and deadlines, arrival, observations, aborts.
 
-Every rank posts to the store and waits on it; nothing polls. For every check each rank
-arrives (it posts a key of its own; rank 0 waits for all of them in one blocking store wait
-and raises a flag the others wait for), runs the check and posts its observation; rank 0 waits
-for all observations in one call, reads them in one more and judges. Three store calls per rank
-per check, however long the check takes. The keys are :mod:`.keys`.
+Every rank posts to the store and waits on it. For every check each rank arrives (it posts a
+key of its own; rank 0 waits for all of them in one store wait and raises a flag the others
+read, blocking, in one call), runs the check and posts its observation; rank 0 waits for all
+observations in one wait, reads them in one more call and judges. Three store calls per rank
+per check, however long the check takes (a longer wait is cut in slices, one call each:
+rank 0's a look period long, the others' half a heartbeat silence). An aborting rank wakes
+the readers of rank 0's flags (:data:`.keys.WOKEN`). The keys are :mod:`.keys`, the records
+:mod:`.records`.
 """
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ..config.launchenv import LaunchEnv
 from ..model import CheckResult, check_from_dict
-from . import forensics, keys, reach, runtime, signing
-from .store import (DEAD_AFTER_S, POLL_MAX_S, STORE_OPS_PER_S, Silence, listed, reads,
+from . import forensics, keys, liveness, reach, records, runtime, signing
+from .store import (POLL_MAX_S, STORE_OPS_PER_S, Silence, Stop, dead_after, listed, reads,
                     try_get)
 
 GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watchdog acts first
@@ -28,71 +32,151 @@ GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watch
 _COMM_MARKERS = ("Connection closed by peer", "Connection reset by peer", "gloo/transport",
                  "Broken pipe", "NCCL communicator was aborted", "Timed out waiting")
 
+__all__ = ["Coordinator", "Run", "Stop", "error_detail"]
 
-class Stop(Exception):
-    """The run is being aborted; the reason is already posted to the store."""
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a rank knows of the run at one moment, frozen.
+
+    The main thread makes a new one at each step (:class:`Coordinator` swaps it in whole);
+    any other thread reads the current one and never sees half a step. The thread that
+    writes the report works on the one it took when it began, and only on that.
+    """
+
+    env: LaunchEnv
+    cfg: dict
+    started_at: str
+    t0: float
+    silence: Silence               # every look at the heartbeats (thread-safe), for the judge
+    stage: str = "init"
+    deadline: float | None = None  # monotonic
+    iteration: int = 0             # repeat mode: which pass over the checks (0-based)
+    backend: str = "?"
+    report_dir: str = ""
+    ranks: tuple = ()              # every rank's identity record, once known
+    judged: tuple = ()             # (iteration, CheckResult), in order
+    timings: tuple = ()            # (phase, seconds or count), in order
+    awaiting: tuple | None = None  # rank 0, while it waits for every rank: (what, prefix)
+    following: str | None = None   # another rank, while it waits for rank 0's flag: what
+
+    @property
+    def checks(self) -> list[str]:
+        return self.cfg["checks"]
+
+    def key(self, stage: str) -> str:
+        """A stage's store key: the check name and the iteration."""
+        return keys.stage(stage, self.iteration)
+
+    def host(self, rank: int) -> str | None:
+        return self.ranks[rank].get("host") if 0 <= rank < len(self.ranks) else None
+
+    def replace(self, **changes) -> "Run":
+        return dataclasses.replace(self, **changes)
+
+    def with_identities(self, store) -> "Run":
+        """Every rank's identity record; a rank that never posted one says so."""
+        if len(self.ranks) == self.env.world_size:
+            return self
+        got = reads(store, keys.RANK, range(self.env.world_size))
+        return self.replace(ranks=tuple(got.get(r) or records.Identity.never_connected(r)
+                                        for r in range(self.env.world_size)))
+
+    def with_results(self, store) -> "Run":
+        """A survivor that writes the report takes rank 0's judged results from the store."""
+        if self.env.rank == 0:
+            return self
+        judged = tuple((it, check_from_dict(json.loads(got)))
+                       for it in range(self.iteration + 1) for name in self.checks
+                       if (got := try_get(store, keys.of(keys.RESULT, keys.stage(name, it)))))
+        done = {(it, r.name) for it, r in judged}
+        unjudged = [n for n in self.checks if (self.iteration, n) not in done]
+        stage = unjudged[0] if unjudged and self.stage not in unjudged else self.stage
+        return self.replace(judged=judged, stage=stage)  # (rank 0 died before judging it)
 
 
 class Coordinator:
-    """One rank's state in the run, shared by its main, watchdog and heartbeat threads.
+    """One rank's side of the run, shared by its main thread and its liveness thread.
 
-    Each thread has its own store connection (a call blocked on one must not block another).
-    ``stage`` and ``deadline`` are read as one snapshot under a lock; the rest is written by
-    the main thread only, except ``finishing`` (see :meth:`claim_finish`).
+    The rank has one store connection (``store``, a :class:`.store.Connection` under the
+    signing): its threads take turns on it. The run's state is a frozen :class:`Run`
+    (:attr:`run`) that only the main thread replaces, through the methods below; the
+    liveness thread (heartbeat and watchdog, :mod:`.liveness`) only reads it. Whichever
+    thread ends an aborted run claims that once (:meth:`claim_finish`) and works on the
+    :class:`Run` of that moment (:mod:`.ending`). Shared by design, under a lock: who leaves
+    an aborted run (:meth:`claim_exit`; the other thread keeps the heartbeat), who writes the
+    report (:meth:`claim_finish`) and this rank's forensics (left once).
 
     Args:
         env: the rank's launch environment.
         cfg: the effective configuration.
-        connect: ``connect(may_host) -> store``; rank 0's main connection may host the store.
-        publish: ``publish(coordinator, store, error, forensics) -> verdict``, the writer's
-            outputs (the harness wires :mod:`ddp_smoke.outputs`).
+        connect: ``connect(may_host) -> store``; rank 0's connection may host the store.
+        publish: ``publish(run, store, error, forensics) -> verdict``, the writer's outputs
+            (the harness wires :mod:`ddp_smoke.outputs`).
     """
 
-    def __init__(self, env, cfg: dict[str, Any], connect: Callable, publish: Callable,
-                 started_at: str, t0: float):
-        self.env, self.cfg, self.checks = env, cfg, cfg["checks"]
-        self.publish, self.started_at, self.t0 = publish, started_at, t0
-        self.store = connect(may_host=True)        # main thread's
-        self.wd_store = connect(may_host=False)    # watchdog's
-        self.beat_store = connect(may_host=False)  # heartbeat's: it beats until the process ends
+    def __init__(self, env: LaunchEnv, cfg: dict[str, Any], connect: Callable,
+                 publish: Callable, started_at: str, t0: float):
+        self.cfg, self.publish = cfg, publish
+        self.store = connect(may_host=True)  # the rank's one connection
+        self.run = Run(env=env, cfg=cfg, started_at=started_at, t0=t0,
+                       silence=Silence(dead_after(env.world_size)))
         self._lock = threading.Lock()
-        self._stage, self._deadline = "init", None
-        self.iteration = 0  # repeat mode: which pass over the checks (0-based)
-        self.judged: list[tuple[int, CheckResult]] = []  # (iteration, result), in order
-        self.timings: dict[str, float] = {}
-        self.ranks: list[dict] = []
-        self.backend = "?"
-        self.report_dir = ""
-        self._finishing = False
-        self.leaving = False  # set once this rank has its verdict: store errors are expected now
-        self.stop = threading.Event()  # ends the heartbeat and watchdog threads on a clean exit
-        self.threads: list[threading.Thread] = []
+        self._finishing = self._exiting = False
+        self._forensics: dict | None = None  # this rank's own
         # the verdict's pollers use a quarter of the store's budget: 0.82 s apart at 4,096
         self.poll_max = max(POLL_MAX_S, 4 * env.world_size / STORE_OPS_PER_S)
-        # rank 0, while it waits for every rank's prefix/<rank>: (what it waits for, prefix)
-        self.awaiting: tuple[str, str] | None = None
-        # another rank, while it waits for rank 0's prefix/all: what it waits for
-        self.following: str | None = None
-        self.silence = Silence(DEAD_AFTER_S)  # every look at the heartbeats, kept: the judge
-        self._forensics: dict | None = None  # this rank's own
+        # another rank's blocking read of rank 0's flag looks every half heartbeat silence:
+        # it beats, and follows rank 0's heartbeat, in time; fewer wake-ups than a look period
+        self.follow_slice = self.run.silence.after_s / 2
+        self.liveness = liveness.Liveness(self)
 
-    # -- phase, read as one snapshot by the watchdog -------------------------------------
-    def enter(self, stage: str, deadline_s: float | None) -> None:
-        with self._lock:
-            self._stage = stage
-            self._deadline = None if deadline_s is None else time.monotonic() + deadline_s
-
-    def phase(self) -> tuple[str, float | None]:
-        with self._lock:
-            return self._stage, self._deadline
+    # -- the run's state: read by any thread, changed by the main thread --------------------
+    @property
+    def env(self) -> LaunchEnv:
+        return self.run.env
 
     @property
     def stage(self) -> str:
-        return self.phase()[0]
+        return self.run.stage
+
+    @property
+    def iteration(self) -> int:
+        return self.run.iteration
+
+    @property
+    def checks(self) -> list[str]:
+        return self.run.checks
+
+    @property
+    def silence(self) -> Silence:
+        return self.run.silence
+
+    def _change(self, **changes) -> None:
+        self.run = self.run.replace(**changes)  # one reference, swapped whole
+
+    def enter(self, stage: str, deadline_s: float | None) -> None:
+        self._change(stage=stage,
+                     deadline=None if deadline_s is None else time.monotonic() + deadline_s)
 
     def expired(self) -> bool:
-        deadline = self.phase()[1]
+        deadline = self.run.deadline
         return deadline is not None and time.monotonic() > deadline
+
+    def locate(self, env: LaunchEnv, report_dir: str) -> None:
+        """The run's id and report folder (a rank other than 0 adopts rank 0's id once every
+        rank connected, and the default folder is named after it)."""
+        self._change(env=env, report_dir=report_dir)
+
+    def met(self, ranks: list[dict]) -> None:
+        """Every rank's identity record, read once the process group is up."""
+        self._change(ranks=tuple(ranks))
+
+    def timed(self, phase: str, value: float) -> None:
+        self._change(timings=self.run.timings + ((phase, value),))
+
+    def next_iteration(self) -> None:
+        self._change(iteration=self.run.iteration + 1)
 
     def claim_finish(self) -> bool:
         """True for the one thread of this process that writes the report and ends it."""
@@ -100,21 +184,44 @@ class Coordinator:
             first, self._finishing = not self._finishing, True
             return first
 
+    def claim_exit(self) -> bool:
+        """True for the one thread of this process that leaves an aborted run
+        (:func:`.ending.exit_aborted`); the other keeps the heartbeat going meanwhile."""
+        with self._lock:
+            first, self._exiting = not self._exiting, True
+            return first
+
     def key(self, stage: str) -> str:
         """A stage's store key: the check name and the iteration."""
-        return keys.stage(stage, self.iteration)
+        return self.run.key(stage)
 
     # -- posting -------------------------------------------------------------------------
-    def abort(self, store, kind: str, detail: dict | None = None) -> None:
-        """Tell everyone the run stops, and why, from this rank's point of view."""
-        body = {"rank": self.env.rank, "kind": kind, "stage": self.stage, "at": time.time(),
-                **(detail or {})}
-        text = json.dumps(body)
+    def abort(self, store, kind: type[records.Abort], **detail) -> None:
+        """Tell everyone the run stops, and why, from this rank's point of view: an abort
+        record of ``kind`` (:mod:`.records`), with its own fields in ``detail``."""
+        text = records.text(kind(rank=self.env.rank, stage=self.stage, at=time.time(),
+                                 **detail))
         try:  # the first reason stands: a SIGTERM after an error must not hide the error
             if store.compare_set(keys.of(keys.ABORT, self.env.rank), "", text) == text.encode():
                 store.append(keys.listed(keys.ABORT), f"{self.env.rank},")  # aborted now
+                for key in self._flags_read():  # where rank 0 has not written: never replaced
+                    store.compare_set(key, "", keys.WOKEN)
         except Exception:  # noqa: BLE001 — the store host may be gone; nothing left to tell
             pass
+
+    def _flags_read(self) -> list[str]:
+        """What another rank may be blocked reading now (:meth:`await_flag`): rank 0's flag
+        of this stage or of the next (ranks are at most a stage apart), or its values of the
+        start."""
+        run = self.run
+        if run.stage == "init":
+            return [keys.every(keys.CONNECT), keys.RUN_ID, keys.BACKEND]
+        if run.stage not in run.checks:
+            return []
+        i, it = run.checks.index(run.stage), run.iteration
+        after = (run.checks[i + 1], it) if i + 1 < len(run.checks) else (run.checks[0], it + 1)
+        return [keys.every(keys.of(keys.ARRIVE, keys.stage(run.stage, it))),
+                keys.every(keys.of(keys.ARRIVE, keys.stage(*after))), keys.of(keys.NEXT, it)]
 
     def aborted(self, store) -> bool:
         """A rank listed a genuine abort (a list written from outside the run is no abort)."""
@@ -129,49 +236,59 @@ class Coordinator:
             self.await_all(store, prefix, what)
             store.set(keys.every(prefix), "1")
             return
-        with self._lock:  # meanwhile the watchdog watches rank 0's heartbeat
-            self.following = what
-        try:
-            self.wait_for(store, [keys.every(prefix)], what)
-        finally:
-            with self._lock:
-                self.following = None
+        self.await_flag(store, keys.every(prefix), what)
 
     def await_all(self, store, prefix: str, what: str) -> None:
         """Rank 0: wait until every rank has posted ``prefix/<rank>``. Meanwhile its
         watchdog watches the heartbeats of the ranks still missing
-        (:meth:`ddp_smoke.coordination.liveness.Watchdog.watch`)."""
-        with self._lock:
-            self.awaiting = (what, prefix)
+        (:meth:`ddp_smoke.coordination.liveness.Liveness.watch`)."""
+        self._change(awaiting=(what, prefix))
         try:
             self.wait_for(store, [keys.of(prefix, r) for r in range(self.env.world_size)], what)
         finally:
-            with self._lock:
-                self.awaiting = None
+            self._change(awaiting=None)
 
     def wait_for(self, store, wanted: list[str], what: str) -> None:
-        """Block until every key in ``wanted`` exists: the store's own wait, one call.
+        """Block until every key in ``wanted`` exists: the store's own wait, in slices of a
+        look period (:meth:`_until_deadline`)."""
+        self._until_deadline(store, what, lambda bound: store.wait(
+            wanted, bound, between=lambda: self.liveness.tick(store)))
 
-        Nothing has to wake this thread when the run is aborted: the watchdog sees the abort,
-        the deadline or a silent rank, and ends the process itself. The wait is bounded by
-        the stage's deadline and GRACE_S more, for the watchdog to act first; only if it has
-        not does this thread abort. (A bounded wait that times out makes c10d log two
-        warning lines: slices of a few seconds flooded a slow run's output with them.)
+    def await_flag(self, store, key: str, what: str) -> bytes:
+        """Another rank: rank 0's value at ``key`` (a flag, the run id, the NCCL count), in
+        one blocking read, cut in slices of half a heartbeat silence: between two, this rank
+        beats and its watchdog follows rank 0's heartbeat. Stop when an aborting rank wrote
+        :data:`.keys.WOKEN` there instead."""
+        self._change(following=what)  # meanwhile the watchdog watches rank 0's heartbeat
+        try:
+            value = self._until_deadline(store, what, lambda bound: store.get(
+                key, timeout=bound, between=lambda: self.liveness.tick(store),
+                slice_s=self.follow_slice))
+        finally:
+            self._change(following=None)
+        if value == keys.WOKEN.encode():
+            raise Stop
+        return value
+
+    def _until_deadline(self, store, what: str, call: Callable):
+        """``call(bound)``, a blocking store call, bounded by the stage's deadline and
+        GRACE_S more.
+
+        Between its slices this thread does what is due on the connection it holds (the
+        heartbeat, the watchdog's look) and stops once the run is aborted. The watchdog sees
+        the abort, the deadline or a silent rank, and ends the process itself; only if it
+        has not when the bound passes does this thread abort.
         """
         while True:
-            deadline = self.phase()[1]
+            deadline = self.run.deadline
             left = float(self.cfg["timeout"]) if deadline is None else deadline - time.monotonic()
-            bound, t = max(0.0, left) + GRACE_S, time.monotonic()
             try:
-                store.wait(wanted, datetime.timedelta(seconds=bound))
-                return
+                return call(datetime.timedelta(seconds=max(0.0, left) + GRACE_S))
             except dist.DistStoreError:  # timed out (a lost store raises DistNetworkError)
-                if time.monotonic() - t < bound / 2:
-                    raise  # not a timeout: an error of the store's, not to be waited out
                 if self.aborted(store):
                     raise Stop from None
                 if self.expired():
-                    self.abort(store, keys.TIMEOUT, {"waiting_for": what})
+                    self.abort(store, records.TimeoutAbort, waiting_for=what)
                     raise Stop from None
 
     def gather(self, store, stage: str) -> list[dict]:
@@ -181,39 +298,17 @@ class Coordinator:
         return [json.loads(v) for v in
                 store.multi_get([keys.of(prefix, r) for r in range(self.env.world_size)])]
 
-    def post_observation(self, store, stage: str, obs: dict) -> None:
-        store.set(keys.of(keys.of(keys.OBS, self.key(stage)), self.env.rank), json.dumps(obs))
+    def post_observation(self, store, stage: str, obs: records.Observation) -> None:
+        store.set(keys.of(keys.of(keys.OBS, self.key(stage)), self.env.rank), records.text(obs))
 
     def post_result(self, store, result: CheckResult) -> None:
         """Rank 0 keeps each judged result in the store too: a survivor may have to write."""
-        self.judged.append((self.iteration, result))
+        self._change(judged=self.run.judged + ((self.iteration, result),))
         try:
             store.set(keys.of(keys.RESULT, self.key(result.name)),
                       json.dumps(dataclasses.asdict(result)))
         except Exception:  # noqa: BLE001 — the report is still written from memory
             pass
-
-    def adopt_results(self, store) -> None:
-        """A survivor that writes the report takes rank 0's judged results from the store."""
-        if self.env.rank == 0:
-            return
-        self.judged = [(it, check_from_dict(json.loads(got)))
-                       for it in range(self.iteration + 1) for name in self.checks
-                       if (got := try_get(store, keys.of(keys.RESULT, keys.stage(name, it))))]
-        unjudged = [n for n in self.checks if (self.iteration, n) not in
-                    {(it, r.name) for it, r in self.judged}]
-        if unjudged and self.stage not in unjudged:  # rank 0 died before judging it
-            self.enter(unjudged[0], None)
-
-    def identities(self, store) -> list[dict]:
-        """Every rank's identity record; a rank that never posted one says so."""
-        if len(self.ranks) == self.env.world_size:
-            return self.ranks
-        got = reads(store, keys.RANK, range(self.env.world_size))
-        self.ranks = [got.get(r) or {"rank": r, "local_rank": None, "host": None,
-                                        "missing": "never connected to the store"}
-                      for r in range(self.env.world_size)]
-        return self.ranks
 
     def agree_backend(self, store, requested: str, pick: str, picks: list) -> str:
         """Every rank runs the backend all agree on; with ``auto``, a node without usable CUDA
@@ -223,20 +318,20 @@ class Coordinator:
             signing.forget_local_secret()  # every rank read it before it connected
             store.set(keys.BACKEND, str(cuda_ranks := sum(p == b"nccl" for p in picks)))
         else:
-            cuda_ranks = int(store.get(keys.BACKEND))
+            cuda_ranks = int(self.await_flag(store, keys.BACKEND,
+                                             "rank 0's count of the ranks with CUDA"))
         world = self.env.world_size
         backend, problem = runtime.agree_backend(requested, pick, cuda_ranks, world)
         if problem is None:
+            self._change(backend=backend)
             return backend
         if pick != backend:  # this rank is the odd one out
-            self.abort(store, keys.ERROR, {"type": "BackendMismatch", "message": problem,
-                                           "reason": problem.format(host=runtime.hostname())})
+            self.abort(store, records.ErrorAbort, type="BackendMismatch", message=problem,
+                       reason=problem.format(host=runtime.hostname()))
         else:
-            self.abort(store, keys.STOPPED, {"why": "another rank cannot use the agreed backend"})
+            self.abort(store, records.StoppedAbort,
+                       why="another rank cannot use the agreed backend")
         raise Stop
-
-    def host(self, rank: int) -> str | None:
-        return self.ranks[rank].get("host") if 0 <= rank < len(self.ranks) else None
 
     def leave_forensics(self, store) -> None:
         """Once per process: stacks, Flight Recorder, where the main thread is."""
@@ -244,8 +339,8 @@ class Coordinator:
             if self._forensics is not None:
                 return
             self._forensics = {}
-        found = forensics.dump(self.report_dir or ".", self.env.rank)
-        self._forensics = found
+        self._forensics = found = records.wire(forensics.dump(self.run.report_dir or ".",
+                                                              self.env.rank))
         try:
             store.set(keys.of(keys.FORENSICS, self.env.rank), json.dumps(found))
             store.append(keys.listed(keys.FORENSICS), f"{self.env.rank},")
@@ -255,7 +350,8 @@ class Coordinator:
 
 
 def error_detail(e: BaseException) -> dict:
-    """An exception as an abort's detail; ``comm`` marks a rank that saw its peer vanish."""
+    """An exception as an :class:`.records.ErrorAbort`'s fields; ``comm`` marks a rank that
+    saw its peer vanish."""
     message = str(e)
     comm_error = isinstance(e, getattr(dist, "DistError", ())) or any(m in message
                                                                       for m in _COMM_MARKERS)

@@ -70,6 +70,17 @@ _findings: dict[tuple[str, str], dict] = {}
 _local_file: str | None = None  # this node's secret file, while it exists
 
 
+def _forked() -> None:
+    """A rank forked from a launcher that reads the store too (ddp_smoke.launch_local): a lock
+    another thread held at the fork would never be released here, and findings are per rank."""
+    global _lock
+    _lock = threading.Lock()
+    _findings.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 # -- the secret -------------------------------------------------------------------------------
 
 def run_secret(env, environ=os.environ) -> bytes | None:
@@ -282,7 +293,9 @@ class SignedStore:
     def check(self, keys) -> bool:
         return self.raw.check(keys)
 
-    def wait(self, keys, timeout=None) -> None:
+    def wait(self, keys, timeout=None, **waiting) -> None:
+        if waiting:  # a Connection's sliced wait (coordination/store.py)
+            return self.raw.wait(keys, timeout, **waiting)
         return self.raw.wait(keys) if timeout is None else self.raw.wait(keys, timeout)
 
     def peek(self, keys: list[str]) -> list[bytes | None]:
@@ -290,7 +303,13 @@ class SignedStore:
         check. Never waits for a genuine record."""
         return [self._genuine(k, v) for k, v in zip(keys, self.raw.multi_get(keys))]
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, **waiting) -> bytes:
+        """The genuine value at ``key``. With ``waiting`` (a Connection's ``timeout``,
+        ``between``, ``slice_s``): one blocking read a slice until the key exists."""
+        if waiting:
+            value = self._genuine(key, self.raw.get(key, **waiting))
+            if value is not None:
+                return value
         return self.multi_get([key])[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
@@ -331,7 +350,8 @@ class SignedStore:
             pass
 
 
-_RANK0 = ("result/", "next/", "run_id", "backend", "final", "writer")  # rank 0's (or writer's)
+_RANK0 = (keys.of(keys.RESULT, ""), keys.of(keys.NEXT, ""), keys.RUN_ID, keys.BACKEND,
+          keys.FINAL, keys.WRITER)  # rank 0's (or the writer's)
 
 
 def _claimed_rank(key: str, raw: bytes) -> int | None:

@@ -16,7 +16,7 @@ import time
 
 from .. import __version__
 from ..coordination import blame, keys
-from ..coordination.store import DEAD_AFTER_S, posted, ranks_with, reads, try_get
+from ..coordination.store import DEAD_AFTER_S, dead_after, posted, ranks_with, reads, try_get
 from ..errors import ReportWriteError
 from ..model import FAIL, SKIP, CheckResult, Report, check_from_dict
 from ..coordination import repeat
@@ -26,13 +26,14 @@ WRITER = "store host"  # the report's `writer` figure when this module wrote it
 
 
 
-def first_silent(silent_at: dict[int, float]) -> list[int]:
-    """The ranks whose heartbeats stopped first: within DEAD_AFTER_S of the earliest (one
-    beat lost to the look period); a whole job killed at once names every rank."""
+def first_silent(silent_at: dict[int, float], after_s: float = DEAD_AFTER_S) -> list[int]:
+    """The ranks whose heartbeats stopped first: within ``after_s`` (the world's heartbeat
+    silence) of the earliest (one beat lost to the look period); a whole job killed at once
+    names every rank."""
     if not silent_at:
         return []
     first = min(silent_at.values())
-    return sorted(r for r, t in silent_at.items() if t <= first + DEAD_AFTER_S)
+    return sorted(r for r, t in silent_at.items() if t <= first + after_s)
 
 
 def build(store, meta: dict, silent_at: dict[int, float], address: str,
@@ -49,7 +50,7 @@ def build(store, meta: dict, silent_at: dict[int, float], address: str,
                             "missing": "never connected to the store"} for r in everyone]
     hosts = [r.get("host") for r in ranks]
     beats = reads(store, keys.BEAT, everyone)
-    gone = first_silent(silent_at)
+    gone = first_silent(silent_at, dead_after(world))
     iteration = _iteration(store, checks)
     stage = _stage(store, checks, iteration, everyone) or next(
         (beats[r]["stage"] for r in gone if beats.get(r, {}).get("stage")), "init")
@@ -68,7 +69,7 @@ def build(store, meta: dict, silent_at: dict[int, float], address: str,
                             everyone), dead=set(gone),
         aborts={r: a for r, a in aborts.items() if a.get("kind") != keys.STOPPED},
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
-        store=address, dead_after_s=DEAD_AFTER_S)
+        store=address, dead_after_s=dead_after(world))
     blamed = blame.judge(snap)
     last = max(silent_at.values(), default=0.0)
     figures = {"writer": WRITER, "why": why, "silent_first": gone,
@@ -108,9 +109,9 @@ def build(store, meta: dict, silent_at: dict[int, float], address: str,
 
 def _iteration(store, checks: list[str]) -> int:
     """The last iteration any rank arrived at (repeat mode; 0 otherwise)."""
-    it = 0
-    while checks and try_get(
-            store, keys.every(keys.of(keys.ARRIVE, keys.stage(checks[0], it + 1)))) is not None:
+    it = 0  # (a flag an aborting rank wrote to wake the others is no arrival)
+    while checks and try_get(store, keys.every(keys.of(keys.ARRIVE, keys.stage(
+            checks[0], it + 1)))) not in (None, keys.WOKEN.encode()):
         it += 1
     return it
 
