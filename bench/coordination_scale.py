@@ -82,7 +82,8 @@ class Counted:
 
         def call(*args, **kwargs):
             role = getattr(_ROLE, "name", None) or threading.current_thread().name.split("-")[0]
-            self.ops[role, name] += 1
+            if name != "set_timeout":  # the client's own setting, not a request
+                self.ops[role, name] += 1
             try:
                 return attr(*args, **kwargs)
             except RuntimeError as e:  # a wait slice that timed out: one call per slice
@@ -114,7 +115,13 @@ def worker(args) -> None:
         from ddp_smoke.coordination import signing
         signing.run_secret = lambda env, environ=None: None
     hook = threading.excepthook
-    threading.excepthook = lambda a: None if issubclass(a.exc_type, _Left) else hook(a)
+
+    def said(a):  # a rank that died of an error says so, once per kind (a worker's stderr)
+        if not issubclass(a.exc_type, _Left) and a.exc_type not in said.seen:
+            said.seen.add(a.exc_type)
+            hook(a)
+    said.seen = set()
+    threading.excepthook = said
 
     world = args.world
     names = [f"c{i}" for i in range(args.checks)] + ["abort_here"]
@@ -140,12 +147,18 @@ def worker(args) -> None:
     seen = {r: threading.Event() for r in ranks}  # set when the rank saw the abort
     if 0 in coords:
         coords[0].claim_finish()  # the bench judges on rank 0 itself, below; no report file
-    threading.Thread(target=_drive_liveness, args=(coords, seen), daemon=True,
-                     name="liveness-driver").start()
-    mains = [threading.Thread(target=_rank_main, args=(coords[r], out[r], args, names, seen[r]),
+    go = threading.Event()  # every rank starts together, as torchrun starts a node's ranks
+    mains = [threading.Thread(target=_rank_main, args=(coords[r], out[r], args, names, seen[r],
+                                                       go),
                               daemon=True, name=f"main-{r}") for r in ranks]
+    t0 = time.monotonic()
     for t in mains:
         t.start()
+    threading.Thread(target=_drive_liveness, args=(coords, seen), daemon=True,
+                     name="liveness-driver").start()
+    go.set()
+    print(f"worker {args.lo}: {len(mains)} ranks started in {time.monotonic() - t0:.1f} s",
+          file=sys.stderr, flush=True)
     threading.Thread(target=_progress, args=(out, args.lo), daemon=True).start()
     for t in mains:
         t.join(args.timeout * 3)
@@ -185,19 +198,29 @@ def _drive_liveness(coords: dict, seen: dict) -> None:
         time.sleep(max(0.0, period - (time.monotonic() - t)))
 
 
-def _rank_main(c, out, args, names, seen) -> None:
+def _rank_main(c, out, args, names, seen, go) -> None:
     from ddp_smoke.coordination import ending, protocol, records, store as storekeys
     r, store = c.env.rank, c.store
     counted = store.raw.raw
     look = c.liveness.tick
 
-    def tick(s):  # between the slices of this thread's waits: counted as the liveness look's
+    def tick(s, full=True):  # between this thread's wait slices: counted as the liveness's
         _ROLE.name = "liveness"
         try:
-            return look(s)
+            return look(s, full)
         finally:
             _ROLE.name = None
     c.liveness.tick = tick
+    if r == 0:  # the longest gap between two of rank 0's heartbeats (the others follow it)
+        beat, beats = c.liveness.beat, []
+
+        def timed_beat(s):
+            beats.append(time.monotonic())
+            out["beat_gap_max"] = max(b - a for a, b in zip(beats, beats[1:])) if beats[1:] \
+                else 0.0
+            return beat(s)
+        c.liveness.beat = timed_beat
+    go.wait()
     out["marks"] = marks = [time.monotonic()]
     try:
         c.enter("init", args.timeout)
@@ -213,6 +236,7 @@ def _rank_main(c, out, args, names, seen) -> None:
         out["side_ops"], out["side_s"] = counted.total("liveness") - n, time.monotonic() - t
 
         marks.append(time.monotonic())
+        out["init_polls"] = counted.timeouts["main"]
         n, polls, per = counted.total("main"), counted.timeouts["main"], []
         for name in names[:-1]:
             t = time.monotonic()
@@ -329,7 +353,7 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
     # at one GIL, and each store call wakes a thread. At 4,096 ranks (three connections per
     # rank then) a check took 1.5 s with 2 processes, 0.66–1.0 s with 4, 0.34–0.38 s with 8
     # and 0.30 s with 16.
-    procs = max(1, min(procs, world // 4))
+    procs = max(1, min(procs or max(8, world // 1024), world // 4))
     secret = secrets.token_hex(32)  # the run's, as a launcher hands it to every rank
     # Rank 0, which gathers and judges, has a process of its own, as it has a node of its
     # own in a cluster: its timings are the store's, not those of a GIL shared with 1,000
@@ -359,7 +383,9 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
         tails = []
         for i, log in enumerate(logs):
             log.seek(0)
-            tails.append(f"worker {i} (exit {workers[i].returncode}): {log.read()[-600:]}")
+            text = log.read()
+            tails.append(f"worker {i} (exit {workers[i].returncode}): {text[:700]}"
+                         + (f" … {text[-300:]}" if len(text) > 1000 else text[700:]))
         raise SystemExit(f"coordination_scale: the simulation of {world} ranks failed "
                          f"({type(e).__name__}); the workers' stderr ends:\n"
                          + "\n".join(tails)) from None
@@ -385,6 +411,10 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
         "culprits": zero.get("culprits"), "victims": zero.get("victims"),
         "forensics": zero.get("forensics") or [0, 0, float("nan")],
         "error": zero.get("error"),
+        "rank0_beat_gap_max_s": zero.get("beat_gap_max"),
+        "init_slices_timed_out": sum(v.get("init_polls", 0) for v in ranks.values()),
+        "phases_s": [round(b - a, 2) for a, b in zip(zero.get("marks", []),
+                                                     zero.get("marks", [])[1:])],
         "ops_by_kind": dict(sum((Counter(v.get("ops", {})) for v in ranks.values()), Counter())),
     }
     return out
@@ -395,8 +425,8 @@ def _fds() -> int:
 
 
 def _sample_fds(most: list, base: int, done: threading.Event) -> None:
-    """The store host's open files (this process serves the store), every 0.2 s."""
-    while not done.wait(0.2):
+    """The store host's open files (this process serves the store), every second."""
+    while not done.wait(1.0):
         most[0] = max(most[0], _fds() - base)
 
 
@@ -411,8 +441,9 @@ def main() -> None:
     p.add_argument("--full", action="store_true", help="10 checks and 5 s per size")
     p.add_argument("--sizes", default="1024,4096,16384")
     p.add_argument("--checks", type=int)
-    p.add_argument("--procs", type=int, default=8,
-                   help="worker processes hosting the ranks (8: 2,048 ranks each at 16,384)")
+    p.add_argument("--procs", type=int,
+                   help="worker processes hosting the ranks (default: 8, or one per 1,024 "
+                        "ranks beyond: 16 at 16,384)")
     p.add_argument("--steady-s", type=float)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--json", action="store_true", help="one JSON line per size, too")

@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         say_once(f"ddp-smoke: error: cannot host the coordination store on 127.0.0.1: {e}")
         return 1
     os.environ[hosting.ENV] = hosted.address
+    hosting.publish_address(hosting.address_file(folder, rid), hosted.address)  # for a look
     try:
         status, said = _torchrun(nproc, worker_args, hosted.raw.port)
     finally:

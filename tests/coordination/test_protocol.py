@@ -4,6 +4,7 @@ No process group, no torchrun: each simulated rank is a real Coordinator with it
 connection, as the harness makes it, so arrival, deadlines, aborts, judging and the takeover
 are tested here alone (the worker tests run them end to end).
 """
+import dataclasses
 import datetime
 import json
 import threading
@@ -14,8 +15,9 @@ import torch.distributed as dist
 
 from ddp_smoke.config.launchenv import LaunchEnv
 from ddp_smoke.coordination import ending, judge, keys, records, signing
+from ddp_smoke.coordination import protocol as protocol_module
 from ddp_smoke.coordination.protocol import Coordinator, Stop
-from ddp_smoke.coordination.store import Connection, Silence
+from ddp_smoke.coordination.store import Connection, Silence, beat_of
 from tests.launch import free_port
 
 
@@ -129,7 +131,7 @@ def test_the_judge_names_the_rank_whose_heartbeat_stopped(world):
         c.liveness.beat(c.store)
     _threads(lambda c: c.arrive(c.store, "arrive/alpha/0", "all"), coords)
     run = coords[0].run.replace(silence=Silence(0.3))
-    run.silence.update({0: 1, 1: 1, 2: 1})
+    run.silence.update({r: beat_of(coords[0].store, r)["n"] for r in range(3)})
     time.sleep(0.4)
     for c in coords[:2]:  # ranks 0 and 1 beat on; rank 2 is gone
         c.liveness.beat(c.store)
@@ -178,8 +180,8 @@ def test_each_rank_holds_one_connection_and_its_threads_take_turns(world):
     waiting.join(5)
 
 
-def test_an_abort_wakes_a_rank_blocked_reading_rank_0s_flag(world):
-    """Rank 1 reads rank 0's arrival flag (one blocking read, long slices); rank 2 aborts:
+def test_an_abort_wakes_a_rank_blocked_on_rank_0s_flag(world):
+    """Rank 1 blocks on rank 0's arrival flag (one read, in long slices); rank 2 aborts:
     rank 1 stops at once, and a flag rank 0 raised before stays as it was."""
     coords = world(3, timeout=30.0, checks=("alpha", "beta"))
     for c in coords:
@@ -187,18 +189,18 @@ def test_an_abort_wakes_a_rank_blocked_reading_rank_0s_flag(world):
     coords[0].store.set(keys.every(keys.of(keys.ARRIVE, keys.stage("alpha", 0))), "1")
     got = {}
 
-    def read(c=coords[1]):
+    def block(c=coords[1]):
         t = time.monotonic()
         try:
             c.await_flag(c.store, keys.every(keys.of(keys.ARRIVE, keys.stage("beta", 0))),
                          "every rank to arrive at beta")
         except Stop:
             got["stopped_after_s"] = time.monotonic() - t
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    blocked = threading.Thread(target=block, daemon=True)
+    blocked.start()
     time.sleep(0.3)
     coords[2].abort(coords[2].store, records.ErrorAbort, type="ValueError", message="x")
-    reader.join(10)
+    blocked.join(10)
     assert got["stopped_after_s"] < coords[1].follow_slice + 0.5, got
     assert coords[0].store.get(keys.every(keys.of(keys.ARRIVE, keys.stage("alpha", 0)))) == b"1"
     assert json.loads(coords[0].store.get("abort/2"))["kind"] == "error"
@@ -213,3 +215,40 @@ def test_records_have_one_shape_per_kind():
         records.abort_of({"kind": "write"})
     with pytest.raises(TypeError):
         records.TimeoutAbort(rank=0, stage="s", at=1.0, signal="SIGTERM")
+
+
+def test_the_run_is_the_main_threads_and_the_writer_works_on_a_frozen_copy(world):
+    """Issue 31 item 2: the writer of the report takes the run as it stood and works on that;
+    the main thread's later steps (a result judged meanwhile) do not reach it."""
+    c = world(2, checks=("alpha", "beta"))[0]
+    c.enter("alpha", 5.0)
+    taken = c.run
+    from ddp_smoke.model import CheckResult
+    c.post_result(c.store, CheckResult("alpha", "pass", summary="ok"))
+    c.enter("beta", 5.0)
+    assert taken.judged == () and taken.stage == "alpha"
+    assert [r.name for _, r in c.run.judged] == ["alpha"] and c.run.stage == "beta"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        taken.stage = "beta"
+
+
+def test_no_module_but_the_protocol_writes_a_coordinators_state():
+    """Before: the watchdog thread wrote `judged`, `timings` and `ranks`, and four other
+    modules wrote a Coordinator's attributes fifteen times. Now only its own methods do."""
+    import ast
+    from pathlib import Path
+    package = Path(protocol_module.__file__).parent.parent
+    writes = []
+    for path in package.rglob("*.py"):
+        if path.name == "protocol.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for t in targets:
+                base = t.value if isinstance(t, (ast.Attribute, ast.Subscript)) else None
+                base = base.value if isinstance(base, ast.Attribute) and \
+                    isinstance(t, ast.Subscript) else base
+                if isinstance(base, ast.Name) and base.id in ("c", "coord"):
+                    writes.append(f"{path.name}:{node.lineno}")
+    assert writes == []

@@ -29,7 +29,7 @@ import time
 from typing import Callable
 
 from . import keys
-from .store import DEAD_AFTER_S, Silence, dead_after, read_beats, try_get
+from .store import DEAD_AFTER_S, Silence, dead_after, look_period, read_beats, try_get
 
 ENV = "DDP_SMOKE_STORE"
 PREFIX = "ddp_smoke/0"  # the harness's PrefixStore (TORCHELASTIC_RESTART_COUNT 0: no restarts)
@@ -84,25 +84,29 @@ class Watch:
         self.store, self.meta = store, None
         self.silence = Silence(DEAD_AFTER_S)
         self.moved: dict[int, float] = {}  # rank -> monotonic time its counter last moved
+        self.beats_every, self._looked = LOOK_S, 0.0  # every heartbeat is read this often
 
     def look(self) -> str | None:
         """One look; returns the final verdict when set."""
         final = try_get(self.store, keys.FINAL)
         if final is not None:
             return final.decode()
-        self.look_beats()
+        if time.monotonic() - self._looked >= self.beats_every:
+            self.look_beats()
         return None
 
     def look_beats(self) -> None:
         if self.meta is None:
             self.meta = read_meta(self.store)
             world = int(self.meta["world_size"]) if self.meta else None
-            if world:  # a large world's heartbeats are further apart
+            if world:  # a large world's heartbeats are further apart, and costlier to read
                 self.silence = Silence(dead_after(world))
+                self.beats_every = look_period(world, 1)
             short = raise_nofile(world)
             if short:  # a launcher that did not say the world size: said as soon as known
                 say(short)
         if self.meta is not None:
+            self._looked = time.monotonic()
             beats = read_beats(self.store, range(int(self.meta["world_size"])))
             self.silence.update({r: b.get("n") for r, b in beats.items()})
             self.moved = {r: t for r, (_, t) in self.silence.last.items()}
@@ -177,6 +181,13 @@ def start_detached(host: str, report_dir: str, max_s: float, timeout_s: float = 
     if not line:
         raise RuntimeError(f"the store host exited with status {proc.wait()}")
     return line
+
+
+def address_file(report_dir: str, run_id: str) -> str:
+    """Where a launcher leaves its store host's address, for the other nodes' launchers and
+    for anyone who looks into a run (submit's task 0: "none" when its node failed preflight;
+    the local launcher, which is its own store host)."""
+    return os.path.join(report_dir, "store", run_id)
 
 
 def publish_address(path: str, address: str) -> None:

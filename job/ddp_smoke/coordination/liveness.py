@@ -39,7 +39,8 @@ class Liveness:
         self.stop = threading.Event()  # a clean exit: the main thread stopped us
         self.leaving = False  # set once this rank has its verdict: store errors are expected
         self.looked = 0.0     # when watch() or follow() last read heartbeats
-        self._n, self._due, self._aborted = 0, 0.0, False
+        self._n, self._aborted = 0, False
+        self._due = self._beat_due = 0.0  # monotonic: the next look, the next heartbeat
         self._ticking = threading.Lock()
         self._wake = (-1, -1)
         self._thread: threading.Thread | None = None
@@ -59,41 +60,45 @@ class Liveness:
     # -- one look ------------------------------------------------------------------------
     def beat(self, store) -> None:
         """Prove this process is alive, and publish where it is."""
+        self._beat_due = time.monotonic() + self.period
         self._n += 1
         store.set(keys.of(keys.BEAT, self.coord.env.rank),
                   records.Beat(n=self._n, t=time.time(), stage=self.coord.stage,
                                progress=progress.progress()).to_json())
 
-    def tick(self, store) -> bool:
-        """When due (once a look period), from whichever thread holds the connection: the
-        heartbeat, the deadline, on rank 0 the heartbeats of the ranks it waits for (else
-        rank 0's), the abort list. True once the run is aborted."""
+    def tick(self, store, look: bool = True) -> bool:
+        """What is due, from whichever thread holds the connection: once a period the
+        heartbeat, and, with ``look``, the deadline, on rank 0 the heartbeats of the ranks it
+        waits for (else rank 0's) and the abort list. True once the run is aborted. (A main
+        thread whose wait ended in time only beats: one call, no answer to wait for.)"""
         if self._aborted:
             return True
         # (a tenth of a period early still counts: whoever looks on a period's beat, not
         # one that lands a moment early and then waits a whole period more)
-        early = time.monotonic() < self._due - self.period / 10
-        if early or not self._ticking.acquire(blocking=False):
+        now, early = time.monotonic(), self.period / 10
+        due = now >= self._due - early if look else now >= self._beat_due - early
+        if not due or not self._ticking.acquire(blocking=False):
             return False
         try:
             with store.raw.hold(blocking=False) as free:
                 # taken: the main thread waits on it and looks between its slices
-                return self._look(store) if free else False
+                if free:
+                    self.beat(store)
+                return self._look(store) if free and look else False
         finally:
             self._ticking.release()
 
     def _look(self, store) -> bool:
         self._due = time.monotonic() + self.period
         c = self.coord
-        self.beat(store)
-        run = c.run
+        awaiting, following = c.waiting()
         if c.expired():  # what the main thread waits for, where it waits
-            c.abort(store, records.TimeoutAbort, waiting_for=(
-                run.awaiting[0] if run.awaiting else run.following or run.stage))
-        if run.awaiting is not None:
-            self.watch(store, *run.awaiting)
-        if run.following is not None:
-            self.follow(store, run.following)
+            c.abort(store, records.TimeoutAbort,
+                    waiting_for=awaiting[0] if awaiting else following or c.stage)
+        if awaiting is not None:
+            self.watch(store, *awaiting)
+        if following is not None:
+            self.follow(store, following)
         self._aborted = c.aborted(store)
         return self._aborted
 

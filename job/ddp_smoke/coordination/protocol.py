@@ -39,8 +39,8 @@ __all__ = ["Coordinator", "Run", "Stop", "error_detail"]
 class Run:
     """What a rank knows of the run at one moment, frozen.
 
-    The main thread makes a new one at each step (:class:`Coordinator` swaps it in whole);
-    any other thread reads the current one and never sees half a step. The thread that
+    The main thread makes a new one at each step that changes it (:class:`Coordinator` swaps
+    it in whole); any other thread reads a copy and never sees half a step. The thread that
     writes the report works on the one it took when it began, and only on that.
     """
 
@@ -49,16 +49,13 @@ class Run:
     started_at: str
     t0: float
     silence: Silence               # every look at the heartbeats (thread-safe), for the judge
-    stage: str = "init"
-    deadline: float | None = None  # monotonic
+    stage: str = "init"            # (the copy's: the stage changes too often to swap the run)
     iteration: int = 0             # repeat mode: which pass over the checks (0-based)
     backend: str = "?"
     report_dir: str = ""
     ranks: tuple = ()              # every rank's identity record, once known
     judged: tuple = ()             # (iteration, CheckResult), in order
     timings: tuple = ()            # (phase, seconds or count), in order
-    awaiting: tuple | None = None  # rank 0, while it waits for every rank: (what, prefix)
-    following: str | None = None   # another rank, while it waits for rank 0's flag: what
 
     @property
     def checks(self) -> list[str]:
@@ -100,8 +97,10 @@ class Coordinator:
 
     The rank has one store connection (``store``, a :class:`.store.Connection` under the
     signing): its threads take turns on it. The run's state is a frozen :class:`Run`
-    (:attr:`run`) that only the main thread replaces, through the methods below; the
-    liveness thread (heartbeat and watchdog, :mod:`.liveness`) only reads it. Whichever
+    (:attr:`run` is a copy) that only the main thread replaces, through the methods below;
+    the stage with its deadline, and what the main thread waits for, are tuples it swaps
+    whole (:meth:`enter`, :meth:`waiting`). The liveness thread (heartbeat and watchdog,
+    :mod:`.liveness`) only reads them. Whichever
     thread ends an aborted run claims that once (:meth:`claim_finish`) and works on the
     :class:`Run` of that moment (:mod:`.ending`). Shared by design, under a lock: who leaves
     an aborted run (:meth:`claim_exit`; the other thread keeps the heartbeat), who writes the
@@ -119,8 +118,12 @@ class Coordinator:
                  publish: Callable, started_at: str, t0: float):
         self.cfg, self.publish = cfg, publish
         self.store = connect(may_host=True)  # the rank's one connection
-        self.run = Run(env=env, cfg=cfg, started_at=started_at, t0=t0,
-                       silence=Silence(dead_after(env.world_size)))
+        self._run = Run(env=env, cfg=cfg, started_at=started_at, t0=t0,
+                        silence=Silence(dead_after(env.world_size)))
+        self._phase: tuple[str, float | None] = ("init", None)  # stage, deadline (monotonic)
+        # (what rank 0 waits for every rank to post, its prefix) or (None, what another rank
+        # reads of rank 0's, following rank 0's heartbeat meanwhile)
+        self._waiting: tuple = (None, None)
         self._lock = threading.Lock()
         self._finishing = self._exiting = False
         self._forensics: dict | None = None  # this rank's own
@@ -128,40 +131,50 @@ class Coordinator:
         self.poll_max = max(POLL_MAX_S, 4 * env.world_size / STORE_OPS_PER_S)
         # another rank's blocking read of rank 0's flag looks every half heartbeat silence:
         # it beats, and follows rank 0's heartbeat, in time; fewer wake-ups than a look period
-        self.follow_slice = self.run.silence.after_s / 2
+        self.follow_slice = self._run.silence.after_s / 2
         self.liveness = liveness.Liveness(self)
 
     # -- the run's state: read by any thread, changed by the main thread --------------------
     @property
+    def run(self) -> Run:
+        """The run as it stands, frozen: what a thread that leaves the run works on."""
+        return self._run.replace(stage=self._phase[0])
+
+    @property
     def env(self) -> LaunchEnv:
-        return self.run.env
+        return self._run.env
 
     @property
     def stage(self) -> str:
-        return self.run.stage
+        return self._phase[0]
 
     @property
     def iteration(self) -> int:
-        return self.run.iteration
+        return self._run.iteration
 
     @property
     def checks(self) -> list[str]:
-        return self.run.checks
+        return self._run.checks
 
     @property
     def silence(self) -> Silence:
-        return self.run.silence
+        return self._run.silence
 
     def _change(self, **changes) -> None:
-        self.run = self.run.replace(**changes)  # one reference, swapped whole
+        self._run = self._run.replace(**changes)  # one reference, swapped whole
 
     def enter(self, stage: str, deadline_s: float | None) -> None:
-        self._change(stage=stage,
-                     deadline=None if deadline_s is None else time.monotonic() + deadline_s)
+        self._phase = (stage, None if deadline_s is None else time.monotonic() + deadline_s)
 
     def expired(self) -> bool:
-        deadline = self.run.deadline
+        deadline = self._phase[1]
         return deadline is not None and time.monotonic() > deadline
+
+    def waiting(self) -> tuple:
+        """What the main thread waits for now: ``(awaiting, following)``, either ``(what,
+        prefix)`` and None (rank 0, every rank's ``prefix/<rank>``) or None and ``what``
+        (another rank, a value of rank 0's)."""
+        return self._waiting
 
     def locate(self, env: LaunchEnv, report_dir: str) -> None:
         """The run's id and report folder (a rank other than 0 adopts rank 0's id once every
@@ -173,10 +186,10 @@ class Coordinator:
         self._change(ranks=tuple(ranks))
 
     def timed(self, phase: str, value: float) -> None:
-        self._change(timings=self.run.timings + ((phase, value),))
+        self._change(timings=self._run.timings + ((phase, value),))
 
     def next_iteration(self) -> None:
-        self._change(iteration=self.run.iteration + 1)
+        self._change(iteration=self._run.iteration + 1)
 
     def claim_finish(self) -> bool:
         """True for the one thread of this process that writes the report and ends it."""
@@ -193,7 +206,7 @@ class Coordinator:
 
     def key(self, stage: str) -> str:
         """A stage's store key: the check name and the iteration."""
-        return self.run.key(stage)
+        return self._run.key(stage)
 
     # -- posting -------------------------------------------------------------------------
     def abort(self, store, kind: type[records.Abort], **detail) -> None:
@@ -213,14 +226,14 @@ class Coordinator:
         """What another rank may be blocked reading now (:meth:`await_flag`): rank 0's flag
         of this stage or of the next (ranks are at most a stage apart), or its values of the
         start."""
-        run = self.run
-        if run.stage == "init":
+        stage, checks, it = self.stage, self.checks, self.iteration
+        if stage == "init":
             return [keys.every(keys.CONNECT), keys.RUN_ID, keys.BACKEND]
-        if run.stage not in run.checks:
+        if stage not in checks:
             return []
-        i, it = run.checks.index(run.stage), run.iteration
-        after = (run.checks[i + 1], it) if i + 1 < len(run.checks) else (run.checks[0], it + 1)
-        return [keys.every(keys.of(keys.ARRIVE, keys.stage(run.stage, it))),
+        i = checks.index(stage)
+        after = (checks[i + 1], it) if i + 1 < len(checks) else (checks[0], it + 1)
+        return [keys.every(keys.of(keys.ARRIVE, keys.stage(stage, it))),
                 keys.every(keys.of(keys.ARRIVE, keys.stage(*after))), keys.of(keys.NEXT, it)]
 
     def aborted(self, store) -> bool:
@@ -242,30 +255,30 @@ class Coordinator:
         """Rank 0: wait until every rank has posted ``prefix/<rank>``. Meanwhile its
         watchdog watches the heartbeats of the ranks still missing
         (:meth:`ddp_smoke.coordination.liveness.Liveness.watch`)."""
-        self._change(awaiting=(what, prefix))
+        self._waiting = ((what, prefix), None)
         try:
             self.wait_for(store, [keys.of(prefix, r) for r in range(self.env.world_size)], what)
         finally:
-            self._change(awaiting=None)
+            self._waiting = (None, None)
 
     def wait_for(self, store, wanted: list[str], what: str) -> None:
         """Block until every key in ``wanted`` exists: the store's own wait, in slices of a
         look period (:meth:`_until_deadline`)."""
         self._until_deadline(store, what, lambda bound: store.wait(
-            wanted, bound, between=lambda: self.liveness.tick(store)))
+            wanted, bound, between=lambda look: self.liveness.tick(store, look)))
 
     def await_flag(self, store, key: str, what: str) -> bytes:
-        """Another rank: rank 0's value at ``key`` (a flag, the run id, the NCCL count), in
-        one blocking read, cut in slices of half a heartbeat silence: between two, this rank
-        beats and its watchdog follows rank 0's heartbeat. Stop when an aborting rank wrote
-        :data:`.keys.WOKEN` there instead."""
-        self._change(following=what)  # meanwhile the watchdog watches rank 0's heartbeat
+        """Another rank: rank 0's value at ``key`` (a flag, the run id, the NCCL count, a
+        decision), in one blocking read, cut in slices of half a heartbeat silence: between
+        two, this rank beats and its watchdog follows rank 0's heartbeat. Stop when an
+        aborting rank wrote :data:`.keys.WOKEN` there instead."""
+        self._waiting = (None, what)  # meanwhile the watchdog watches rank 0's heartbeat
         try:
             value = self._until_deadline(store, what, lambda bound: store.get(
-                key, timeout=bound, between=lambda: self.liveness.tick(store),
+                key, timeout=bound, between=lambda full: self.liveness.tick(store, full),
                 slice_s=self.follow_slice))
         finally:
-            self._change(following=None)
+            self._waiting = (None, None)
         if value == keys.WOKEN.encode():
             raise Stop
         return value
@@ -280,7 +293,7 @@ class Coordinator:
         has not when the bound passes does this thread abort.
         """
         while True:
-            deadline = self.run.deadline
+            deadline = self._phase[1]
             left = float(self.cfg["timeout"]) if deadline is None else deadline - time.monotonic()
             try:
                 return call(datetime.timedelta(seconds=max(0.0, left) + GRACE_S))
@@ -303,7 +316,7 @@ class Coordinator:
 
     def post_result(self, store, result: CheckResult) -> None:
         """Rank 0 keeps each judged result in the store too: a survivor may have to write."""
-        self._change(judged=self.run.judged + ((self.iteration, result),))
+        self._change(judged=self._run.judged + ((self.iteration, result),))
         try:
             store.set(keys.of(keys.RESULT, self.key(result.name)),
                       json.dumps(dataclasses.asdict(result)))
@@ -339,7 +352,7 @@ class Coordinator:
             if self._forensics is not None:
                 return
             self._forensics = {}
-        self._forensics = found = records.wire(forensics.dump(self.run.report_dir or ".",
+        self._forensics = found = records.wire(forensics.dump(self._run.report_dir or ".",
                                                               self.env.rank))
         try:
             store.set(keys.of(keys.FORENSICS, self.env.rank), json.dumps(found))

@@ -43,18 +43,17 @@ class Connection:
     keys appear. So calls take turns, first come first served (:meth:`hold`; a thread that
     holds the connection may call again), and a wait or a read of a key that may not exist
     yet holds it for one slice at most: between two slices the other threads' calls go
-    first, and the waiting thread may do what is due (``between``: the heartbeat and the
-    watchdog's look) and stop waiting. Any other blocking call is bounded by a slice too
-    (a read of keys that do not exist raises then, instead of holding the connection for the
-    store's timeout). Each slice that times out would make c10d log two warning lines: the
-    worker raises c10's log level to errors before it imports torch (:func:`quiet_slices`).
-    Everything else is one call, as on the c10d store it wraps.
+    first, and the waiting thread does what is due (``between(True)``: the heartbeat and the
+    watchdog's look; ``between(False)`` after a wait that ended in time: the heartbeat) and
+    stops waiting once told. Each
+    slice that times out would make c10d log two warning lines: the worker raises c10's log
+    level to errors before it imports torch (:func:`quiet_slices`). Everything else is one
+    call, as on the c10d store it wraps; a read (``multi_get``) is of keys that exist.
     """
 
     def __init__(self, raw, slice_s: float):
         self.raw, self.slice_s = raw, slice_s
-        self.timeout: datetime.timedelta = raw.timeout  # the store's own: the longest wait
-        raw.set_timeout(datetime.timedelta(seconds=slice_s))  # c10d's, for any one call
+        self.timeout: datetime.timedelta = raw.timeout  # the store's own: any one call
         self._turns = threading.Condition()
         self._next = self._serving = 0
         self._holder: int | None = None
@@ -81,7 +80,7 @@ class Connection:
                     self._turns.notify_all()
 
     def _sliced(self, call: Callable, timeout: datetime.timedelta | None,
-                between: Callable[[], bool] | None, slice_s: float | None):
+                between: Callable[[bool], bool] | None, slice_s: float | None):
         """``call(seconds)``, a c10d wait or read bounded by ``seconds``, in slices of
         ``slice_s`` (default: the connection's) until ``timeout`` (default: the store's)."""
         import torch.distributed as dist
@@ -93,32 +92,39 @@ class Connection:
             t = time.monotonic()
             try:
                 with self.hold():
-                    return call(piece)
+                    got = call(piece)
+                if between is not None:
+                    between(False)  # (a wait that ended may be followed at once by
+                    # another: the heartbeat must not wait for one to time out)
+                return got
             except dist.DistStoreError:
                 if time.monotonic() - t < piece / 2:
                     raise  # not a timeout: an error of the store's, not to be waited out
             if left <= piece:
                 raise dist.DistStoreError(f"wait timeout after {bound * 1000:.0f}ms")
-            if between is not None and between():
+            if between is not None and between(True):
                 raise Stop
 
     def wait(self, wanted: list[str], timeout: datetime.timedelta | None = None,
-             between: Callable[[], bool] | None = None, slice_s: float | None = None) -> None:
-        """Until every key in ``wanted`` exists; after each slice ``between()`` runs, and
-        :class:`Stop` is raised when it returns True. c10d's DistStoreError after
+             between: Callable[[bool], bool] | None = None,
+             slice_s: float | None = None) -> None:
+        """Until every key in ``wanted`` exists; after each slice that ends without them
+        ``between(True)`` runs, and :class:`Stop` is raised when it returns True (after the
+        one that ends with them, ``between(False)``). c10d's DistStoreError after
         ``timeout``."""
         self._sliced(lambda s: self.raw.wait(wanted, datetime.timedelta(seconds=s)),
                      timeout, between, slice_s)
 
     def get(self, key: str, timeout: datetime.timedelta | None = None,
-            between: Callable[[], bool] | None = None, slice_s: float | None = None) -> bytes:
+            between: Callable[[bool], bool] | None = None,
+            slice_s: float | None = None) -> bytes:
         """The value at ``key`` once it exists: one blocking read a slice, as :meth:`wait`."""
         def read(seconds: float) -> bytes:
             self.raw.set_timeout(datetime.timedelta(seconds=seconds))
             try:
                 return self.raw.get(key)
             finally:
-                self.raw.set_timeout(datetime.timedelta(seconds=self.slice_s))
+                self.raw.set_timeout(self.timeout)
         return self._sliced(read, timeout, between, slice_s)
 
     def busy(self) -> bool:
