@@ -148,8 +148,8 @@ def _join(c: Coordinator, store, faults: list) -> Context:
     # the first records of the others: another secret or build stops here (exit 2)
     picks = signing.peers(store, [keys.of(keys.CONNECT, r) for r in range(env.world_size)]
                           if env.rank == 0 else [keys.of(keys.CONNECT, 0)])
-    env = runtime.share_run_id(env, store, lambda key: c.await_flag(store, key,
-                                                                    "rank 0's run id"))
+    env = runtime.share_run_id(env, lambda key, value: c.tell_all(store, key, value),
+                               lambda key: c.await_flag(store, key, "rank 0's run id"))
     rdir = default_report_dir(cfg, env.run_id)  # named after rank 0's id
     c.locate(env, rdir)
     backend = c.agree_backend(store, cfg["backend"], pick, picks)
@@ -221,7 +221,7 @@ def _another_iteration(c: Coordinator, store, started: float) -> bool:
     key = keys.of(keys.NEXT, c.iteration)
     if c.env.rank == 0:
         another = time.monotonic() - started < cfg["duration"]
-        store.set(key, "1" if another else "0")
+        c.tell_all(store, key, "1" if another else "0")
         return another
     return c.await_flag(store, key, "rank 0 to decide on another iteration") == b"1"
 

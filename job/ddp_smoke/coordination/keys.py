@@ -32,12 +32,14 @@ reach/<r>               node leader  after an abort: the leaders it tried and co
 reach/listed            node leader  "r," appended once its findings are posted
 meta                    first rank   the run's shape for the store host (JSON; compare-and-set)
 security/listed         every rank   records that failed their signature check (JSON items)
+woken                   one rank     the first aborting rank, which woke the others (set once)
 ======================  ===========  ==================================================
 
-An aborting rank also writes :data:`WOKEN` into each value of rank 0's that another rank may
-be blocked reading (``connect/all``, ``run_id``, ``backend``, the current and next
-``arrive/<stage>/all``, ``next/<iteration>``), where rank 0 has not written it yet: the
-reader wakes and stops, instead of waiting out a slice.
+What another rank blocks on, rank 0 also writes once per rank: ``<key>/<r>`` beside each of
+``connect/all``, ``run_id``, ``backend``, ``arrive/<stage>/all`` and ``next/<iteration>``, so
+that each rank waits on a key of its own (c10d's server serves thousands of waiters of one key
+poorly). The first aborting rank writes :data:`WOKEN` into those a rank may be blocked on
+now: the reader wakes and stops, instead of waiting out a slice.
 
 Every value is signed with the run's secret (:mod:`.signing`): ``value.<fingerprint><mac>``;
 a ``/listed`` key holds one signed item per line. Counters (``bye``) cannot be signed and are
@@ -50,7 +52,7 @@ ARRIVE, OBS, RESULT, NEXT = "arrive", "obs", "result", "next"
 BEAT, ABORT, FORENSICS, WAITING = "beat", "abort", "forensics", "waiting"
 WRITER, FINAL, BYE, META = "writer", "final", "bye", "meta"
 PROBE, REACH = "probe", "reach"
-BACKEND, SECURITY = "backend", "security"
+BACKEND, SECURITY, WOKE = "backend", "security", "woken"
 
 # Abort kinds (``kind`` in abort/<r>), and what each means.
 ERROR = "error"            # the check or the harness raised on that rank

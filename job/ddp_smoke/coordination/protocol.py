@@ -5,9 +5,9 @@ key of its own; rank 0 waits for all of them in one store wait and raises a flag
 read, blocking, in one call), runs the check and posts its observation; rank 0 waits for all
 observations in one wait, reads them in one more call and judges. Three store calls per rank
 per check, however long the check takes (a longer wait is cut in slices, one call each:
-rank 0's a look period long, the others' half a heartbeat silence). An aborting rank wakes
-the readers of rank 0's flags (:data:`.keys.WOKEN`). The keys are :mod:`.keys`, the records
-:mod:`.records`.
+rank 0's a look period long, the others' half a heartbeat silence). Rank 0 writes what the
+others block on once per rank, each reading a key of its own, and the first aborting rank
+wakes them (:data:`.keys.WOKEN`). The keys are :mod:`.keys`, the records :mod:`.records`.
 """
 from __future__ import annotations
 
@@ -217,10 +217,22 @@ class Coordinator:
         try:  # the first reason stands: a SIGTERM after an error must not hide the error
             if store.compare_set(keys.of(keys.ABORT, self.env.rank), "", text) == text.encode():
                 store.append(keys.listed(keys.ABORT), f"{self.env.rank},")  # aborted now
-                for key in self._flags_read():  # where rank 0 has not written: never replaced
-                    store.compare_set(key, "", keys.WOKEN)
+                me = str(self.env.rank)  # the first to abort wakes every rank that waits
+                if store.compare_set(keys.WOKE, "", me) == me.encode():
+                    for key in self._flags_read():
+                        self.tell_all(store, key, keys.WOKEN, shared=False)
         except Exception:  # noqa: BLE001 — the store host may be gone; nothing left to tell
             pass
+
+    def tell_all(self, store, key: str, value: str, shared: bool = True) -> None:
+        """Rank 0's ``value`` at ``key`` (evidence, and what the store host reads) and at
+        ``key/<r>`` for each other rank, the one it blocks on (:meth:`await_flag`): two
+        calls."""
+        if shared:
+            store.set(key, value)
+        others = range(1, self.env.world_size)
+        if others:
+            store.multi_set([keys.of(key, r) for r in others], [value] * len(others))
 
     def _flags_read(self) -> list[str]:
         """What another rank may be blocked reading now (:meth:`await_flag`): rank 0's flag
@@ -247,7 +259,7 @@ class Coordinator:
         store.set(keys.of(prefix, self.env.rank), mine)
         if self.env.rank == 0:
             self.await_all(store, prefix, what)
-            store.set(keys.every(prefix), "1")
+            self.tell_all(store, keys.every(prefix), "1")
             return
         self.await_flag(store, keys.every(prefix), what)
 
@@ -269,13 +281,15 @@ class Coordinator:
 
     def await_flag(self, store, key: str, what: str) -> bytes:
         """Another rank: rank 0's value at ``key`` (a flag, the run id, the NCCL count, a
-        decision), in one blocking read, cut in slices of half a heartbeat silence: between
-        two, this rank beats and its watchdog follows rank 0's heartbeat. Stop when an
-        aborting rank wrote :data:`.keys.WOKEN` there instead."""
+        decision: :meth:`tell_all`), read at this rank's own ``key/<rank>`` in one blocking
+        read, cut in slices of half a heartbeat silence: between two, this rank beats and
+        its watchdog follows rank 0's heartbeat. Stop when an aborting rank wrote
+        :data:`.keys.WOKEN` there instead."""
         self._waiting = (None, what)  # meanwhile the watchdog watches rank 0's heartbeat
+        mine = keys.of(key, self.env.rank)
         try:
             value = self._until_deadline(store, what, lambda bound: store.get(
-                key, timeout=bound, between=lambda full: self.liveness.tick(store, full),
+                mine, timeout=bound, between=lambda full: self.liveness.tick(store, full),
                 slice_s=self.follow_slice))
         finally:
             self._waiting = (None, None)
@@ -329,7 +343,8 @@ class Coordinator:
         picks in the signed connect records and posts the count (a store counter is unsigned)."""
         if self.env.rank == 0:
             signing.forget_local_secret()  # every rank read it before it connected
-            store.set(keys.BACKEND, str(cuda_ranks := sum(p == b"nccl" for p in picks)))
+            self.tell_all(store, keys.BACKEND, str(cuda_ranks := sum(p == b"nccl"
+                                                                       for p in picks)))
         else:
             cuda_ranks = int(self.await_flag(store, keys.BACKEND,
                                              "rank 0's count of the ranks with CUDA"))

@@ -21,14 +21,15 @@ from ..config.launchenv import LaunchEnv
 from ..errors import ConfigError
 
 
-def share_run_id(env: LaunchEnv, store: dist.Store, read) -> LaunchEnv:
-    """Every rank's run id: rank 0 posts its own, the others read it (``read(key)``, blocking
-    until rank 0 wrote it; see :mod:`ddp_smoke.config.launchenv`). Call once every rank has
-    connected. Always one round, even for a launcher-given id: ranks started differently
-    (one node through the image's entrypoint, which sets DDP_SMOKE_RUN_ID, another by a plain
-    `torchrun` command) must not each decide on their own whether to wait for rank 0's."""
+def share_run_id(env: LaunchEnv, tell, read) -> LaunchEnv:
+    """Every rank's run id: rank 0 posts its own (``tell(key, value)``), the others read it
+    (``read(key)``, blocking until rank 0 wrote it; see :mod:`ddp_smoke.config.launchenv`).
+    Call once every rank has connected. Always one round, even for a launcher-given id:
+    ranks started differently (one node through the image's entrypoint, which sets
+    DDP_SMOKE_RUN_ID, another by a plain `torchrun` command) must not each decide on their
+    own whether to wait for rank 0's."""
     if env.rank == 0:
-        store.set(keys.RUN_ID, env.run_id)
+        tell(keys.RUN_ID, env.run_id)
         return env
     return dataclasses.replace(env, run_id=read(keys.RUN_ID).decode())
 

@@ -264,6 +264,9 @@ class SignedStore:
     def set(self, key: str, value) -> None:
         self.raw.set(key, self.seal(key, value))
 
+    def multi_set(self, keys: list[str], values: list) -> None:
+        self.raw.multi_set(keys, [self.seal(k, v) for k, v in zip(keys, values)])
+
     def append(self, key: str, value) -> None:
         piece = self.seal(key, value)
         # One item per line, a line break on both sides: junk appended without one cannot

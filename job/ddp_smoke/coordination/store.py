@@ -15,7 +15,6 @@ that merely exists proves nothing until its record is read.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -45,45 +44,43 @@ class Connection:
     yet holds it for one slice at most: between two slices the other threads' calls go
     first, and the waiting thread does what is due (``between(True)``: the heartbeat and the
     watchdog's look; ``between(False)`` after a wait that ended in time: the heartbeat) and
-    stops waiting once told. Each
-    slice that times out would make c10d log two warning lines: the worker raises c10's log
-    level to errors before it imports torch (:func:`quiet_slices`). Everything else is one
-    call, as on the c10d store it wraps; a read (``multi_get``) is of keys that exist.
+    stops waiting once told. Each slice that times out would make c10d log two warning
+    lines: the worker raises c10's log level to errors before it imports torch
+    (:func:`quiet_slices`). Everything else is one call, as on the c10d store it wraps; a
+    read (``multi_get``) is of keys that exist.
     """
 
     def __init__(self, raw, slice_s: float):
         self.raw, self.slice_s = raw, slice_s
         self.timeout: datetime.timedelta = raw.timeout  # the store's own: any one call
-        self._turns = threading.Condition()
-        self._next = self._serving = 0
+        self._lock = threading.Lock()
+        self._turned = threading.Condition(self._lock)
+        self._next = self._serving = self._queued = 0  # tickets given, served; waiting
         self._holder: int | None = None
 
-    @contextlib.contextmanager
-    def hold(self, blocking: bool = True):
-        """Hold the connection for some calls, in the order the threads asked for it; yields
-        True, or False at once when not ``blocking`` and another thread has it or waits."""
-        me = threading.get_ident()
-        with self._turns:
-            nested = self._holder == me
-            free = nested or blocking or self._next == self._serving
-            if free and not nested:
-                ticket, self._next = self._next, self._next + 1
-                self._turns.wait_for(lambda: self._serving == ticket)
-                self._holder = me
-        try:
-            yield free
-        finally:
-            if free and not nested:
-                with self._turns:
-                    self._holder = None
-                    self._serving += 1
-                    self._turns.notify_all()
+    def hold(self, blocking: bool = True) -> "_Turn":
+        """Hold the connection for some calls, in the order the threads asked for it (``with
+        conn.hold() as held``): held is True, or False at once when not ``blocking`` and
+        another thread has it or waits for it."""
+        return _Turn(self, blocking)
+
+    def set(self, key: str, value) -> None:  # (the frequent calls, without __getattr__)
+        with self.hold():
+            self.raw.set(key, value)
+
+    def check(self, wanted: list[str]) -> bool:
+        with self.hold():
+            return self.raw.check(wanted)
+
+    def multi_get(self, wanted: list[str]) -> list[bytes]:
+        with self.hold():
+            return self.raw.multi_get(wanted)
 
     def _sliced(self, call: Callable, timeout: datetime.timedelta | None,
                 between: Callable[[bool], bool] | None, slice_s: float | None):
         """``call(seconds)``, a c10d wait or read bounded by ``seconds``, in slices of
         ``slice_s`` (default: the connection's) until ``timeout`` (default: the store's)."""
-        import torch.distributed as dist
+        from torch.distributed import DistStoreError
         bound = (timeout or self.timeout).total_seconds()
         end = time.monotonic() + bound
         while True:
@@ -97,11 +94,11 @@ class Connection:
                     between(False)  # (a wait that ended may be followed at once by
                     # another: the heartbeat must not wait for one to time out)
                 return got
-            except dist.DistStoreError:
+            except DistStoreError:
                 if time.monotonic() - t < piece / 2:
                     raise  # not a timeout: an error of the store's, not to be waited out
             if left <= piece:
-                raise dist.DistStoreError(f"wait timeout after {bound * 1000:.0f}ms")
+                raise DistStoreError(f"wait timeout after {bound * 1000:.0f}ms")
             if between is not None and between(True):
                 raise Stop
 
@@ -129,7 +126,7 @@ class Connection:
 
     def busy(self) -> bool:
         """Whether a call holds the connection or waits for it."""
-        with self._turns:
+        with self._lock:
             return self._next != self._serving
 
     def __getattr__(self, name):
@@ -142,6 +139,41 @@ class Connection:
             with self.hold():
                 return call(*args, **kwargs)
         return in_turn
+
+
+class _Turn:
+    """One thread's turn on a :class:`Connection` (re-entrant: a thread that holds it may
+    call again)."""
+
+    __slots__ = ("conn", "blocking", "mine")
+
+    def __init__(self, conn: Connection, blocking: bool):
+        self.conn, self.blocking, self.mine = conn, blocking, False
+
+    def __enter__(self) -> bool:
+        conn, me = self.conn, threading.get_ident()
+        with conn._lock:
+            if conn._holder == me:
+                return True
+            if conn._next != conn._serving:  # taken, or others wait: a ticket, in order
+                if not self.blocking:
+                    return False
+                ticket, conn._next, conn._queued = conn._next, conn._next + 1, conn._queued + 1
+                while conn._serving != ticket:
+                    conn._turned.wait()
+                conn._queued -= 1
+            else:
+                conn._next += 1
+            conn._holder, self.mine = me, True
+            return True
+
+    def __exit__(self, *exc) -> None:
+        if self.mine:
+            conn = self.conn
+            with conn._lock:
+                conn._holder, conn._serving = None, conn._serving + 1
+                if conn._queued:
+                    conn._turned.notify_all()
 
 
 def quiet_slices(environ=os.environ) -> None:

@@ -109,9 +109,9 @@ def build(store, meta: dict, silent_at: dict[int, float], address: str,
 
 def _iteration(store, checks: list[str]) -> int:
     """The last iteration any rank arrived at (repeat mode; 0 otherwise)."""
-    it = 0  # (a flag an aborting rank wrote to wake the others is no arrival)
-    while checks and try_get(store, keys.every(keys.of(keys.ARRIVE, keys.stage(
-            checks[0], it + 1)))) not in (None, keys.WOKEN.encode()):
+    it = 0
+    while checks and try_get(
+            store, keys.every(keys.of(keys.ARRIVE, keys.stage(checks[0], it + 1)))) is not None:
         it += 1
     return it
 
