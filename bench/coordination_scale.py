@@ -21,7 +21,7 @@ Per world size N it measures, in one simulated run:
 * an abort: at one more check the last rank dies (its heartbeat stops) and the middle one
   stalls (alive, never posts); ranks far from 0, so that no search that stops early hides.
   Rank 0's main thread waits in ``gather``; between the wait's slices it looks at the
-  heartbeats, finds the silent one and aborts ("detect"); then ``judge.judge_abort`` names
+  heartbeats, finds the silent one and aborts ("detect"); then ``judge.judge_as_a_rank`` names
   the culprits ("judge"), while every other rank goes through the real ``exit_aborted`` and
   waits for the report, as its liveness thread does once it sees the abort (here the rank's
   main thread stands in for it). Process exit (``ending.leave``) and the stack files
@@ -33,7 +33,7 @@ Per world size N it measures, in one simulated run:
 Columns: store calls per check (all ranks), per rank, per rank less the wait slices that
 timed out (a wait longer than a look period costs one call per period), rank 0's median
 seconds per check, the liveness looks' calls per second, seconds from the death to the abort,
-seconds and store calls of ``judge_abort`` (the culprits named), how many live ranks'
+seconds and store calls of ``judge_as_a_rank`` (the culprits named), how many live ranks'
 forensics the report lists and how long the writer waited for them after judging (at most
 ``FORENSICS_WAIT_S``), the culprits, and the store host's file descriptors per rank.
 ``--signing-cost PAIRS`` runs each size unsigned and signed, alternating, and prints the
@@ -299,7 +299,9 @@ def _abort_scenario(c, out, args, name, seen) -> None:
     counted, n = store.raw.raw, store.raw.raw.total("main")
     t = time.monotonic()
     c.leave_forensics(store)  # as exit_aborted does, before it judges
-    result, live = judge.judge_abort(c.run.with_identities(store), store)
+    stopped = c.run.with_identities(store).stopped()  # as finalize does
+    live = judge.judge_as_a_rank(store, stopped, c.silence, r)
+    result = stopped.judged[-1][1]
     out["judge_s"] = time.monotonic() - t
     out["judge_ops"] = counted.total("main") - n
     t = time.monotonic()  # then, as finalize does: the live ranks' forensics for the report

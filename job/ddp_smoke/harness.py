@@ -27,17 +27,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import __version__, checks, outputs
+from . import checks, outputs
 from .checks.api import Context, Evidence
 from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
-from .coordination import (ending, forensics, hosting, keys, liveness, lost, progress, reach,
-                           records, repeat, runtime, signing, stragglers)
+from .coordination import (ending, forensics, hosting, judge, keys, liveness, lost, progress,
+                           reach, records, runtime, signing, stragglers)
 from .coordination.protocol import Coordinator, Run, Stop, error_detail
 from .coordination.store import Connection, look_period, wait_key
 from .errors import ConfigError
-from .model import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict
+from .model import FAIL, CheckResult, Culprit, check_from_dict
 
 
 def run(cfg: dict[str, Any]) -> int:
@@ -226,17 +226,13 @@ def _another_iteration(c: Coordinator, store, started: float) -> bool:
     return c.await_flag(store, key, "rank 0 to decide on another iteration") == b"1"
 
 
-def _publish(run: Run, store, error: dict | None, found: list[dict]) -> str:
-    """The writer's report, from the run it judged or adopted; returns the verdict."""
-    results = repeat.combine(list(run.judged), [r.get("host") for r in run.ranks])
-    done = {r.name for r in results}
-    results += [CheckResult(n, SKIP, summary=f"not run: the run stopped at {run.stage}")
-                for n in run.checks if n not in done]
-    report = Report(version=__version__, started_at=run.started_at, backend=run.backend,
-                    world_size=run.env.world_size, ranks=list(run.ranks), checks=results,
-                    config=run.cfg, timings=dict(run.timings), error=error, forensics=found,
-                    run_id=run.env.run_id, security=signing.section(store))
-    return outputs.publish(report, run.report_dir, run.env.run_id)
+def _publish(run: Run, store, error: dict | None, found: dict[int, dict]) -> str:
+    """The writer's report, from the run it judged or adopted; returns the verdict.
+    ``store``: the caller's connection (the main thread may be waiting on it, a turn away)."""
+    report = judge.report_of(run.stopped(), started_at=run.started_at, backend=run.backend,
+                             config=run.cfg, timings=dict(run.timings), run_id=run.env.run_id,
+                             error=error, forensics=found, security=signing.section(store))
+    return outputs.publish(report, run.report_dir, run.env.run_id).verdict
 
 
 def _store(env: LaunchEnv, timeout: float, may_host: bool):

@@ -17,7 +17,7 @@ It exits when the run is final (the ``final`` key: the report is written), after
 had a moment to read the verdict (LINGER_S, or at once when every live rank said goodbye, or
 the launcher says the run is over). When no rank can write (every heartbeat silent for
 3 x 1.5 s and no ``final``, or the launcher ended with none) it writes the report of last
-resort from the store (:mod:`ddp_smoke.outputs.last_resort`) and exits 1. Bounded by
+resort from the store (:func:`ddp_smoke.coordination.judge.last_resort`) and exits 1. Bounded by
 ``--max-s`` in any case. Exit status: the command's (0 without one), or 1 when it wrote the
 report of last resort, or 2 for bad input (one line).
 """
@@ -34,8 +34,8 @@ import sys
 import threading
 import time
 
-from .coordination import hosting, signing
-from .outputs import last_resort
+from . import outputs
+from .coordination import hosting, judge, keys, signing
 
 MAX_S = 86400.0
 
@@ -69,7 +69,7 @@ class Hosted:
         self._result: list[int] = []
         self._watcher = threading.Thread(target=lambda: self._result.append(hosting.serve(
             self.watch, max_s, self.over,
-            lambda w, why: last_resort.write(w, self.address, report_dir, why), self.gone)),
+            lambda w, why: write_last_resort(w, self.address, report_dir, why), self.gone)),
             daemon=True, name="ddp-smoke-store-watch")
         self._watcher.start()
 
@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             hosted.over.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    # The reader of the address line (the sbatch, submit) reads that one line and no more:
+    # whatever this process says later (the report of last resort's summary) goes to stderr,
+    # never into a pipe that nobody drains. (COMMAND, started above, keeps the real stdout.)
+    os.dup2(2, 1)
     if child is None:
         return hosted.wait()
     rc = child.wait()
@@ -168,6 +172,26 @@ def main(argv: list[str] | None = None) -> int:
         hosted.over.set()
     own = hosted.wait()
     return rc if own == 0 else own
+
+
+def write_last_resort(watch: hosting.Watch, address: str, report_dir: str | None, why: str) -> int:
+    """No rank can write the report: judge the run from what the store holds, as a rank
+    would (:func:`ddp_smoke.coordination.judge.last_resort`), publish it as a rank would,
+    and set ``final`` so that a rank still waiting leaves. Returns 1 (the run failed, and no
+    rank said so)."""
+    report = judge.last_resort(watch.store, watch.meta, dict(watch.moved), address, why)
+    try:  # a rank that still lives waits for `final` instead of taking over: no rank number
+        watch.store.compare_set(keys.WRITER, "", str(watch.meta["world_size"]))
+    except (RuntimeError, OSError):
+        pass
+    hosting.say(f"no rank wrote the report ({why}); writing it from the store")
+    verdict = outputs.publish(report, report_dir or watch.meta.get("report_dir") or ".",
+                              report.run_id).verdict
+    try:
+        watch.store.set(keys.FINAL, verdict)  # the ranks still waiting leave now
+    except (RuntimeError, OSError):
+        pass
+    return 1
 
 
 if __name__ == "__main__":

@@ -136,7 +136,9 @@ def test_the_judge_names_the_rank_whose_heartbeat_stopped(world):
     for c in coords[:2]:  # ranks 0 and 1 beat on; rank 2 is gone
         c.liveness.beat(c.store)
     coords[0].abort(coords[0].store, records.LostAbort, silent=[2], waiting_for="alpha")
-    result, live = judge.judge_abort(run, coords[0].store)
+    stopped = run.with_identities(coords[0].store).stopped()
+    live = judge.judge_as_a_rank(coords[0].store, stopped, run.silence)
+    result = stopped.judged[-1][1]
     assert live == {0, 1} and result.name == "alpha" and result.status == "fail"
     assert [k.rank for k in result.culprits] == [2] and result.culprits[0].host == "h2"
 

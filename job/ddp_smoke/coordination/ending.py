@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from . import keys, lost, progress, records, runtime
-from .judge import FORENSICS_WAIT_S, first_error, forensics_of, judge_abort
+from .judge import FORENSICS_WAIT_S, first_error, judge_as_a_rank
 from .store import DEAD_AFTER_S, beat_of, look_period, next_waiting, posted, try_get, wait_key
 
 FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
@@ -45,13 +45,14 @@ def finalize(c, store, aborted: bool) -> str | None:
     found, error = {}, None
     if aborted:
         run = run.with_results(store).with_identities(store)  # a survivor: rank 0's results
-        result, live = judge_abort(run, store)
-        run = run.replace(judged=run.judged + ((run.iteration, result),))
+        stopped = run.stopped()
+        live = judge_as_a_rank(store, stopped, run.silence, run.env.rank)
+        run = run.replace(judged=tuple(stopped.judged))
         # the report lists every live rank's forensics: the last ones may still come
         found = posted(store, keys.FORENSICS, live, FORENSICS_WAIT_S)
-        error = first_error(run, store)
+        error = first_error(store, stopped)
     run = run.replace(timings=run.timings + (("total_s", round(time.monotonic() - run.t0, 4)),))
-    verdict = c.publish(run.with_identities(store), store, error, forensics_of(run, found))
+    verdict = c.publish(run.with_identities(store), store, error, found)  # this thread's
     try:  # always, so that the other ranks leave now; a lost report is no pass
         store.set(keys.FINAL, verdict)
     except Exception:  # noqa: BLE001

@@ -23,9 +23,8 @@ import torch.distributed as dist
 
 from ..config.launchenv import LaunchEnv
 from ..model import CheckResult, check_from_dict
-from . import forensics, keys, liveness, reach, records, runtime, signing
-from .store import (POLL_MAX_S, STORE_OPS_PER_S, Silence, Stop, dead_after, listed, reads,
-                    try_get)
+from . import forensics, judge, keys, liveness, reach, records, runtime, signing
+from .store import POLL_MAX_S, STORE_OPS_PER_S, Silence, Stop, dead_after, listed, try_get
 
 GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watchdog acts first
 # Messages of backend errors seen by a rank whose peer vanished: the rank is a victim.
@@ -75,9 +74,17 @@ class Run:
         """Every rank's identity record; a rank that never posted one says so."""
         if len(self.ranks) == self.env.world_size:
             return self
-        got = reads(store, keys.RANK, range(self.env.world_size))
-        return self.replace(ranks=tuple(got.get(r) or records.Identity.never_connected(r)
-                                        for r in range(self.env.world_size)))
+        return self.replace(ranks=tuple(judge.identities(store, self.env.world_size)))
+
+    def stopped(self) -> judge.Stopped:
+        """What this rank knows of the run, for judging it (:mod:`.judge`): a copy, whose
+        ``judged`` the stopped stage's result is appended to."""
+        me = self.env.rank
+        return judge.Stopped(
+            stage=self.stage, iteration=self.iteration, world_size=self.env.world_size,
+            checks=self.checks, timeout_s=float(self.cfg["timeout"]), ranks=list(self.ranks),
+            judged=list(self.judged), store_address=self.env.store_address,
+            writer="rank 0" if me == 0 else f"rank {me} (took over from rank 0)")
 
     def with_results(self, store) -> "Run":
         """A survivor that writes the report takes rank 0's judged results from the store."""

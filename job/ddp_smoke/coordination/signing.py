@@ -71,8 +71,7 @@ _local_file: str | None = None  # this node's secret file, while it exists
 
 
 def _forked() -> None:
-    """A rank forked from a launcher that reads the store too (ddp_smoke.launch_local): a lock
-    another thread held at the fork would never be released here, and findings are per rank."""
+    """In a rank forked from a launcher that reads the store too: a fresh lock and findings."""
     global _lock
     _lock = threading.Lock()
     _findings.clear()
@@ -307,13 +306,9 @@ class SignedStore:
         return [self._genuine(k, v) for k, v in zip(keys, self.raw.multi_get(keys))]
 
     def get(self, key: str, **waiting) -> bytes:
-        """The genuine value at ``key``. With ``waiting`` (a Connection's ``timeout``,
-        ``between``, ``slice_s``): one blocking read a slice until the key exists."""
-        if waiting:
-            value = self._genuine(key, self.raw.get(key, **waiting))
-            if value is not None:
-                return value
-        return self.multi_get([key])[0]
+        """The genuine value at ``key`` (``waiting``: a Connection's sliced blocking read)."""
+        value = self._genuine(key, self.raw.get(key, **waiting)) if waiting else None
+        return value if value is not None else self.multi_get([key])[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         got = self.peek(keys)
