@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from .. import __version__
 from ..model import FAIL, SKIP, CheckResult, Report, check_from_dict
 from . import blame, keys, reach, records, repeat, signing
-from .store import (DEAD_AFTER_S, Silence, dead_after, dead_ranks, posted, ranks_with, reads,
-                    try_get)
+from .store import (DEAD_AFTER_S, Silence, dead_after, dead_ranks, posted, ranks_with,
+                    read_beats, reads, try_get)
 
 FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
 STORE_HOST = "store host"  # the writer when no rank could write
@@ -186,7 +186,7 @@ def last_resort(store, meta: dict, silent_at: dict[int, float], address: str, wh
     cfg = meta.get("config") or {}
     checks = list(cfg.get("checks") or [])
     iteration = _iteration(store, checks)
-    beats = reads(store, keys.BEAT, range(world))
+    beats = read_beats(store, range(world))
     gone = first_silent(silent_at, dead_after(world))
     stage = _stage(store, checks, iteration, world) or next(
         (beats[r]["stage"] for r in gone if beats.get(r, {}).get("stage")), "init")

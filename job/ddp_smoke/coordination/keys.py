@@ -18,6 +18,7 @@ obs/<stage>/<r>         every rank   its observation of a check (JSON)
 result/<stage>          rank 0       its judgement of a check (JSON), for a survivor
 next/<iteration>        rank 0       repeat mode: "1" for another pass, "0" to stop
 beat/<r>                every rank   heartbeat: counter, time, stage, collective progress
+beat/listed             every rank   "r," appended at its first heartbeat: who has beaten
 abort/<r>               every rank   its first reason to stop (JSON), set once
 abort/listed            every rank   "r," appended by each aborting rank: the run is aborted
 forensics/<r>           every rank   where its files are, its innermost frame (JSON)

@@ -59,12 +59,15 @@ class Liveness:
 
     # -- one look ------------------------------------------------------------------------
     def beat(self, store) -> None:
-        """Prove this process is alive, and publish where it is."""
+        """Prove this process is alive, and publish where it is (the first time, list it)."""
         self._beat_due = time.monotonic() + self.period
         self._n += 1
-        store.set(keys.of(keys.BEAT, self.coord.env.rank),
+        rank = self.coord.env.rank
+        store.set(keys.of(keys.BEAT, rank),
                   records.Beat(n=self._n, t=time.time(), stage=self.coord.stage,
                                progress=progress.progress()).to_json())
+        if self._n == 1:
+            store.append(keys.listed(keys.BEAT), f"{rank},")
 
     def tick(self, store, look: bool = True) -> bool:
         """What is due, from whichever thread holds the connection: once a period the
