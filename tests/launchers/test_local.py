@@ -275,7 +275,7 @@ def test_every_rank_killed_the_launcher_writes_the_report(tmp_path):
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["error"]["type"] == "AllRanksLost", report["error"]
     [stopped] = [c for c in report["checks"] if c["status"] == "fail"]
-    assert stopped["name"] == "collectives" and stopped["figures"]["writer"] == "store host"
+    assert stopped["name"] == "collectives" and report["written_by"] == "store host"
     assert sorted(c["rank"] for c in stopped["culprits"]) == [0, 1], stopped["culprits"]
     assert "no rank wrote the report" in err and "Traceback" not in err, err[-3000:]
     assert err.rstrip().splitlines()[-1].startswith("ddp-smoke: no verdict: rank 0 killed by "
