@@ -1,40 +1,43 @@
 """Benchmark: the harness's store coordination with N simulated ranks on one TCPStore.
 
-Not a test: it prints numbers. Each simulated rank is a real ``coordination.protocol.Coordinator`` with
-its own three store connections (main, watchdog, heartbeat, each a signed ``PrefixStore`` over a
-TCPStore client, as the harness makes them) and its own main thread; its heartbeat
-(``liveness.beat_once``) and watchdog (``liveness.Watchdog.step``) run at the kit's periods,
-driven for all ranks of a worker by one thread each (12,288 threads on 2 cores would measure
-the scheduler, not the protocol). No process group, no collective: only the store protocol.
-The store is one libuv TCPStore hosted by this process; the ranks live in ``--procs`` worker
+Not a test: it prints numbers. Each simulated rank is a real ``coordination.protocol.Coordinator``
+with its one store connection (a ``store.Connection`` under the signing, over a TCPStore
+client, as the harness makes it) and its own main thread; its liveness look
+(``liveness.Liveness.tick``: heartbeat and watchdog) runs at the kit's period, driven for all
+ranks of a worker by one thread (32,768 threads on 2 cores would measure the scheduler, not
+the protocol). As in the worker, a rank whose main thread holds its connection in a wait does
+its own look between the wait's slices, and the driver passes it by. No process group, no
+collective: only the store protocol. The store is one libuv TCPStore hosted by this process
+(its file descriptors are counted: one per rank); the ranks live in ``--procs`` worker
 processes (one torch import each), in a network namespace of their own where root may.
 
 Per world size N it measures, in one simulated run:
 
-* heartbeat load: store operations per second of the heartbeats and watchdogs of all ranks,
-  with every main thread idle (steady state);
-* per check: store operations of the main threads (counted by a proxy around each
-  connection: one call, one operation) and rank 0's wall time for arrive → post a trivial
-  observation → gather, which is pure coordination;
+* heartbeat load: store operations per second of the liveness looks of all ranks, with every
+  main thread idle (steady state);
+* per check: store operations made by the main threads (counted by a proxy around each
+  connection's c10d store, by calling thread: one call, one operation) and rank 0's wall time
+  for arrive → post a trivial observation → gather, which is pure coordination;
 * an abort: at one more check the last rank dies (its heartbeat stops) and the middle one
   stalls (alive, never posts); ranks far from 0, so that no search that stops early hides.
-  Rank 0's main thread waits in ``gather`` while its watchdog notices the silent heartbeat
-  and aborts ("detect"); then ``judge.judge_as_a_rank`` names the culprits ("judge"),
-  while every other rank goes through the real ``_exit_aborted`` and waits for the report,
-  as its watchdog does once it sees the abort (here the rank's main thread stands in for its
-  watchdog; its own parked store wait costs the store nothing while it waits). Process exit
-  (``ending.leave``) and the stack files (``forensics.dump``) are replaced in the workers, nothing
-  else.
+  Rank 0's main thread waits in ``gather``; between the wait's slices it looks at the
+  heartbeats, finds the silent one and aborts ("detect"); then ``judge.judge_as_a_rank`` names
+  the culprits ("judge"), while every other rank goes through the real ``exit_aborted`` and
+  waits for the report, as its liveness thread does once it sees the abort (here the rank's
+  main thread stands in for it). Process exit (``ending.leave``) and the stack files
+  (``forensics.dump``) are replaced in the workers, nothing else.
 
-    .venv/bin/python bench/coordination_scale.py            # --quick: N = 64 … 4096, ~1 min
+    .venv/bin/python bench/coordination_scale.py            # --quick: N = 1,024 … 16,384
     .venv/bin/python bench/coordination_scale.py --full --json --sizes 64,256
 
-Columns: store calls per check (all ranks), per rank, per rank less the waits that timed out
-(each followed by a look at the abort list: none, unless a watchdog failed to act), rank
-0's median seconds per check, heartbeat + watchdog calls per second, seconds from the
-death to the abort, seconds and store calls of ``judge_as_a_rank`` (the culprits named), how many
-live ranks' forensics the report lists and how long the writer waited for them after judging
-(at most ``FORENSICS_WAIT_S``), the culprits.
+Columns: store calls per check (all ranks), per rank, per rank less the wait slices that
+timed out (a wait longer than a look period costs one call per period), rank 0's median
+seconds per check, the liveness looks' calls per second, seconds from the death to the abort,
+seconds and store calls of ``judge_as_a_rank`` (the culprits named), how many live ranks'
+forensics the report lists and how long the writer waited for them after judging (at most
+``FORENSICS_WAIT_S``), the culprits, and the store host's file descriptors per rank.
+``--signing-cost PAIRS`` runs each size unsigned and signed, alternating, and prints the
+ratios of their medians; ``make bench`` runs one pair at the largest size.
 
 Times are this machine's, under whatever else runs on it (the load average is printed): the
 simulated ranks share its cores, where a cluster gives each rank its own.
@@ -58,14 +61,19 @@ from collections import Counter
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+_ROLE = threading.local()  # "liveness" while a main thread takes its look between slices
+
+
 class Counted:
-    """A store connection that counts its calls (one call = one request to the store)."""
+    """A c10d store that counts the calls made to it (one call = one request to the store),
+    by role: the liveness look's, wherever it runs, else the calling thread's (its name up to
+    the first "-": main, liveness)."""
 
     def __init__(self, store):
-        self._s, self.ops, self.timeouts = store, Counter(), 0
+        self._s, self.ops, self.timeouts = store, Counter(), Counter()
 
-    def total(self) -> int:
-        return sum(self.ops.values())
+    def total(self, role: str) -> int:
+        return sum(n for (r, _), n in self.ops.items() if r == role)
 
     def __getattr__(self, name):
         attr = getattr(self._s, name)
@@ -73,12 +81,14 @@ class Counted:
             return attr
 
         def call(*args, **kwargs):
-            self.ops[name] += 1
+            role = getattr(_ROLE, "name", None) or threading.current_thread().name.split("-")[0]
+            if name != "set_timeout":  # the client's own setting, not a request
+                self.ops[role, name] += 1
             try:
                 return attr(*args, **kwargs)
-            except RuntimeError as e:  # a blocking wait that timed out: one poll
-                if name == "wait" and "timeout" in str(e):
-                    self.timeouts += 1
+            except RuntimeError as e:  # a wait slice that timed out: one call per slice
+                if name in ("wait", "get") and "timeout" in str(e):
+                    self.timeouts[role] += 1
                 raise
         return call
 
@@ -92,31 +102,35 @@ class _Left(BaseException):
 def worker(args) -> None:
     from ddp_smoke import harness  # torch, once per process, not per rank
     from ddp_smoke.config.launchenv import LaunchEnv
-    from ddp_smoke.coordination import ending, forensics, liveness, protocol
+    from ddp_smoke.coordination import ending, forensics, protocol, records
 
-    # first, a low fd: the watchdogs select() on it, and select() takes fds below 1024 only
-    pipe_r, _pipe_w = os.pipe()  # never written: the watchdogs' select just times out
     threading.stack_size(512 * 1024)
     _raise_nofile()
 
     def leave(message, code):
         raise _Left(code)
     ending.leave = leave
-    forensics.dump = lambda report_dir, rank: {"where": "bench: simulated rank"}
+    forensics.dump = lambda report_dir, rank: records.Forensics(where="bench: simulated rank")
     if args.unsigned:  # the baseline: the same protocol with records unsigned (no secret)
         from ddp_smoke.coordination import signing
         signing.run_secret = lambda env, environ=None: None
     hook = threading.excepthook
-    threading.excepthook = lambda a: None if issubclass(a.exc_type, _Left) else hook(a)
+
+    def said(a):  # a rank that died of an error says so, once per kind (a worker's stderr)
+        if not issubclass(a.exc_type, _Left) and a.exc_type not in said.seen:
+            said.seen.add(a.exc_type)
+            hook(a)
+    said.seen = set()
+    threading.excepthook = said
 
     world = args.world
     names = [f"c{i}" for i in range(args.checks)] + ["abort_here"]
     cfg = {"checks": names, "timeout": args.timeout}
 
     def connect(env):
-        def one(may_host):  # as the harness connects: a signed PrefixStore over a client
+        def one(may_host):  # as the harness connects: one signed, shared connection
             signed = harness._store(env, args.timeout, may_host=False)
-            signed.raw = Counted(signed.raw)  # counts the store's calls, not the wrapper's
+            signed.raw.raw = Counted(signed.raw.raw)  # the c10d calls, not the wrappers'
             return signed
         return one
 
@@ -124,30 +138,32 @@ def worker(args) -> None:
     coords = {}
     for r in ranks:
         env = LaunchEnv(rank=r, world_size=world, local_rank=r, local_world_size=world,
-                                group_rank=0, master_addr="127.0.0.1", master_port=args.port,
-                                agent_store=True, launcher="bench", run_id="bench")
+                        group_rank=0, master_addr="127.0.0.1", master_port=args.port,
+                        agent_store=True, launcher="bench", run_id="bench")
         coords[r] = protocol.Coordinator(env, cfg, connect(env), lambda *a: "fail", "bench",
-                                        time.monotonic())
-        coords[r].report_dir = "/nonexistent"
+                                         time.monotonic())
+        coords[r].locate(env, "/nonexistent")
     out = {r: {} for r in ranks}
-    seen = {r: threading.Event() for r in ranks}  # set when the rank's watchdog saw the abort
+    seen = {r: threading.Event() for r in ranks}  # set when the rank saw the abort
     if 0 in coords:
         coords[0].claim_finish()  # the bench judges on rank 0 itself, below; no report file
-    drivers = [threading.Thread(target=_drive_beats, args=(coords,), daemon=True),
-               threading.Thread(target=_drive_watchdogs,
-                                args=({r: liveness.Watchdog(c, pipe_r) for r, c in coords.items()},
-                                      seen), daemon=True)]
-    for t in drivers:
-        t.start()
-    mains = [threading.Thread(target=_rank_main, args=(coords[r], out[r], args, names, seen[r]),
-                              daemon=True) for r in ranks]
+    go = threading.Event()  # every rank starts together, as torchrun starts a node's ranks
+    mains = [threading.Thread(target=_rank_main, args=(coords[r], out[r], args, names, seen[r],
+                                                       go),
+                              daemon=True, name=f"main-{r}") for r in ranks]
+    t0 = time.monotonic()
     for t in mains:
         t.start()
+    threading.Thread(target=_drive_liveness, args=(coords, seen), daemon=True,
+                     name="liveness-driver").start()
+    go.set()
+    print(f"worker {args.lo}: {len(mains)} ranks started in {time.monotonic() - t0:.1f} s",
+          file=sys.stderr, flush=True)
     threading.Thread(target=_progress, args=(out, args.lo), daemon=True).start()
     for t in mains:
         t.join(args.timeout * 3)
     for c in coords.values():
-        c.stop.set()
+        c.liveness.stop.set()
     alive = sum(t.is_alive() for t in mains)  # a stuck rank may still write its dict: copy
     json.dump({"ranks": {r: dict(v) for r, v in out.items()}, "alive": alive}, sys.stdout)
     sys.stdout.flush()
@@ -165,66 +181,75 @@ def _progress(out: dict, lo: int) -> None:
               f"{dict(sorted(passed.items()))}", file=sys.stderr, flush=True)
 
 
-def _drive_beats(coords: dict) -> None:
-    """Every rank's heartbeat, one ``liveness.beat_once`` per rank per period, from one
-    thread: a thread per rank and per role would measure this machine's scheduler."""
-    from ddp_smoke.coordination import liveness, store as storekeys
-    n = dict.fromkeys(coords, 0)
-    period = storekeys.look_period(next(iter(coords.values())).env.world_size, 2)
+def _drive_liveness(coords: dict, seen: dict) -> None:
+    """Every rank's liveness look (``Liveness.tick``: heartbeat and watchdog), once per
+    period, from one thread: a thread per rank would measure this machine's scheduler. A
+    rank whose connection is taken (its main thread waits on it) is passed by: it looks
+    between its wait's slices, as in the worker. A rank that saw the abort is told
+    (``seen``) and looked at no more."""
+    period = next(iter(coords.values())).liveness.period
     while True:
         t = time.monotonic()
         for r, c in coords.items():
-            if not c.stop.is_set():
-                n[r] += 1
-                liveness.beat_once(c, c.beat_store, n[r])
+            if c.liveness.stop.is_set() or seen[r].is_set():
+                continue
+            if c.liveness.tick(c.store):
+                seen[r].set()
         time.sleep(max(0.0, period - (time.monotonic() - t)))
 
 
-def _drive_watchdogs(dogs: dict, seen: dict) -> None:
-    """Every rank's watchdog, one ``Watchdog.step`` per rank per period, from one thread.
-    A rank whose watchdog saw the abort is told (``seen``) and looked at no more."""
-    from ddp_smoke.coordination import store as storekeys
-    period = storekeys.look_period(next(iter(dogs.values())).coord.env.world_size, 2)
-    while True:
-        t = time.monotonic()
-        for r, dog in dogs.items():
-            if not dog.coord.stop.is_set() and not seen[r].is_set():
-                if dog.step(dog.coord.wd_store, 0.0):
-                    seen[r].set()
-        time.sleep(max(0.0, period - (time.monotonic() - t)))
-
-
-def _rank_main(c, out, args, names, seen) -> None:
-    from ddp_smoke.coordination import ending, protocol, store as storekeys
+def _rank_main(c, out, args, names, seen, go) -> None:
+    from ddp_smoke.coordination import ending, protocol, records, store as storekeys
     r, store = c.env.rank, c.store
-    side = lambda: c.beat_store.total() + c.wd_store.total()  # noqa: E731
+    counted = store.raw.raw
+    look = c.liveness.tick
+
+    def tick(s, full=True):  # between this thread's wait slices: counted as the liveness's
+        _ROLE.name = "liveness"
+        try:
+            return look(s, full)
+        finally:
+            _ROLE.name = None
+    c.liveness.tick = tick
+    if r == 0:  # the longest gap between two of rank 0's heartbeats (the others follow it)
+        beat, beats = c.liveness.beat, []
+
+        def timed_beat(s):
+            beats.append(time.monotonic())
+            out["beat_gap_max"] = max(b - a for a, b in zip(beats, beats[1:])) if beats[1:] \
+                else 0.0
+            return beat(s)
+        c.liveness.beat = timed_beat
+    go.wait()
     out["marks"] = marks = [time.monotonic()]
     try:
         c.enter("init", args.timeout)
         store.set(f"rank/{r}", json.dumps({"rank": r, "host": f"sim{r // 8}"}))
         c.arrive(store, "connect", "every rank to connect")
         if r == 0:
-            c.ranks = [json.loads(v) for v in
-                       store.multi_get([f"rank/{i}" for i in range(c.env.world_size)])]
+            c.met([json.loads(v) for v in
+                   store.multi_get([f"rank/{i}" for i in range(c.env.world_size)])])
         marks.append(time.monotonic())
         c.enter("steady", None)
-        t, n = time.monotonic(), side()
+        t, n = time.monotonic(), counted.total("liveness")
         time.sleep(args.steady_s)
-        out["side_ops"], out["side_s"] = side() - n, time.monotonic() - t
+        out["side_ops"], out["side_s"] = counted.total("liveness") - n, time.monotonic() - t
 
         marks.append(time.monotonic())
-        n, polls, per = store.total(), store.timeouts, []
+        out["init_polls"] = counted.timeouts["main"]
+        n, polls, per = counted.total("main"), counted.timeouts["main"], []
         for name in names[:-1]:
             t = time.monotonic()
             c.enter(name, args.timeout)
             c.arrive(store, f"arrive/{c.key(name)}", f"every rank to arrive at {name}")
             c.enter(name, args.timeout)
-            c.post_observation(store, name, {"ok": True, "data": {}, "duration_s": 0.0})
+            c.post_observation(store, name, records.Observation(data={}, duration_s=0.0,
+                                                                waits=[]))
             if r == 0:
                 c.gather(store, name)
             per.append(time.monotonic() - t)
-        out["check_ops"], out["check_s"] = store.total() - n, per
-        out["check_polls"] = store.timeouts - polls
+        out["check_ops"], out["check_s"] = counted.total("main") - n, per
+        out["check_polls"] = counted.timeouts["main"] - polls
         marks.append(time.monotonic())
         _abort_scenario(c, out, args, names[-1], seen)
     except _Left:
@@ -243,14 +268,13 @@ def _rank_main(c, out, args, names, seen) -> None:
             pass
     finally:
         marks.append(time.monotonic())
-        out["ops"] = {k: dict(s.ops) for k, s in
-                      (("main", store), ("watchdog", c.wd_store), ("beat", c.beat_store))}
+        out["ops"] = {f"{role}.{op}": k for (role, op), k in counted.ops.items()}
 
 
 def _abort_scenario(c, out, args, name, seen) -> None:
     """The last rank dies after arriving, the middle one stalls; the others finish and wait
-    for the next check."""
-    from ddp_smoke.coordination import ending, judge, store as storekeys
+    for the report."""
+    from ddp_smoke.coordination import ending, judge, protocol, records, store as storekeys
     r, store = c.env.rank, c.store
     c.enter(name, args.timeout)
     c.arrive(store, f"arrive/{c.key(name)}", f"every rank to arrive at {name}")
@@ -258,35 +282,34 @@ def _abort_scenario(c, out, args, name, seen) -> None:
     dead, stalled = c.env.world_size - 1, c.env.world_size // 2
     if r == dead:
         out["died_at"] = time.monotonic()
-        c.stop.set()  # heartbeat and watchdog stop: to the others this process is gone
+        c.liveness.stop.set()  # no more heartbeats or looks: to the others this rank is gone
         return
     if r != stalled:  # alive, beating, never posts
-        c.post_observation(store, name, {"ok": True, "data": {}, "duration_s": 0.0})
-    if r != 0:  # the rank's watchdog takes over once it sees the abort
+        c.post_observation(store, name, records.Observation(data={}, duration_s=0.0, waits=[]))
+    if r != 0:  # the rank's liveness thread takes over once it sees the abort
         if seen.wait(args.timeout):
-            ending.exit_aborted(c, c.wd_store)
+            ending.exit_aborted(c, store)
         return
-    gathered = threading.Event()
-    threading.Thread(target=lambda: (c.gather(store, name), gathered.set()),
-                     daemon=True).start()  # blocks in the store's wait, as rank 0's main does
-    if not seen.wait(args.timeout) or gathered.is_set():
-        out["error"] = f"rank {dead} died and rank 0's watchdog did not abort"
+    try:  # rank 0's main thread waits, looking between the slices of its wait
+        c.gather(store, name)
+        out["error"] = f"rank {dead} died and rank 0 gathered every observation"
         return
-    out["detected_at"] = time.monotonic()
-    wd, n = c.wd_store, c.wd_store.total()  # the watchdog judges, on its own connection
+    except protocol.Stop:
+        out["detected_at"] = time.monotonic()
+    counted, n = store.raw.raw, store.raw.raw.total("main")
     t = time.monotonic()
-    c.leave_forensics(wd)  # as _exit_aborted does, before it judges
-    c.identities(wd)
-    live = judge.judge_as_a_rank(wd, c.stopped(), c.silence)
+    c.leave_forensics(store)  # as exit_aborted does, before it judges
+    stopped = c.run.with_identities(store).stopped()  # as finalize does
+    live = judge.judge_as_a_rank(store, stopped, c.silence, r)
+    result = stopped.judged[-1][1]
     out["judge_s"] = time.monotonic() - t
-    out["judge_ops"] = wd.total() - n
+    out["judge_ops"] = counted.total("main") - n
     t = time.monotonic()  # then, as finalize does: the live ranks' forensics for the report
-    listed = storekeys.posted(wd, "forensics", live, judge.FORENSICS_WAIT_S)
+    listed = storekeys.posted(store, "forensics", live, judge.FORENSICS_WAIT_S)
     out["forensics"] = [len(set(listed) & live), len(live), time.monotonic() - t]
-    res = c.judged[-1][1]
-    out["culprits"] = [x.rank for x in res.culprits]
-    out["victims"] = len(res.figures["victims"])
-    wd.set("final", "fail")
+    out["culprits"] = [x.rank for x in result.culprits]
+    out["victims"] = len(result.figures["victims"])
+    store.set("final", "fail")
 
 
 def _private_loopback() -> str:
@@ -317,17 +340,22 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
     import torch.distributed as dist
 
     _raise_nofile()
-    need = 3 * world + 64
+    base_fds = _fds()
+    need = world + base_fds + 64  # one connection per rank: the store host's share
     if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < need:
         raise SystemExit(f"coordination_scale: {world} ranks need {need} file descriptors for "
                          f"the store's connections; the hard limit is "
                          f"{resource.getrlimit(resource.RLIMIT_NOFILE)[1]}")
     server = dist.TCPStore("127.0.0.1", 0, world, True, datetime.timedelta(seconds=timeout),
                            wait_for_workers=False, use_libuv=True)
+    fds = [0]  # the most this process (the store host) held at once, less what it held before
+    sampling = threading.Event()
+    threading.Thread(target=_sample_fds, args=(fds, base_fds, sampling), daemon=True).start()
     # Ranks per process, not the protocol, set the floor here: a process's ranks take turns
-    # at one GIL, and each store call wakes a thread. At 4,096 ranks a check took 1.5 s
-    # with 2 processes, 0.66–1.0 s with 4, 0.34–0.38 s with 8 and 0.30 s with 16.
-    procs = max(1, min(procs, world // 4))
+    # at one GIL, and each store call wakes a thread. At 4,096 ranks (three connections per
+    # rank then) a check took 1.5 s with 2 processes, 0.66–1.0 s with 4, 0.34–0.38 s with 8
+    # and 0.30 s with 16.
+    procs = max(1, min(procs or max(8, world // 1024), world // 4))
     secret = secrets.token_hex(32)  # the run's, as a launcher hands it to every rank
     # Rank 0, which gathers and judges, has a process of its own, as it has a node of its
     # own in a cluster: its timings are the store's, not those of a GIL shared with 1,000
@@ -341,7 +369,10 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
          "--steady-s", str(steady_s), "--timeout", str(timeout)]
         + (["--unsigned"] if unsigned else []),
         stdout=subprocess.PIPE, stderr=log, text=True,
-        env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", "DDP_SMOKE_SECRET": secret})
+        env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", "DDP_SMOKE_SECRET": secret},
+        # The simulated ranks yield to the store (this process) and to rank 0, whose core
+        # is theirs alone on a cluster: here thousands of ranks share two with them.
+        preexec_fn=None if lo == 0 else lambda: os.nice(10))
         for (lo, hi), log in zip(zip(bounds, bounds[1:]), logs)]
     ranks, alive, end = {}, 0, time.monotonic() + timeout * 3
     try:
@@ -357,21 +388,25 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
         tails = []
         for i, log in enumerate(logs):
             log.seek(0)
-            tails.append(f"worker {i} (exit {workers[i].returncode}): {log.read()[-600:]}")
+            text = log.read()
+            tails.append(f"worker {i} (exit {workers[i].returncode}): {text[:700]}"
+                         + (f" … {text[-300:]}" if len(text) > 1000 else text[700:]))
         raise SystemExit(f"coordination_scale: the simulation of {world} ranks failed "
                          f"({type(e).__name__}); the workers' stderr ends:\n"
                          + "\n".join(tails)) from None
     wall = time.monotonic() - t
+    sampling.set()
     del server
     zero = ranks.get(0, {})
     side = [v for v in ranks.values() if "side_ops" in v]
     out = {
         "N": world, "wall_s": round(wall, 1), "stuck_threads": alive,
         "ops_per_check": sum(v.get("check_ops", 0) for v in ranks.values()) / checks,
-        # the part that does not depend on how long a check takes: every timed-out wait is
-        # a poll, followed by one look at the abort list
-        "fixed_ops_per_check": sum(v.get("check_ops", 0) - 2 * v.get("check_polls", 0)
+        # the part that does not depend on how long a check takes: every wait slice that
+        # timed out is one more call (the look taken after it counts as the liveness look's)
+        "fixed_ops_per_check": sum(v.get("check_ops", 0) - v.get("check_polls", 0)
                                    for v in ranks.values()) / checks,
+        "store_fds_per_rank": fds[0] / world,
         "coord_s_per_check": statistics.median(zero.get("check_s") or [float("nan")]),
         "heartbeat_ops_per_s": sum(v["side_ops"] / v["side_s"] for v in side),
         "ranks_reported": len(ranks),
@@ -381,11 +416,23 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
         "culprits": zero.get("culprits"), "victims": zero.get("victims"),
         "forensics": zero.get("forensics") or [0, 0, float("nan")],
         "error": zero.get("error"),
-        "ops_by_kind": {k: dict(sum((Counter(v.get("ops", {}).get(k, {})) for v in ranks.values()),
-                                     Counter()))
-                        for k in ("main", "watchdog", "beat")},
+        "rank0_beat_gap_max_s": zero.get("beat_gap_max"),
+        "init_slices_timed_out": sum(v.get("init_polls", 0) for v in ranks.values()),
+        "phases_s": [round(b - a, 2) for a, b in zip(zero.get("marks", []),
+                                                     zero.get("marks", [])[1:])],
+        "ops_by_kind": dict(sum((Counter(v.get("ops", {})) for v in ranks.values()), Counter())),
     }
     return out
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _sample_fds(most: list, base: int, done: threading.Event) -> None:
+    """The store host's open files (this process serves the store), every second."""
+    while not done.wait(1.0):
+        most[0] = max(most[0], _fds() - base)
 
 
 def _median(runs: list[dict], key: str) -> float:
@@ -395,18 +442,21 @@ def _median(runs: list[dict], key: str) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="the default: 3 checks and 2 s of steady state per size (~2 min)")
+                   help="the default: 3 checks and 2 s of steady state per size")
     p.add_argument("--full", action="store_true", help="10 checks and 5 s per size")
-    p.add_argument("--sizes", default="64,256,1024,4096")
+    p.add_argument("--sizes", default="1024,4096,16384")
     p.add_argument("--checks", type=int)
-    p.add_argument("--procs", type=int, default=8,
-                   help="worker processes hosting the ranks (8: 512 ranks each at 4,096)")
+    p.add_argument("--procs", type=int,
+                   help="worker processes hosting the ranks (default: 8, or one per 1,024 "
+                        "ranks beyond: 16 at 16,384)")
     p.add_argument("--steady-s", type=float)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--json", action="store_true", help="one JSON line per size, too")
     p.add_argument("--signing-cost", type=int, metavar="PAIRS",
                    help="per size, PAIRS runs unsigned and signed, alternating; print each "
                         "and the ratios of the medians (signed / unsigned)")
+    p.add_argument("--signing-at", metavar="SIZES",
+                   help="the sizes --signing-cost applies to (default: every size)")
     p.add_argument("--unsigned", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for k in ("port", "world", "lo", "hi"):
@@ -423,24 +473,28 @@ def main() -> None:
           f"on {os.cpu_count()} cores", flush=True)
     print(f"{'N':>6} {'ops/check':>10} {'ops/check/N':>11} {'fixed/N':>7} {'coord s/check':>13} "
           f"{'beat ops/s':>10} {'detect s':>8} {'judge s':>7} {'judge ops':>9} "
-          f"{'forensics':>15}  culprits",
+          f"{'forensics':>15} {'fds/rank':>8}  culprits",
           flush=True)
-    for n in [int(x) for x in args.sizes.split(",")]:
+    sizes = [int(x) for x in args.sizes.split(",")]
+    signing_at = [int(x) for x in args.signing_at.split(",")] if args.signing_at else sizes
+    for n in sizes:
         runs = {False: [], True: []}
-        for unsigned in [True, False] * (args.signing_cost or 0) or [False]:
+        pairs = args.signing_cost if n in signing_at else 0
+        for unsigned in [True, False] * (pairs or 0) or [False]:
             r = simulate(n, args.checks, args.procs, args.steady_s, args.timeout, unsigned)
             runs[unsigned].append(r)
             print(f"{n:>6} {r['ops_per_check']:>10.0f} {r['ops_per_check'] / n:>11.2f} "
                   f"{r['fixed_ops_per_check'] / n:>7.2f} "
                   f"{r['coord_s_per_check']:>13.3f} {r['heartbeat_ops_per_s']:>10.0f} "
                   f"{r['detect_s']:>8.2f} {r['judge_s']:>7.2f} {r['judge_ops'] or 0:>9} "
-                  f"{'%d/%d %.1fs' % tuple(r['forensics']):>15}  "
+                  f"{'%d/%d %.1fs' % tuple(r['forensics']):>15} "
+                  f"{r['store_fds_per_rank']:>8.2f}  "
                   f"{r['culprits']}{' ' + r['error'] if r['error'] else ''}"
                   f"{' (unsigned)' if unsigned else ''}", flush=True)
             if args.json:
                 print(json.dumps(dict(r, unsigned=unsigned)), flush=True)
-        if args.signing_cost:
-            print(f"{n:>6} signed / unsigned, medians of {args.signing_cost} each: " + ", ".join(
+        if pairs:
+            print(f"{n:>6} signed / unsigned, medians of {pairs} each: " + ", ".join(
                 f"{k} {_median(runs[False], k) / _median(runs[True], k):.2f}"
                 for k in ("ops_per_check", "coord_s_per_check", "heartbeat_ops_per_s",
                           "detect_s", "judge_s")), flush=True)

@@ -92,7 +92,7 @@ PHASES = [  # (label, start mark, end mark); missing marks leave the cell empty
     ("import torch", "top", "torch_imported"),
     ("cli, harness import, config", "torch_imported", "harness_run_start"),
     ("  load_checks (imports: DDP's dynamo)", "harness_run_start", "load_checks_end"),
-    ("  connect store (3 connections)", "load_checks_end", "connect_store_end"),
+    ("  connect store (1 connection)", "load_checks_end", "connect_store_end"),
     ("  threads, device, identity record", "connect_store_end", "init_pg_start"),
     ("init_process_group", "init_pg_start", "init_pg_end"),
     ("  rendezvous rest (wait for all ranks)", "init_pg_end", "rendezvous_end"),

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 TORCHRUN = [".venv/bin/torchrun", "--standalone", "--nproc-per-node=2"]
-TARGET = 1.2  # the issue's bound on the quick level's ratio, printed beside it (not asserted)
+TARGET = 1.0  # issue 34's bound on the quick level's ratio, printed beside it (not asserted)
 
 
 def commands(report_root: str) -> dict[str, list[str]]:

@@ -72,6 +72,7 @@ import sys
 from . import __version__, checks, preflight
 from .config.args import Parser, parse_config, worker_parser
 from .config.launchenv import LaunchEnv
+from .coordination import store
 from .errors import ConfigError, say_once
 from .outputs import history, last_line, launch_report, page
 
@@ -142,29 +143,37 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as e:
             print(f"ddp-smoke: error: {e}", file=sys.stderr)
             sys.exit(2)
+    code = worker(argv)
+    # The verdict is written and every thread stopped: skip interpreter teardown, where C++
+    # destructors of the backend's threads have aborted a passing rank (SIGABRT at exit).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def worker(argv: list[str]) -> int:
+    """This rank's run, from its options; returns the exit status (0, 1, or 2 for bad input,
+    said in one line). A launcher that forks its ranks calls it in each
+    (:mod:`ddp_smoke.launch_local`)."""
     try:
         cfg = parse_config(argv, _parser())  # before importing torch: bad input fails fast
     except ConfigError as e:
         say_once(f"ddp-smoke: error: {e}")
-        sys.exit(2)
+        return 2
     try:
         # The launcher's variables (the harness reads them again) differ per rank, and so
         # does what is wrong with them: every rank says its own.
         LaunchEnv.from_environ()
     except ConfigError as e:
         os.write(2, f"ddp-smoke: error: {e}\n".encode())
-        sys.exit(2)
+        return 2
     try:
+        store.quiet_slices()  # before torch is imported
         from torch.distributed.elastic.multiprocessing.errors import record
 
         from . import harness
         # record: an unexpected exception also lands in torchrun's error file and summary.
-        code = record(harness.run)(cfg)
+        return record(harness.run)(cfg)
     except ConfigError as e:
         say_once(f"ddp-smoke: error: {e}")
-        sys.exit(2)
-    # The verdict is written and every thread stopped: skip interpreter teardown, where C++
-    # destructors of the backend's threads have aborted a passing rank (SIGABRT at exit).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        return 2

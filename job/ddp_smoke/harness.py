@@ -33,9 +33,9 @@ from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
 from .coordination import (ending, forensics, hosting, judge, keys, liveness, lost, progress,
-                           reach, runtime, signing, stragglers)
-from .coordination.protocol import Coordinator, Stop, error_detail
-from .coordination.store import DEAD_AFTER_S, wait_key
+                           reach, records, runtime, signing, stragglers)
+from .coordination.protocol import Coordinator, Run, Stop, error_detail
+from .coordination.store import Connection, look_period, wait_key
 from .errors import ConfigError
 from .model import FAIL, CheckResult, Culprit, check_from_dict
 
@@ -47,8 +47,7 @@ def run(cfg: dict[str, Any]) -> int:
     env = LaunchEnv.from_environ()
     faults = parse_faults(cfg["fault"], cfg["checks"])
     prelaunch.check_run(cfg, env.world_size)  # what `make smoke-local` checked before launch
-    for name in cfg["checks"]:  # imports cost seconds (DDP pulls in torch._dynamo): not timed
-        checks.load(name)
+    checks.load_all(cfg["checks"])  # not timed: imports (a cache hit in a forked rank)
     coord_t0 = time.monotonic()
     timeout = float(cfg["timeout"])
     rdir = default_report_dir(cfg, env.run_id)
@@ -67,11 +66,11 @@ def run(cfg: dict[str, Any]) -> int:
         ending.leave(f"cannot reach the coordination store at {env.store_address} "
                      f"within {timeout} s: "
                      f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", code=1)
-    c.report_dir = rdir
-    c.timings["load_checks_s"] = round(coord_t0 - t0, 4)
-    c.timings["connect_store_s"] = round(time.monotonic() - coord_t0, 4)
+    c.locate(env, rdir)
+    c.timed("load_checks_s", round(coord_t0 - t0, 4))
+    c.timed("connect_store_s", round(time.monotonic() - coord_t0, 4))
     progress.RECORDER.keep = stragglers.keep_per_rank(env.world_size)
-    liveness.start(c)
+    c.liveness.start()
     reach.listen(env, c.store)  # before the process group: its set-up may be what hangs
 
     store = c.store
@@ -79,7 +78,7 @@ def run(cfg: dict[str, Any]) -> int:
         c.enter("init", timeout)
         t = time.monotonic()
         ctx = _join(c, store, faults)
-        c.timings["rendezvous_s"] = round(time.monotonic() - t, 4)
+        c.timed("rendezvous_s", round(time.monotonic() - t, 4))
         for name in cfg["checks"]:  # checks that watch the whole run start watching now
             getattr(checks.load(name), "begin", lambda _: None)(ctx)
         t = time.monotonic()
@@ -89,9 +88,9 @@ def run(cfg: dict[str, Any]) -> int:
                 _run_check(c, ctx, name)
             if not _another_iteration(c, store, t):
                 break
-            c.iteration += 1
-        c.timings["checks_s"] = round(time.monotonic() - t, 4)
-        c.timings["iterations"] = c.iteration + 1
+            c.next_iteration()
+        c.timed("checks_s", round(time.monotonic() - t, 4))
+        c.timed("iterations", c.iteration + 1)
         c.enter("finish", None)
     except Stop:
         pass
@@ -99,36 +98,37 @@ def run(cfg: dict[str, Any]) -> int:
         print(f"ddp-smoke: error: {e}", file=sys.stderr)
         ending.leave(None, code=2)
     except Exception as e:  # noqa: BLE001 — init or harness failure on this rank
-        c.abort(store, keys.ERROR, error_detail(e))
+        c.abort(store, records.ErrorAbort, **error_detail(e))
     try:
         return _finish(c, store)
     except (RuntimeError, OSError) as e:  # the store went away: one JSON line, no traceback
-        if c.leaving:
+        if c.liveness.leaving:
             raise
         ending.give_up(c, e)
         return 1
 
 
 def _finish(c: Coordinator, store) -> int:
-    """After the checks: leave an aborted run, or wait for (or write) the report."""
+    """After the checks: leave an aborted run, or wait for (or write) the report. While the
+    liveness thread writes the report of an aborted run, this thread keeps the heartbeat."""
     env, timeout = c.env, float(c.cfg["timeout"])
     if c.aborted(store):
-        ending.exit_aborted(c, store)
-        time.sleep(ending.FINAL_WAIT_S + 2 * DEAD_AFTER_S)  # the watchdog owns the exit
+        if c.claim_exit():
+            ending.exit_aborted(c, store)
+        c.liveness.keep_beating(store)  # the liveness thread owns the exit
         return 1
     if env.rank != 0:
         verdict = ending.await_report(c, store, timeout + ending.FINAL_WAIT_S)
         if verdict == ending.TAKE_OVER:  # rank 0 died after the checks: write what it judged
-            c.abort(store, keys.STOPPED, {"why": "rank 0 stopped before writing the report"})
-            c.adopt_results(store)
+            c.abort(store, records.StoppedAbort, why="rank 0 stopped before writing the report")
             if ending.finalize(c, store, aborted=True) is None:
-                time.sleep(ending.FINAL_WAIT_S)  # the watchdog is writing it and owns the exit
+                c.liveness.keep_beating(store)  # the liveness thread is writing it
             return 1
         liveness.shut_down(c)
         return 0 if verdict == "pass" else 1
     verdict = ending.finalize(c, store, aborted=False)
-    if verdict is None:  # the watchdog is finishing an abort and owns the exit
-        time.sleep(ending.FINAL_WAIT_S)
+    if verdict is None:  # the liveness thread is finishing an abort and owns the exit
+        c.liveness.keep_beating(store)
     if not env.agent_store and not env.store:  # rank 0 hosts the store: the others read first
         wait_key(store, keys.every(keys.BYE), 5.0, c.poll_max)
     liveness.shut_down(c)
@@ -142,26 +142,29 @@ def _join(c: Coordinator, store, faults: list) -> Context:
     device, device_error = _bind(pick, env)
     store.set(keys.of(keys.RANK, env.rank), json.dumps(runtime.rank_record(env, device)))
     if env.store:  # the store host's report of last resort needs the run's shape
-        hosting.post_meta(store, env.world_size, cfg, os.path.abspath(c.report_dir),
-                              c.started_at)
+        hosting.post_meta(store, env.world_size, cfg, os.path.abspath(c.run.report_dir),
+                          c.run.started_at)
     c.arrive(store, keys.CONNECT, "every rank to connect", mine=pick)
     # the first records of the others: another secret or build stops here (exit 2)
     picks = signing.peers(store, [keys.of(keys.CONNECT, r) for r in range(env.world_size)]
                           if env.rank == 0 else [keys.of(keys.CONNECT, 0)])
-    c.env = env = runtime.share_run_id(env, store)
-    c.report_dir = rdir = default_report_dir(cfg, env.run_id)  # named after rank 0's id
-    c.backend = c.agree_backend(store, cfg["backend"], pick, picks)
-    runtime.nccl_log_env(c.backend, rdir)  # before NCCL's first init: transport check
+    env = runtime.share_run_id(env, lambda key, value: c.tell_all(store, key, value),
+                               lambda key: c.await_flag(store, key, "rank 0's run id"))
+    rdir = default_report_dir(cfg, env.run_id)  # named after rank 0's id
+    c.locate(env, rdir)
+    backend = c.agree_backend(store, cfg["backend"], pick, picks)
+    runtime.nccl_log_env(backend, rdir)  # before NCCL's first init: transport check
     if device_error:
-        c.abort(store, keys.ERROR, {"type": "DeviceError", "message": device_error,
-                                    "reason": device_error})
+        c.abort(store, records.ErrorAbort, type="DeviceError", message=device_error,
+                reason=device_error)
         raise Stop
     forensics.flight_recorder_env(rdir)  # before the process group is created
-    runtime.init_process_group(env, c.backend, device, store.raw, float(cfg["timeout"]) + 15)
-    c.ranks = [json.loads(v) for v in
-               store.multi_get([keys.of(keys.RANK, r) for r in range(env.world_size)])]
-    return Context(env, c.backend, device, cfg,
-                   Injector(faults, env.rank), rdir,
+    timeout = float(cfg["timeout"]) + 15
+    runtime.init_process_group(env, backend, device, runtime.process_group_store(env, timeout),
+                               timeout)
+    c.met([json.loads(v) for v in
+           store.multi_get([keys.of(keys.RANK, r) for r in range(env.world_size)])])
+    return Context(env, backend, device, cfg, Injector(faults, env.rank), rdir,
                    cfg["storage_dir"] or os.path.join(rdir, "storage"))
 
 
@@ -185,19 +188,19 @@ def _run_check(c: Coordinator, ctx: Context, name: str) -> None:
     progress.RECORDER.spent()  # this check's collectives only
     try:
         ctx.faults.at_start()
-        obs = {"ok": True, "data": module.run(ctx)}
+        data = module.run(ctx)
     except Exception as e:  # noqa: BLE001 — a check that raises fails with its rank named
-        c.abort(store, keys.ERROR, error_detail(e))
+        c.abort(store, records.ErrorAbort, **error_detail(e))
         raise Stop from None
-    obs["duration_s"] = round(time.monotonic() - t, 6)
-    obs["waits"] = progress.RECORDER.spent()  # seconds inside each collective: who waited
-    c.post_observation(store, name, obs)
+    # with the seconds inside each collective: who waited for whom
+    c.post_observation(store, name, records.Observation(
+        data=data, duration_s=round(time.monotonic() - t, 6), waits=progress.RECORDER.spent()))
     if ctx.rank == 0:
         c.post_result(store, _judge(module, name, c.gather(store, name), c))
 
 
 def _judge(module, name: str, got: list[dict], c: Coordinator) -> CheckResult:
-    ev = Evidence(name, [g["data"] for g in got], c.ranks, c.cfg)
+    ev = Evidence(name, [g["data"] for g in got], list(c.run.ranks), c.cfg)
     try:
         # The JSON round trip makes a figure that cannot be written fail here, named.
         result = check_from_dict(json.loads(json.dumps(dataclasses.asdict(module.judge(ev)))))
@@ -217,22 +220,25 @@ def _another_iteration(c: Coordinator, store, started: float) -> bool:
         return c.iteration + 1 < cfg["repeat"]
     key = keys.of(keys.NEXT, c.iteration)
     if c.env.rank == 0:
-        store.set(key, "1" if time.monotonic() - started < cfg["duration"] else "0")
-    c.wait_for(store, [key], "rank 0 to decide on another iteration")
-    return store.get(key) == b"1"
+        another = time.monotonic() - started < cfg["duration"]
+        c.tell_all(store, key, "1" if another else "0")
+        return another
+    return c.await_flag(store, key, "rank 0 to decide on another iteration") == b"1"
 
 
-def _publish(c: Coordinator, store, error: dict | None, found: dict[int, dict]) -> str:
-    """The writer's report, from what this rank judged or adopted; returns the verdict.
-    ``store``: the caller's connection (the main thread's may be blocked in a wait, and a
-    store connection serves one call at a time)."""
-    report = judge.report_of(c.stopped(), started_at=c.started_at, backend=c.backend,
-                             config=c.cfg, timings=c.timings, run_id=c.env.run_id,
+def _publish(run: Run, store, error: dict | None, found: dict[int, dict]) -> str:
+    """The writer's report, from the run it judged or adopted; returns the verdict.
+    ``store``: the caller's connection (the main thread may be waiting on it, a turn away)."""
+    report = judge.report_of(run.stopped(), started_at=run.started_at, backend=run.backend,
+                             config=run.cfg, timings=dict(run.timings), run_id=run.env.run_id,
                              error=error, forensics=found, security=signing.section(store))
-    return outputs.publish(report, c.report_dir, c.env.run_id).verdict
+    return outputs.publish(report, run.report_dir, run.env.run_id).verdict
 
 
 def _store(env: LaunchEnv, timeout: float, may_host: bool):
+    """The rank's one connection to the coordination store: shared by its threads in turns,
+    every record signed."""
     raw = runtime.connect_store(env, timeout, may_host=may_host)
     scope = f"ddp_smoke/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return signing.wrap(dist.PrefixStore(scope, raw), scope, env)  # every record signed
+    shared = Connection(dist.PrefixStore(scope, raw), look_period(env.world_size))
+    return signing.wrap(shared, scope, env)

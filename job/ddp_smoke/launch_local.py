@@ -7,19 +7,27 @@ own last line with the workers' own exit status.
 Why not the plain ``torchrun`` command: torchrun raises ``ChildFailedError`` when any worker
 exits non-zero, so a clean FAIL verdict (or one bad flag) ended in its 30-line traceback block,
 and its own exit status is 1 whatever the workers said (2 for bad input never reached the
-user). Here torchrun runs in this process through its own entry point
-(``torch.distributed.run.run``, the function the ``torchrun`` command calls), so the exception
-is caught: its failures carry each worker's exit status. Nothing the workers print is
+user). Here torchrun runs in this process through its own launcher API (the configuration
+``torch.distributed.run`` makes from the same options, given to ``elastic_launch``), so the
+exception is caught: its failures carry each worker's exit status. Nothing the workers print is
 filtered; they write straight to the terminal as under torchrun.
 
 Before any rank starts, the worker's options are checked as every rank would check them (flags,
 config file, faults against the world size, each check's own options, the report folder
-writable and held by no other live run): bad input is one line and exit 2, from here, once.
-``--check`` does only that and starts nothing (exit 0 or 2): the image's entrypoint runs it
-once before its torchrun, for the same reason. There ``--nnodes`` gives the world size with
-``--nproc-per-node``; a count torchrun resolves itself (``gpu``, ``auto``, ``MIN:MAX``) leaves
-what depends on it to the ranks, and on several nodes the folder's claim is not tested (a shared
-folder may already be held by another node's rank 0 of this run).
+writable and held by no other live run): bad input is one line and exit 2, from here, once,
+before torch is imported. ``--check`` does only that and starts nothing (exit 0 or 2): the
+image's entrypoint runs it once before its torchrun, for the same reason. There ``--nnodes``
+gives the world size with ``--nproc-per-node``; a count torchrun resolves itself (``gpu``,
+``auto``, ``MIN:MAX``) leaves what depends on it to the ranks, and on several nodes the folder's
+claim is not tested (a shared folder may already be held by another node's rank 0 of this run).
+
+Time to verdict: nothing runs before the first rank that the bare tutorial under torchrun does
+not do. This process is the store host (:class:`ddp_smoke.store_host.Hosted`: the coordination
+store and its report of last resort, in a process that outlives every rank, as torchrun's agent
+here does), and the ranks are forked from it (torchrun's ``fork`` start method, for a Python
+function) once it has imported torch and the checks: each rank starts with what a spawned one
+would spend seconds importing. A forked rank first closes its copies of this process's store
+sockets, so that this process's death still closes every rank's connection to the store.
 
 Each run gets its own id ``local-<UTC time>-<random>`` (``DDP_SMOKE_RUN_ID``, unless given) and
 so its own default folder ``reports/<run id>``: two runs started in the same second no longer
@@ -32,14 +40,16 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
+import uuid
 
-from . import outputs
+from . import checks, cli, outputs, store_host
 from .config.args import parse_config
-from .errors import say_once
 from .config import prelaunch, report_dir
 from .config.launchenv import run_id as launcher_run_id
-from .errors import ConfigError
+from .coordination import hosting, signing, store
+from .errors import ConfigError, say_once
 
 USAGE = ("usage: python -m ddp_smoke.launch_local [--check [--nnodes N]] [--nproc-per-node N] "
          "[-- WORKER OPTIONS]")
@@ -80,9 +90,10 @@ def _run_id() -> str:
     return f"local-{now}-{secrets.token_hex(3)}"
 
 
-def prepare(argv: list[str]) -> tuple[int | None, list[str], str, bool]:
+def prepare(argv: list[str]) -> tuple[int | None, list[str], str, bool, dict, str]:
     """Check everything a rank would check before it connects; return the rank count per
-    node, the worker's options, the run id and whether only to check. Raises ConfigError."""
+    node, the worker's options, the run id, whether only to check, the configuration and the
+    report folder. Raises ConfigError."""
     nproc, nodes, check, worker_args = _split(argv)
     cfg = parse_config(worker_args)
     rid = _run_id()
@@ -91,7 +102,7 @@ def prepare(argv: list[str]) -> tuple[int | None, list[str], str, bool]:
     outputs.check_writable(folder)
     if nodes == 1:  # another live run's folder: refused now
         prelaunch.hold(folder, rid, keep=False)
-    return nproc, worker_args, rid, check
+    return nproc, worker_args, rid, check, cfg, folder
 
 
 def _cores() -> int:
@@ -103,7 +114,11 @@ def _cores() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        nproc, worker_args, rid, check = prepare(sys.argv[1:] if argv is None else argv)
+        nproc, worker_args, rid, check, cfg, folder = prepare(
+            sys.argv[1:] if argv is None else argv)
+        short = None if check else hosting.raise_nofile(nproc)
+        if short:
+            raise ConfigError(short)
     except ConfigError as e:
         say_once(f"ddp-smoke: error: {e}")
         return 2
@@ -111,38 +126,106 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ["DDP_SMOKE_RUN_ID"] = rid
     # the run's signing secret (coordination/signing.py): every rank's, in their environment
-    os.environ.setdefault("DDP_SMOKE_SECRET", secrets.token_hex(32))
-    # torchrun sets 1 itself when unset, after a four-line banner saying so; the same value.
+    secret = os.environ.setdefault(signing.ENV, secrets.token_hex(32))
+    # torchrun sets 1 itself when unset, after a four-line banner saying so; the same value,
+    # here before this process imports torch (the forked ranks inherit its thread pool size).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     cores = _cores()
     if nproc > cores:
         print(f"# warning: {nproc} ranks on {cores} CPU core(s): they take turns, so times, "
               "bandwidth and compute figures are lower than this machine can do", flush=True)
+    store.quiet_slices()  # before torch is imported: the forked ranks inherit it
+    # torch, the worker and its checks, imported once: every forked rank starts with them
+    from . import harness  # noqa: F401
+    checks.load_all(cfg["checks"])
+    try:
+        hosted = store_host.Hosted("127.0.0.1", 0, secret, folder, store_host.MAX_S)
+    except OSError as e:
+        say_once(f"ddp-smoke: error: cannot host the coordination store on 127.0.0.1: {e}")
+        return 1
+    os.environ[hosting.ENV] = hosted.address
+    hosting.publish_address(hosting.address_file(folder, rid), hosted.address)  # for a look
+    try:
+        status, said = _torchrun(nproc, worker_args, hosted.raw.port)
+    finally:
+        own = hosted.close()  # every rank has ended: a report of last resort if none wrote
+    if said:
+        say_once(said)
+    return status or own
+
+
+def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int, str | None]:
+    """``torchrun --standalone --nproc-per-node=N`` in this process, the ranks forked from it;
+    the workers' exit status, and what to say last when no worker reached a verdict."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
 
     # The agent's "failed (exitcode …)" and "closing signal SIGTERM" lines come after the
     # kit's verdict; the exit status below says the same.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     args = torchrun.parse_args(["--standalone", f"--nproc-per-node={nproc}",
-                                "-m", "ddp_smoke", *worker_args])
+                                "--start-method=fork", "-m", "ddp_smoke"])
+    # what torchrun.run does for --standalone: a c10d rendezvous on a free local port
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = torchrun.config_from_args(args)
     try:
-        torchrun.run(args)
+        elastic_launch(config=config, entrypoint=_rank)(store_port, *worker_args)
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         if 2 in codes:
-            return 2  # bad input a rank found (its line is above)
-        if 1 not in codes:  # no worker reached its own verdict: say how they ended
-            ends = ", ".join(f"rank {r} {_how(f)}" for r, f in sorted(e.failures.items()))
-            say_once(f"ddp-smoke: no verdict: {ends}")
-        return 1
+            return 2, None  # bad input a rank found (its line is above)
+        if 1 in codes:
+            return 1, None
+        # no worker reached its own verdict: say how they ended
+        ends = ", ".join(f"rank {r} {_how(f)}" for r, f in sorted(e.failures.items()))
+        return 1, f"ddp-smoke: no verdict: {ends}"
     except (SignalException, KeyboardInterrupt) as e:  # Ctrl-C, or a kill of this launcher:
         # torchrun stopped the ranks; the status a shell expects from that signal
         sig = getattr(e, "sigval", signal.SIGINT)
-        say_once(f"ddp-smoke: stopped by {signal.Signals(sig).name}; the ranks were stopped too")
-        return 128 + int(sig)
+        return 128 + int(sig), (f"ddp-smoke: stopped by {signal.Signals(sig).name}; the ranks "
+                                "were stopped too")
+    return 0, None
+
+
+def _rank(store_port: int, *worker_args: str) -> int:
+    """One rank, forked by torchrun's agent in this process: the worker, with its exit status
+    as torchrun reads it (a return value for 0, the process's status otherwise)."""
+    _close_inherited(store_port)
+    for stream in (sys.stdout, sys.stderr):  # as torchrun's `python -u`: lines as they come
+        stream.reconfigure(line_buffering=True)
+    code = cli.worker(list(worker_args))
+    if code:
+        sys.exit(code)
     return 0
+
+
+def _close_inherited(port: int) -> None:
+    """Close this forked rank's copies of the launcher's store sockets (the listening one,
+    those it accepted, its own client's): the launcher's death must close every rank's
+    connection to the store, as a store host process's death does."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(name))
+        except (OSError, ValueError):
+            continue  # not a socket
+        try:
+            ours = sock.family in (socket.AF_INET, socket.AF_INET6) and port in (
+                sock.getsockname()[1], _peer_port(sock))
+        except OSError:
+            ours = False
+        if ours:
+            sock.close()
+        else:
+            sock.detach()
+
+
+def _peer_port(sock: socket.socket) -> int | None:
+    try:
+        return sock.getpeername()[1]
+    except OSError:  # not connected (a listening socket)
+        return None
 
 
 def _how(failure) -> str:

@@ -51,7 +51,7 @@ from typing import Any
 
 from . import task
 from .config.args import Parser, parse_config
-from .coordination import lost
+from .coordination import hosting, lost
 from .errors import ConfigError
 from .model import Culprit
 from .outputs import launch_report, publish
@@ -310,7 +310,7 @@ def _finished(job) -> bool:
 
 def _store_hosted(p: Plan, job) -> bool:
     """Task 0 started a store host (its address, not "none"): a last-resort report may come."""
-    path = Path(task.store_address_file(str(p.report_dir), task.run_id_of(job.job_id, 0)))
+    path = Path(hosting.address_file(str(p.report_dir), task.run_id_of(job.job_id, 0)))
     try:
         return path.read_text().strip() not in ("", "none")
     except OSError:

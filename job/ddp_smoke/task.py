@@ -8,7 +8,7 @@ from typing import Any
 
 from . import preflight
 from .config.args import parse_config
-from .coordination import hosting
+from .coordination import hosting, store
 
 STORE_WAIT_S = 300.0  # a task waits this long for task 0's store host (nodes start unevenly)
 PREFLIGHT_TIMEOUT_S = 30.0  # a node's preflight (torch import, CUDA initialisation)
@@ -42,9 +42,10 @@ def run(worker_args: list[str], gpus: bool, store_max_s: float = 3600.0,
         _preflight(worker_args, gpus)
     except RuntimeError:  # no store host then: the other tasks stop at once (no run to join)
         if os.environ["RANK"] == "0":
-            hosting.publish_address(store_address_file(report_dir, run_id), "none")
+            hosting.publish_address(hosting.address_file(report_dir, run_id), "none")
         raise
     _store_host(report_dir, run_id, store_max_s)
+    store.quiet_slices()  # (where submitit has not imported torch already)
     from . import harness  # late: torch only in the task, not on the submitting side
 
     code = harness.run(parse_config(worker_args))
@@ -55,7 +56,7 @@ def _store_host(report_dir: str, run_id: str, max_s: float) -> None:
     """The coordination store in a process of its own on rank 0's node, so that rank 0's
     death does not take it down (DDP_SMOKE_STORE): task 0 starts it and leaves its address
     in the (shared) report folder; the other tasks wait for that file."""
-    path = store_address_file(report_dir, run_id)
+    path = hosting.address_file(report_dir, run_id)
     if os.environ["RANK"] == "0":
         address = hosting.start_detached(os.environ["MASTER_ADDR"], report_dir, max_s)
         hosting.publish_address(path, address)
@@ -83,11 +84,6 @@ def _preflight(worker_args: list[str], gpus: bool) -> None:
     print(preflight.line(record), file=sys.stderr, flush=True)
     if not record["ok"]:
         raise RuntimeError(preflight.line(record))
-
-
-def store_address_file(report_dir: str, run_id: str) -> str:
-    """Where task 0 leaves its store host's address ("none": its node failed preflight)."""
-    return os.path.join(report_dir, "store", run_id)
 
 
 def run_id_of(job_id: str, restart: str | int = 0) -> str:

@@ -1,9 +1,10 @@
 """The protocol between ranks on a real TCPStore, ranks as threads of this process.
 
-No process group, no torchrun: each simulated rank is a real Coordinator with its own store
-connections, as the harness makes them, so arrival, deadlines, aborts, judging and the takeover
+No process group, no torchrun: each simulated rank is a real Coordinator with its one store
+connection, as the harness makes it, so arrival, deadlines, aborts, judging and the takeover
 are tested here alone (the worker tests run them end to end).
 """
+import dataclasses
 import datetime
 import json
 import threading
@@ -13,16 +14,17 @@ import pytest
 import torch.distributed as dist
 
 from ddp_smoke.config.launchenv import LaunchEnv
-from ddp_smoke.coordination import ending, judge, keys, liveness, signing
+from ddp_smoke.coordination import ending, judge, keys, records, signing
+from ddp_smoke.coordination import protocol as protocol_module
 from ddp_smoke.coordination.protocol import Coordinator, Stop
-from ddp_smoke.coordination.store import Silence
+from ddp_smoke.coordination.store import Connection, Silence, beat_of
 from tests.launch import free_port
 
 
 @pytest.fixture
 def world():
     """``make(n, timeout)`` → n Coordinators on one fresh store (rank 0's hosts it)."""
-    port, made = free_port(), []
+    port, made, connections = free_port(), [], []
 
     def make(n: int, timeout: float = 5.0, checks=("alpha",)):
         cfg = {"checks": list(checks), "timeout": timeout}
@@ -33,9 +35,10 @@ def world():
         def connect(may_host):
             raw = dist.TCPStore("127.0.0.1", port, n, False, datetime.timedelta(seconds=10),
                                 wait_for_workers=False)
-            # as the harness connects: every record signed with the run's one secret
-            return signing.SignedStore(dist.PrefixStore("ddp_smoke/0", raw), "ddp_smoke/0",
-                                       b"t" * 32, 0)
+            connections.append(raw)
+            # as the harness connects: one connection, every record signed with the run's secret
+            return signing.SignedStore(Connection(dist.PrefixStore("ddp_smoke/0", raw), 0.25),
+                                       "ddp_smoke/0", b"t" * 32, 0)
 
         coords = []
         for r in range(n):
@@ -43,9 +46,10 @@ def world():
                             group_rank=0, master_addr="127.0.0.1", master_port=port,
                             agent_store=True, launcher="test", run_id="t")
             c = Coordinator(env, cfg, connect, lambda *a: "fail", "now", time.monotonic())
-            c.ranks = [{"rank": i, "host": f"h{i}"} for i in range(n)]
+            c.met([{"rank": i, "host": f"h{i}"} for i in range(n)])
             coords.append(c)
         return coords
+    make.connections = connections
     return make
 
 
@@ -100,8 +104,8 @@ def test_a_missing_rank_times_out_into_one_abort_and_stop(world):
 def test_the_first_reason_stands_and_is_listed_once(world):
     c = world(2)[1]
     c.enter("alpha", None)
-    c.abort(c.store, keys.ERROR, {"type": "ValueError"})
-    c.abort(c.store, keys.TERMINATED, {"signal": "SIGTERM"})
+    c.abort(c.store, records.ErrorAbort, type="ValueError", message="")
+    c.abort(c.store, records.TerminatedAbort, signal="SIGTERM")
     assert json.loads(c.store.get("abort/1"))["kind"] == "error"
     assert c.store.get("abort/listed") == b"1,"
 
@@ -123,18 +127,18 @@ def test_the_judge_names_the_rank_whose_heartbeat_stopped(world):
     coords = world(3, checks=("alpha",))
     for c in coords:
         c.enter("alpha", 5.0)
-        c.store.set(f"rank/{c.env.rank}", json.dumps(c.ranks[c.env.rank]))
-        liveness.beat_once(c, c.beat_store, 1)
+        c.store.set(f"rank/{c.env.rank}", json.dumps(c.run.ranks[c.env.rank]))
+        c.liveness.beat(c.store)
     _threads(lambda c: c.arrive(c.store, "arrive/alpha/0", "all"), coords)
-    coords[0].silence = Silence(0.3)
-    coords[0].silence.update({0: 1, 1: 1, 2: 1})
+    run = coords[0].run.replace(silence=Silence(0.3))
+    run.silence.update({r: beat_of(coords[0].store, r)["n"] for r in range(3)})
     time.sleep(0.4)
     for c in coords[:2]:  # ranks 0 and 1 beat on; rank 2 is gone
-        liveness.beat_once(c, c.beat_store, 2)
-    coords[0].abort(coords[0].store, keys.LOST, {"silent": [2]})
-    coords[0].identities(coords[0].store)
-    live = judge.judge_as_a_rank(coords[0].store, coords[0].stopped(), coords[0].silence)
-    result = coords[0].judged[-1][1]
+        c.liveness.beat(c.store)
+    coords[0].abort(coords[0].store, records.LostAbort, silent=[2], waiting_for="alpha")
+    stopped = run.with_identities(coords[0].store).stopped()
+    live = judge.judge_as_a_rank(coords[0].store, stopped, run.silence)
+    result = stopped.judged[-1][1]
     assert live == {0, 1} and result.name == "alpha" and result.status == "fail"
     assert [k.rank for k in result.culprits] == [2] and result.culprits[0].host == "h2"
 
@@ -153,3 +157,100 @@ def test_a_survivor_claims_the_report_when_rank_0_never_writes(world, monkeypatc
     got = _threads(lambda c: ending.await_report(c, c.store, 1.5), coords[1:])
     assert got[1] == ending.TAKE_OVER and coords[1].store.get("writer") == b"1"
     assert isinstance(got[2], _Left) and "no rank wrote the report" in str(got[2])
+
+
+# -- one connection per rank (issue 34) -------------------------------------------------------
+
+def test_each_rank_holds_one_connection_and_its_threads_take_turns(world):
+    """While the main thread waits (a key that never comes, in slices), another thread's
+    calls on the same connection go through between the slices, in order."""
+    c = world(2)[1]
+    assert len(world.connections) == 2  # one per rank: 16,384 ranks, 16,384 sockets
+
+    def wait():
+        with pytest.raises(dist.DistStoreError, match="timeout"):
+            c.store.raw.wait(["never"], datetime.timedelta(seconds=1.5), slice_s=0.25)
+    waiting = threading.Thread(target=wait, daemon=True)
+    t = time.monotonic()
+    waiting.start()
+    time.sleep(0.05)
+    for i in range(3):
+        c.store.set(f"k{i}", str(i))
+    passed = time.monotonic() - t
+    assert c.store.get("k2") == b"2" and waiting.is_alive()
+    assert passed < 1.2, passed  # within slices, not after the whole wait
+    waiting.join(5)
+
+
+def test_an_abort_wakes_a_rank_blocked_on_rank_0s_flag(world):
+    """Rank 1 blocks on rank 0's arrival flag (one read, in long slices); rank 2 aborts:
+    rank 1 stops at once, and a flag rank 0 raised before stays as it was."""
+    coords = world(3, timeout=30.0, checks=("alpha", "beta"))
+    for c in coords:
+        c.enter("alpha", 30.0)
+    coords[0].store.set(keys.every(keys.of(keys.ARRIVE, keys.stage("alpha", 0))), "1")
+    got = {}
+
+    def block(c=coords[1]):
+        t = time.monotonic()
+        try:
+            c.await_flag(c.store, keys.every(keys.of(keys.ARRIVE, keys.stage("beta", 0))),
+                         "every rank to arrive at beta")
+        except Stop:
+            got["stopped_after_s"] = time.monotonic() - t
+    blocked = threading.Thread(target=block, daemon=True)
+    blocked.start()
+    time.sleep(0.3)
+    coords[2].abort(coords[2].store, records.ErrorAbort, type="ValueError", message="x")
+    blocked.join(10)
+    assert got["stopped_after_s"] < coords[1].follow_slice + 0.5, got
+    assert coords[0].store.get(keys.every(keys.of(keys.ARRIVE, keys.stage("alpha", 0)))) == b"1"
+    assert json.loads(coords[0].store.get("abort/2"))["kind"] == "error"
+
+
+def test_records_have_one_shape_per_kind():
+    """Every abort kind of the wire table has its record type, and reads back as it."""
+    assert tuple(records.ABORTS) == keys.ABORT_KINDS
+    lost = records.LostAbort(rank=0, stage="ddp_step", at=1.0, silent=[3], waiting_for="x")
+    assert records.abort_of(json.loads(records.text(lost))) == lost
+    with pytest.raises(ValueError, match="unknown abort kind"):
+        records.abort_of({"kind": "write"})
+    with pytest.raises(TypeError):
+        records.TimeoutAbort(rank=0, stage="s", at=1.0, signal="SIGTERM")
+
+
+def test_the_run_is_the_main_threads_and_the_writer_works_on_a_frozen_copy(world):
+    """Issue 31 item 2: the writer of the report takes the run as it stood and works on that;
+    the main thread's later steps (a result judged meanwhile) do not reach it."""
+    c = world(2, checks=("alpha", "beta"))[0]
+    c.enter("alpha", 5.0)
+    taken = c.run
+    from ddp_smoke.model import CheckResult
+    c.post_result(c.store, CheckResult("alpha", "pass", summary="ok"))
+    c.enter("beta", 5.0)
+    assert taken.judged == () and taken.stage == "alpha"
+    assert [r.name for _, r in c.run.judged] == ["alpha"] and c.run.stage == "beta"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        taken.stage = "beta"
+
+
+def test_no_module_but_the_protocol_writes_a_coordinators_state():
+    """Before: the watchdog thread wrote `judged`, `timings` and `ranks`, and four other
+    modules wrote a Coordinator's attributes fifteen times. Now only its own methods do."""
+    import ast
+    from pathlib import Path
+    package = Path(protocol_module.__file__).parent.parent
+    writes = []
+    for path in package.rglob("*.py"):
+        if path.name == "protocol.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for t in targets:
+                base = t.value if isinstance(t, (ast.Attribute, ast.Subscript)) else None
+                base = base.value if isinstance(base, ast.Attribute) and \
+                    isinstance(t, ast.Subscript) else base
+                if isinstance(base, ast.Name) and base.id in ("c", "coord"):
+                    writes.append(f"{path.name}:{node.lineno}")
+    assert writes == []

@@ -79,6 +79,8 @@ def test_the_scope_is_signed_too_a_record_of_an_earlier_restart_is_refused(serve
 def test_forged_records_are_no_evidence_and_each_is_a_finding(server):
     run, out = _signed(server), _outsider(server)
     run.set("beat/0", json.dumps({"n": 1}))
+    run.append("beat/listed", "0,")  # as each rank lists itself at its first heartbeat
+    run.append("beat/listed", "1,")  # rank 1 beat, then an outsider overwrote its heartbeat
     out.set("beat/1", json.dumps({"n": 99, "rank": 1}))
     out.set("abort/2", json.dumps({"rank": 2, "kind": "terminated", "signal": "SIGTERM"}))
     out.append("abort/listed", "2,")

@@ -139,3 +139,24 @@ def test_without_a_store_host_a_lost_store_is_one_line_and_a_record(tmp_path):
     assert len(lines) == 1 and lines[0]["ddp_smoke_rank"] == 1, err
     assert lost.read(str(tmp_path), "plain-1").keys() == {1}
     assert "silent: rank 0" in last_line.from_folder(str(tmp_path), "plain-1")
+
+
+def test_the_store_host_raises_its_open_files_limit_or_says_so_first(tmp_path):
+    """One store connection per rank: the store host raises its soft limit on open files to
+    the hard one; when even that is too low for the world size it says so in one preflight
+    line and exits 2 before it listens (issue 34), instead of ranks hanging at connect."""
+    import resource
+
+    def limits(soft, hard):
+        return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    p = subprocess.run([sys.executable, "-m", "ddp_smoke.store_host", "--host", "127.0.0.1",
+                        "--world-size", "5000"], preexec_fn=limits(256, 1024), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert (p.returncode, p.stdout, p.stderr.count("\n")) == (2, "", 1), p.stderr
+    assert p.stderr.startswith("ddp-smoke: error: store host: preflight: 5000 ranks need 5064 "
+                               "file descriptors here") and "allows 1024" in p.stderr
+    raised = subprocess.run(
+        [sys.executable, "-c", "import resource; from ddp_smoke.coordination import hosting; "
+         "print(hosting.raise_nofile(900), resource.getrlimit(resource.RLIMIT_NOFILE))"],
+        preexec_fn=limits(256, 1024), capture_output=True, text=True, timeout=60, check=True)
+    assert raised.stdout.split("\n")[0] == "None (1024, 1024)"

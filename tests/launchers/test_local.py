@@ -101,6 +101,26 @@ def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, argv,
     assert not (tmp_path / "reports").exists()  # no rank started, nothing made
 
 
+def test_under_make_a_mistake_is_the_kits_line_and_makes_own(tmp_path):
+    """Issue 35 item 4: before, 5 lines (a bare store address, the store host's "serving …"
+    and "no rank ever posted the run's shape" around the kit's line) and 3-4 s, the store
+    host importing torch before the options were checked. Now the kit's line, then make's;
+    and the launcher never imports torch for bad input."""
+    p = subprocess.run(["make", "-s", "smoke-local", f"REPORT_DIR={tmp_path / 'r'}",
+                        "ARGS=--chekcs environment"], cwd=REPO, capture_output=True, text=True,
+                       timeout=60, stdin=subprocess.DEVNULL)
+    assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
+    assert p.stderr.splitlines()[0] == ("ddp-smoke: error: unrecognized arguments: --chekcs "
+                                        "environment; did you mean --checks?"), p.stderr
+    assert len(p.stderr.splitlines()) == 2 and "Error 2" in p.stderr.splitlines()[1], p.stderr
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys; from ddp_smoke import launch_local; "
+         "rc = launch_local.main(['--', '--chekcs', 'environment']); "
+         "print(rc, 'torch' in sys.modules)"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert probe.stdout == "2 False\n", probe.stdout + probe.stderr
+
+
 @pytest.mark.parametrize("launcher, worker, status, says", [
     (["--nnodes", "2", "--nproc-per-node=1"], ["--fault", "2:crash@collectives"], 2,
      "rank out of range for WORLD_SIZE=2"),
@@ -159,6 +179,9 @@ def test_a_failing_run_ends_on_the_kits_line_and_leads_with_the_culprit(tmp_path
     out = p.stdout + p.stderr
     assert p.returncode == 1, out[-3000:]
     assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    # no store-host chatter: the run opens on the kit's header (issue 35 item 4)
+    assert p.stdout.startswith("# ddp-smoke "), p.stdout[:300]
+    assert "store host" not in out and "127.0.0.1:" not in p.stderr, p.stderr[-2000:]
     assert p.stdout.rstrip().splitlines()[-1].startswith("# next steps: none; the failures "
                                                          "were injected"), p.stdout[-2000:]
     assert "# injected on purpose (--fault 1:crash@collectives)" in p.stdout
@@ -211,6 +234,53 @@ def test_a_folder_a_live_run_holds_is_refused(tmp_path):
         holder.stdin.close()
         holder.wait(timeout=30)
     prelaunch.hold(str(tmp_path), "second-run", keep=False)  # released with its process
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (the launcher's forked ranks)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return sorted(kids)
+
+
+@pytest.mark.timeout(180)
+def test_every_rank_killed_the_launcher_writes_the_report(tmp_path):
+    """The launcher holds the coordination store itself (issue 34: no store-host process
+    before the first rank): it outlives every rank, and when all of them are killed at once
+    mid-run it writes the report of last resort from what the store holds, at once."""
+    proc = subprocess.Popen([sys.executable, "-m", "ddp_smoke.launch_local", "--", "--backend",
+                             "gloo", "--checks", "environment,collectives", "--fault",
+                             "1:hang@collectives", "--timeout", "60", "--report-dir",
+                             str(tmp_path / "r")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, stdin=subprocess.DEVNULL)
+    lock = tmp_path / "r" / ".ddp-smoke.lock"
+    deadline = time.monotonic() + 60
+    while not (lock.exists() and "(pid " in lock.read_text()) or len(_children(proc.pid)) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
+        time.sleep(0.1)
+    time.sleep(1.5)  # in collectives now: rank 1 hangs there, rank 0 waits for it
+    for pid in _children(proc.pid):
+        os.kill(pid, 9)
+    killed = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - killed
+    assert proc.returncode == 1, err[-3000:]
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["error"]["type"] == "AllRanksLost", report["error"]
+    [stopped] = [c for c in report["checks"] if c["status"] == "fail"]
+    assert stopped["name"] == "collectives" and report["written_by"] == "store host"
+    assert sorted(c["rank"] for c in stopped["culprits"]) == [0, 1], stopped["culprits"]
+    assert "no rank wrote the report" in err and "Traceback" not in err, err[-3000:]
+    assert err.rstrip().splitlines()[-1].startswith("ddp-smoke: no verdict: rank 0 killed by "
+                                                    "SIGKILL"), err[-2000:]
+    assert took < 30, took  # not a heartbeat timeout's worth: the launcher knows
 
 
 def test_submit_help_is_options_with_defaults():

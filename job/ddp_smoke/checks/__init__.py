@@ -31,3 +31,10 @@ REGISTRY = {name: f"{__name__}.{name}" for name in CHECKS}
 def load(name: str):
     """Import and return the module of check ``name``."""
     return importlib.import_module(REGISTRY[name])
+
+
+def load_all(names: list[str]) -> None:
+    """Import the modules of checks ``names``: seconds (DDP pulls in torch._dynamo). A
+    launcher that forks its ranks does it once, before (:mod:`ddp_smoke.launch_local`)."""
+    for name in names:
+        load(name)

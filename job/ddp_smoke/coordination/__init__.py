@@ -1,16 +1,22 @@
 """How the ranks of one run work together, outside the backend under test.
 
-Everything between ranks goes through the launcher's TCPStore (:mod:`.keys` names every key),
-so it works the same for gloo and NCCL and still works when a collective is stuck.
+Everything between ranks goes through the launcher's TCPStore (:mod:`.keys` names every key,
+:mod:`.records` every record), so it works the same for gloo and NCCL and still works when a
+collective is stuck.
 
-Threads and who ends the process: each rank runs three threads. The **main** thread runs the
-checks (:mod:`ddp_smoke.harness`) and the protocol's waits (:mod:`.protocol`); the
-**heartbeat** (:mod:`.liveness`) only publishes; the **watchdog** (:mod:`.liveness`) watches
-deadlines, signals, the abort list and, on rank 0, the heartbeats of the ranks it waits for.
-Once a run is aborted the watchdog owns the exit (:func:`.ending.exit_aborted`): nothing ever
-has to wake the main thread, which may sit inside a C++ collective. The main thread ends the
-process only on a clean run, or when it finds the abort first and the watchdog has not begun
-to finish it (:meth:`.protocol.Coordinator.claim_finish` decides, under a lock, once).
+Threads, one connection, and who ends the process: each rank holds one store connection
+(:class:`.store.Connection`: 16,384 ranks are 16,384 sockets on the store's host), shared by
+two threads in turns. The **main** thread runs the checks (:mod:`ddp_smoke.harness`) and the
+protocol's waits (:mod:`.protocol`), cut in slices; the **liveness** thread (:mod:`.liveness`)
+beats and watches deadlines, signals, the abort list and, on rank 0, the heartbeats of the
+ranks it waits for; while the main thread holds the connection in a wait, it does the same
+between the slices. The run's state is a frozen snapshot only the main thread replaces
+(:class:`.protocol.Run`). Once a run is aborted the liveness thread owns the exit
+(:func:`.ending.exit_aborted`): nothing ever has to wake the main thread, which may sit inside
+a C++ collective. The main thread ends the process only on a clean run, or when it finds the
+abort first and the liveness thread has not begun to finish it
+(:meth:`.protocol.Coordinator.claim_finish` decides, under a lock, once); whichever thread does
+not write the report keeps the heartbeat going.
 
 Diagnosis beyond who stopped: :mod:`.stragglers` judges, from the time each rank spent inside
 each collective (:mod:`.progress`), who kept the others waiting; :mod:`.reach` probes, outside

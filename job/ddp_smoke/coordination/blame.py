@@ -42,8 +42,8 @@ class Snapshot:
         arrived: ranks that arrived at ``stage``.
         finished: ranks that posted their observation of ``stage``.
         dead: ranks whose heartbeat stopped, terminated ones excluded.
-        aborts: each aborting rank's first reason (``kind``: error, timeout, terminated;
-            ``at``: wall time; ``signal``, ``type``, ``message``, ``comm``, ``waiting_for``).
+        aborts: each aborting rank's first reason, as posted (:mod:`.records`: one type per
+            kind of ``keys.ABORT_KINDS``, stopped ones left out; ``at``: wall time).
         progress: each rank's last published collective progress (``progress.progress()``,
             plus its ``stage``).
         where: innermost frame of the kit's code on each live rank's main thread.

@@ -13,12 +13,13 @@ import sys
 import time
 from typing import Callable
 
-from . import keys, lost, progress, runtime
+from . import keys, lost, progress, records, runtime
 from .judge import FORENSICS_WAIT_S, first_error, judge_as_a_rank
 from .store import DEAD_AFTER_S, beat_of, look_period, next_waiting, posted, try_get, wait_key
 
 FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
 TAKEOVER_S = 3 * DEAD_AFTER_S  # rank 0 silent this long, before writing: a survivor writes
+# (both in units of the small world's silence: stretched with it where the world is large)
 TAKE_OVER = "take over"  # what await_report returns to the rank that must write the report
 _AT_LEAVE: list[Callable[[], None]] = []
 
@@ -31,23 +32,27 @@ def at_leave(fn: Callable[[], None]) -> None:
 
 def finalize(c, store, aborted: bool) -> str | None:
     """Write the report once; return the verdict the others read (``fail`` when the report
-    was lost), or None when another thread of this process is writing it."""
+    was lost), or None when another thread of this process is writing it. Works on the run
+    as it stood when this thread claimed the writing (:class:`.protocol.Run`), and on that
+    alone: the main thread may still be inside a check."""
     if not c.claim_finish():
         return None
+    run = c.run
     try:
-        store.compare_set(keys.WRITER, "", str(c.env.rank))
+        store.compare_set(keys.WRITER, "", str(run.env.rank))
     except Exception:  # noqa: BLE001 — the store is gone; write what this rank knows
         pass
     found, error = {}, None
-    c.identities(store)
     if aborted:
-        stopped = c.stopped()
-        live = judge_as_a_rank(store, stopped, c.silence)
+        run = run.with_results(store).with_identities(store)  # a survivor: rank 0's results
+        stopped = run.stopped()
+        live = judge_as_a_rank(store, stopped, run.silence, run.env.rank)
+        run = run.replace(judged=tuple(stopped.judged))
         # the report lists every live rank's forensics: the last ones may still come
         found = posted(store, keys.FORENSICS, live, FORENSICS_WAIT_S)
         error = first_error(store, stopped)
-    c.timings["total_s"] = round(time.monotonic() - c.t0, 4)
-    verdict = c.publish(c, store, error, found)  # this thread's connection
+    run = run.replace(timings=run.timings + (("total_s", round(time.monotonic() - run.t0, 4)),))
+    verdict = c.publish(run.with_identities(store), store, error, found)  # this thread's
     try:  # always, so that the other ranks leave now; a lost report is no pass
         store.set(keys.FINAL, verdict)
     except Exception:  # noqa: BLE001
@@ -65,7 +70,6 @@ def exit_aborted(c, store) -> None:
     try:
         c.leave_forensics(store)
         if c.env.rank == 0 or await_report(c, store, FINAL_WAIT_S) == TAKE_OVER:
-            c.adopt_results(store)
             if finalize(c, store, aborted=True) is not None:
                 leave(None, code=1)
             return
@@ -88,10 +92,11 @@ def await_report(c, store, timeout_s: float) -> str | None:
     store.set(keys.of(keys.WAITING, me), "1")  # alive and waiting: a candidate writer
     watch, seen, seen_at = 0, None, time.monotonic()
     end = seen_at + timeout_s
+    takeover_s = TAKEOVER_S * c.silence.after_s / DEAD_AFTER_S
     # The verdict is seen within poll_max of being set; the writer's heartbeat is looked at
     # once a period: ~5 calls per period on each of up to 2 threads of every rank, within
-    # the store's budget at any world size, and still a few looks per TAKEOVER_S.
-    period = min(TAKEOVER_S / 3, look_period(c.env.world_size, 10))
+    # the store's budget at any world size, and still a few looks per takeover_s.
+    period = min(takeover_s / 3, look_period(c.env.world_size, 10))
     while time.monotonic() < end:
         if wait_key(store, keys.FINAL, period, c.poll_max):
             if store.add(keys.BYE, 1) == c.env.world_size - 1:
@@ -104,7 +109,7 @@ def await_report(c, store, timeout_s: float) -> str | None:
         now = time.monotonic()
         if beat != seen:
             seen, seen_at, end = beat, now, max(end, now + timeout_s)
-        elif now - seen_at > TAKEOVER_S and writer is None:
+        elif now - seen_at > takeover_s and writer is None:
             watch = next_waiting(store, watch, c.env.world_size)
             seen, seen_at = None, now
             if watch == me:
@@ -122,16 +127,17 @@ def give_up(c, e: BaseException) -> None:
     lost), or leaving failed otherwise: say what this rank knows as one JSON line on stderr,
     and leave it as REPORT_DIR/lost/<rank>.json too, for the launcher to read
     (:mod:`ddp_smoke.coordination.lost`)."""
-    stage, store = c.stage, c.env.store_address
+    run, store = c.run, c.env.store_address
     gone = isinstance(e, (RuntimeError, OSError))  # c10d's store errors are RuntimeErrors
-    record = {"ddp_smoke_rank": c.env.rank, "run_id": c.env.run_id, "stage": stage,
-              "progress": progress.progress(), "error": f"{type(e).__name__}: {e}"[:300],
-              "store": store, "aborted": True, "host": runtime.hostname(),
-              "world_size": c.env.world_size,
-              "hosts": [r.get("host") for r in c.ranks] if c.ranks else None}
+    stage = run.stage
+    record = records.Lost(ddp_smoke_rank=run.env.rank, run_id=run.env.run_id, stage=stage,
+                          progress=progress.progress(), error=f"{type(e).__name__}: {e}"[:300],
+                          store=store, host=runtime.hostname(), world_size=run.env.world_size,
+                          hosts=[r.get("host") for r in run.ranks] if run.ranks else None
+                          ).to_dict()
     print(json.dumps(record), file=sys.stderr)
-    if c.report_dir:
-        lost.write(c.report_dir, c.env.rank, record)
+    if run.report_dir:
+        lost.write(run.report_dir, run.env.rank, record)
     holder = "the store host" if c.env.store else "rank 0"
     leave(f"lost the coordination store at {store} during {stage} ({type(e).__name__}); "
           f"{holder} or its node is gone" if gone else

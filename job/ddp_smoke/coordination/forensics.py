@@ -22,6 +22,8 @@ import os
 import sys
 import threading
 
+from .records import Forensics
+
 TRACE_ENTRIES = "2000"  # collectives kept per rank: the whole default suite fits
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The kit's own plumbing, relative to the package: never the frame a culprit is "in".
@@ -56,7 +58,7 @@ def innermost_kit_frame(thread_id: int | None = None) -> str | None:
     return f"in {via}" if via else None
 
 
-def dump(report_dir: str, rank: int) -> dict:
+def dump(report_dir: str, rank: int) -> Forensics:
     """Write this rank's stacks and Flight Recorder trace; return what was written (paths,
     and errors as text: forensics never raise)."""
     out: dict = {"where": innermost_kit_frame()}
@@ -82,4 +84,4 @@ def dump(report_dir: str, rank: int) -> dict:
     nccl_dump = f"{prefix}{rank}"
     if prefix and os.path.exists(nccl_dump):  # NCCL's own watchdog dumped on its timeout
         out["nccl_flight_recorder"] = nccl_dump
-    return out
+    return Forensics(**out)

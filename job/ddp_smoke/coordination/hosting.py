@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import select
 import socket
 import subprocess
@@ -28,16 +29,37 @@ import time
 from typing import Callable
 
 from . import keys
-from .store import DEAD_AFTER_S, Silence, read_beats, try_get
+from .store import DEAD_AFTER_S, Silence, dead_after, look_period, read_beats, try_get
 
 ENV = "DDP_SMOKE_STORE"
 PREFIX = "ddp_smoke/0"  # the harness's PrefixStore (TORCHELASTIC_RESTART_COUNT 0: no restarts)
 LOOK_S = 0.25           # a look at the store: final, meta and every heartbeat, in ~4 calls
 LINGER_S = 10.0         # after final: the ranks read the verdict and add themselves to "bye"
+SPARE_FDS = 64          # beyond one connection per rank: the server's own, logs, the report
 
 
 def say(message: str) -> None:
     print(f"ddp-smoke store host: {message}", file=sys.stderr, flush=True)
+
+
+def raise_nofile(world_size: int | None) -> str | None:
+    """Raise this process's open-file soft limit to its hard limit (the store host holds one
+    connection per rank: 16,384 ranks need 16,384 descriptors, and many sites' default soft
+    limit is 1,024). Returns the problem in one line when even the hard limit is too low
+    for ``world_size`` ranks (None: not known), else None."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            hard = soft  # not allowed here: the soft limit is what there is
+    need = (world_size or 0) + SPARE_FDS
+    if world_size is None or hard >= need:
+        return None
+    return (f"preflight: {world_size} ranks need {need} file descriptors here (one store "
+            f"connection per rank), and this host allows {hard} (ulimit -Hn): raise the hard "
+            "limit (nofile in /etc/security/limits.conf, LimitNOFILE= for a service, the "
+            "container's --ulimit nofile)")
 
 
 def post_meta(store, world_size: int, cfg: dict, report_dir: str, started_at: str) -> None:
@@ -62,19 +84,29 @@ class Watch:
         self.store, self.meta = store, None
         self.silence = Silence(DEAD_AFTER_S)
         self.moved: dict[int, float] = {}  # rank -> monotonic time its counter last moved
+        self.beats_every, self._looked = LOOK_S, 0.0  # every heartbeat is read this often
 
     def look(self) -> str | None:
         """One look; returns the final verdict when set."""
         final = try_get(self.store, keys.FINAL)
         if final is not None:
             return final.decode()
-        self.look_beats()
+        if time.monotonic() - self._looked >= self.beats_every:
+            self.look_beats()
         return None
 
     def look_beats(self) -> None:
         if self.meta is None:
             self.meta = read_meta(self.store)
+            world = int(self.meta["world_size"]) if self.meta else None
+            if world:  # a large world's heartbeats are further apart, and costlier to read
+                self.silence = Silence(dead_after(world))
+                self.beats_every = look_period(world, 1)
+            short = raise_nofile(world)
+            if short:  # a launcher that did not say the world size: said as soon as known
+                say(short)
         if self.meta is not None:
+            self._looked = time.monotonic()
             beats = read_beats(self.store, range(int(self.meta["world_size"])))
             self.silence.update({r: b.get("n") for r, b in beats.items()})
             self.moved = {r: t for r, (_, t) in self.silence.last.items()}
@@ -90,10 +122,12 @@ class Watch:
 
 
 def serve(watch: Watch, max_s: float, over: threading.Event,
-          last_resort: Callable[[Watch, str], int]) -> int:
+          last_resort: Callable[[Watch, str], int], gone: threading.Event | None = None) -> int:
     """Watch the run until it is final (0) or no rank can write: then ``last_resort(watch,
-    why)`` writes the report from the store and its status (1) is returned."""
-    silent_s = 3 * DEAD_AFTER_S  # the harness's TAKEOVER_S: survivors had their chance
+    why)`` writes the report from the store and its status (1) is returned. ``over``: the
+    launcher says the run is over on its node; ``gone``: no rank of the run is left at all
+    (a one-node launcher whose torchrun returned), so nothing is waited for."""
+    gone = gone or threading.Event()
     end, over_at = time.monotonic() + max_s, None
     while time.monotonic() < end:
         final = watch.look()
@@ -103,16 +137,22 @@ def serve(watch: Watch, max_s: float, over: threading.Event,
             while not over.is_set() and not watch.bye() and time.monotonic() < linger:
                 over.wait(LOOK_S)
                 watch.look_beats()  # a dead rank never says bye: stop once nobody beats
-                if (watch.all_silent_for() or 0) > DEAD_AFTER_S:
+                if (watch.all_silent_for() or 0) > watch.silence.after_s:
                     break
             return 0
         quiet = watch.all_silent_for()
+        silent_s = 3 * watch.silence.after_s  # the harness's TAKEOVER_S: survivors had theirs
+        if gone.is_set():
+            watch.look_beats()
+            if watch.meta is None:
+                return 0  # no rank ever posted: it said why itself (bad input, killed early)
+            return last_resort(watch, "every rank ended with no report written")
         if over.is_set() and over_at is None:
             over_at = time.monotonic()
         # The launcher says the run is over (srun ended, or the job is being cancelled): a
-        # rank still beating may be writing the report; it gets DEAD_AFTER_S of silence, or
+        # rank still beating may be writing the report; it gets a heartbeat silence, or
         # LINGER_S at most, before this host writes instead.
-        ended = over_at is not None and (quiet is None or quiet > DEAD_AFTER_S
+        ended = over_at is not None and (quiet is None or quiet > watch.silence.after_s
                                          or time.monotonic() - over_at > LINGER_S)
         if ended or (quiet is not None and quiet > silent_s):
             if watch.meta is None:
@@ -121,7 +161,7 @@ def serve(watch: Watch, max_s: float, over: threading.Event,
             why = ("the launcher ended with no report written" if ended else
                    f"every heartbeat silent for {quiet:.1f} s and no report written")
             return last_resort(watch, why)
-        time.sleep(LOOK_S)  # (over.wait would return at once once set)
+        gone.wait(LOOK_S)  # (over.wait would return at once once set)
     say(f"no verdict within --max-s {max_s:g} s")
     return last_resort(watch, f"no verdict within {max_s:g} s") if watch.meta is not None else 1
 
@@ -141,6 +181,13 @@ def start_detached(host: str, report_dir: str, max_s: float, timeout_s: float = 
     if not line:
         raise RuntimeError(f"the store host exited with status {proc.wait()}")
     return line
+
+
+def address_file(report_dir: str, run_id: str) -> str:
+    """Where a launcher leaves its store host's address, for the other nodes' launchers and
+    for anyone who looks into a run (submit's task 0: "none" when its node failed preflight;
+    the local launcher, which is its own store host)."""
+    return os.path.join(report_dir, "store", run_id)
 
 
 def publish_address(path: str, address: str) -> None:

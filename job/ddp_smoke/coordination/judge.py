@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from ..model import FAIL, SKIP, CheckResult, Report, check_from_dict
-from . import blame, keys, reach, repeat, signing
-from .store import DEAD_AFTER_S, Silence, dead_ranks, posted, ranks_with, reads, try_get
+from . import blame, keys, reach, records, repeat, signing
+from .store import (DEAD_AFTER_S, Silence, dead_after, dead_ranks, posted, ranks_with,
+                    read_beats, reads, try_get)
 
 FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
 STORE_HOST = "store host"  # the writer when no rank could write
@@ -55,9 +56,7 @@ class Stopped:
 def identities(store, world_size: int) -> list[dict]:
     """Every rank's identity record, in one read; a rank that never posted one says so."""
     got = reads(store, keys.RANK, range(world_size))
-    return [got.get(r) or {"rank": r, "local_rank": None, "host": None,
-                           "missing": "never connected to the store"}
-            for r in range(world_size)]
+    return [got.get(r) or records.Identity.never_connected(r) for r in range(world_size)]
 
 
 def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
@@ -66,7 +65,7 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
 
     ``dead``: the ranks the writer found dead (its own looks at the heartbeats); ``beats``:
     every rank's last heartbeat (stage and collective progress); ``figures``: the writer's own
-    figures for the result. A few store calls per kind of key, not one per rank: 4,096 ranks
+    figures for the result. A few store calls per kind of key, not one per rank: 16,384 ranks
     are judged in a fraction of a second (bench/coordination_scale.py).
     """
     world = range(s.world_size)
@@ -87,7 +86,7 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
         finished=finished, dead=dead,
         aborts={r: a for r, a in reasons.items() if a["kind"] != keys.STOPPED},
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
-        reach=probed, store=s.store_address, dead_after_s=DEAD_AFTER_S)
+        reach=probed, store=s.store_address, dead_after_s=dead_after(s.world_size))
     blamed = blame.judge(snap)
     # Each live rank leaves its forensics once it sees the abort, maybe after this judge
     # began: a culprit's innermost frame is worth a short wait.
@@ -111,15 +110,19 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
     return live
 
 
-def judge_as_a_rank(store, s: Stopped, silence: Silence) -> set[int]:
-    """A rank writes (rank 0, or the survivor that took over): the dead are the ranks whose
-    heartbeat it saw stop (``silence``: every look its watchdog took, and more now until each
-    rank is silent or seen moving); a rank that announced its termination is not dead, it is
-    leaving. Appends the stopped stage's result; returns the ranks found alive."""
+def judge_as_a_rank(store, s: Stopped, silence: Silence, me: int | None = None) -> set[int]:
+    """A rank writes (rank ``me``: 0, or the survivor that took over): the dead are the ranks
+    whose heartbeat it saw stop (``silence``: every look its watchdog took, and more now until
+    each rank is silent or seen moving); a rank that announced its termination is not dead, it
+    is leaving. When this rank's own watchdog aborted the run on ranks gone silent, a rank it
+    saw moving since their last move was alive after the trouble began: no look to wait for.
+    Appends the stopped stage's result; returns the ranks found alive."""
     connected = [r for r, i in enumerate(s.ranks) if "missing" not in i]
-    terminated = {r for r, a in posted(store, keys.ABORT).items()
-                  if a["kind"] == keys.TERMINATED}
-    dead, beats = dead_ranks(store, connected, terminated, silence)
+    reasons = posted(store, keys.ABORT)
+    terminated = {r for r, a in reasons.items() if a["kind"] == keys.TERMINATED}
+    mine = reasons.get(me) or {}
+    since = silence.last_moved(mine["silent"]) if mine.get("kind") == keys.LOST else None
+    dead, beats = dead_ranks(store, connected, terminated, silence, since)
     return judge_abort(store, s, set(dead), beats)
 
 
@@ -162,13 +165,14 @@ def report_of(s: Stopped, *, started_at: str, backend: str, config: dict, timing
 
 # -- the store host's report of last resort ---------------------------------------------------
 
-def first_silent(silent_at: dict[int, float]) -> list[int]:
-    """The ranks whose heartbeats stopped first: within DEAD_AFTER_S of the earliest (one
-    beat lost to the look period); a whole job killed at once names every rank."""
+def first_silent(silent_at: dict[int, float], after_s: float = DEAD_AFTER_S) -> list[int]:
+    """The ranks whose heartbeats stopped first: within ``after_s`` (the world's heartbeat
+    silence) of the earliest (one beat lost to the look period); a whole job killed at once
+    names every rank."""
     if not silent_at:
         return []
     first = min(silent_at.values())
-    return sorted(r for r, t in silent_at.items() if t <= first + DEAD_AFTER_S)
+    return sorted(r for r, t in silent_at.items() if t <= first + after_s)
 
 
 def last_resort(store, meta: dict, silent_at: dict[int, float], address: str, why: str) -> Report:
@@ -182,8 +186,8 @@ def last_resort(store, meta: dict, silent_at: dict[int, float], address: str, wh
     cfg = meta.get("config") or {}
     checks = list(cfg.get("checks") or [])
     iteration = _iteration(store, checks)
-    beats = reads(store, keys.BEAT, range(world))
-    gone = first_silent(silent_at)
+    beats = read_beats(store, range(world))
+    gone = first_silent(silent_at, dead_after(world))
     stage = _stage(store, checks, iteration, world) or next(
         (beats[r]["stage"] for r in gone if beats.get(r, {}).get("stage")), "init")
     s = Stopped(stage=stage, iteration=iteration, world_size=world, checks=checks,

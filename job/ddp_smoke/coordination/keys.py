@@ -18,6 +18,7 @@ obs/<stage>/<r>         every rank   its observation of a check (JSON)
 result/<stage>          rank 0       its judgement of a check (JSON), for a survivor
 next/<iteration>        rank 0       repeat mode: "1" for another pass, "0" to stop
 beat/<r>                every rank   heartbeat: counter, time, stage, collective progress
+beat/listed             every rank   "r," appended at its first heartbeat: who has beaten
 abort/<r>               every rank   its first reason to stop (JSON), set once
 abort/listed            every rank   "r," appended by each aborting rank: the run is aborted
 forensics/<r>           every rank   where its files are, its innermost frame (JSON)
@@ -32,7 +33,14 @@ reach/<r>               node leader  after an abort: the leaders it tried and co
 reach/listed            node leader  "r," appended once its findings are posted
 meta                    first rank   the run's shape for the store host (JSON; compare-and-set)
 security/listed         every rank   records that failed their signature check (JSON items)
+woken                   one rank     the first aborting rank, which woke the others (set once)
 ======================  ===========  ==================================================
+
+What another rank blocks on, rank 0 also writes once per rank: ``<key>/<r>`` beside each of
+``connect/all``, ``run_id``, ``backend``, ``arrive/<stage>/all`` and ``next/<iteration>``, so
+that each rank waits on a key of its own (c10d's server serves thousands of waiters of one key
+poorly). The first aborting rank writes :data:`WOKEN` into those a rank may be blocked on
+now: the reader wakes and stops, instead of waiting out a slice.
 
 Every value is signed with the run's secret (:mod:`.signing`): ``value.<fingerprint><mac>``;
 a ``/listed`` key holds one signed item per line. Counters (``bye``) cannot be signed and are
@@ -45,7 +53,7 @@ ARRIVE, OBS, RESULT, NEXT = "arrive", "obs", "result", "next"
 BEAT, ABORT, FORENSICS, WAITING = "beat", "abort", "forensics", "waiting"
 WRITER, FINAL, BYE, META = "writer", "final", "bye", "meta"
 PROBE, REACH = "probe", "reach"
-BACKEND, SECURITY = "backend", "security"
+BACKEND, SECURITY, WOKE = "backend", "security", "woken"
 
 # Abort kinds (``kind`` in abort/<r>), and what each means.
 ERROR = "error"            # the check or the harness raised on that rank
@@ -54,6 +62,7 @@ TERMINATED = "terminated"  # the rank received SIGTERM, SIGINT, SIGUSR1 or SIGUS
 LOST = "lost"              # rank 0's watchdog: ranks it waited for went silent (``silent``)
 STOPPED = "stopped"        # the rank stops because of another's problem: never evidence
 ABORT_KINDS = (ERROR, TIMEOUT, TERMINATED, LOST, STOPPED)
+WOKEN = "aborted: see abort/listed"  # never a flag, a run id or a count
 
 
 def of(prefix: str, rank: int | str) -> str:

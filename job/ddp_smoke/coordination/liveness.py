@@ -1,8 +1,16 @@
 """Liveness: the heartbeat every rank publishes, and the watchdog that acts on deadlines,
-signals, aborts and (on rank 0) silent ranks, even while the main thread is stuck in C++."""
+signals, aborts and (on rank 0) silent ranks, even while the main thread is stuck in C++.
+
+Both are one thread, on the rank's one store connection (:class:`.store.Connection`): each
+look period it beats and looks (:meth:`Liveness.tick`: two store calls, within the store's
+budget at any world size). While the main thread holds the connection in a long wait, it does
+the same between the wait's slices, so the heartbeat never waits for the connection. Once the
+run is aborted this thread owns the exit (:func:`.ending.exit_aborted`); whichever thread is
+not writing the report keeps the heartbeat going until the process ends, so that the writer
+is seen alive.
+"""
 from __future__ import annotations
 
-import json
 import os
 import select
 import signal
@@ -11,131 +19,184 @@ import time
 
 import torch.distributed as dist
 
-from . import keys, progress
+from . import keys, progress, records
 from .ending import exit_aborted, give_up
-from .store import BEAT_S, beat_of, look_period, read_beats, try_get
+from .store import beat_of, look_period, read_beats, try_get
 
 TERMINATING = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", signal.SIGUSR1: "SIGUSR1",
                signal.SIGUSR2: "SIGUSR2"}
 
 
-def beat(c) -> None:
-    """Heartbeat thread: proves this process is alive, and publishes where it is. Heartbeats
-    and the watchdog's looks, two calls per period per rank, stay within the store's budget."""
-    store, n, period = c.beat_store, 0, look_period(c.env.world_size, 2)
-    try:
-        while not c.stop.is_set():
-            n += 1
-            beat_once(c, store, n)
-            c.stop.wait(period)
-    except Exception:  # noqa: BLE001 — the store is gone; the watchdog reports that
-        return
-
-
-def beat_once(c, store, n: int) -> None:
-    store.set(keys.of(keys.BEAT, c.env.rank),
-              json.dumps({"n": n, "t": time.time(), "stage": c.stage, **progress.progress()}))
-
-
-class Watchdog(threading.Thread):
-    """Enforces the deadline, reacts to aborts and signals even while main is stuck."""
+class Liveness:
+    """A rank's heartbeat and watchdog (one thread, :meth:`start`), and the look either
+    thread takes when it is due (:meth:`tick`)."""
 
     WATCH_S = 1.0  # rank 0 reads every heartbeat about this often while it waits for all
 
-    def __init__(self, coord, wakeup_fd: int):
-        super().__init__(name="ddp-smoke-watchdog", daemon=True)
-        self.coord, self.wakeup_fd = coord, wakeup_fd
-        self.looked = 0.0  # when watch() last read the heartbeats
+    def __init__(self, coord):
+        self.coord = coord
+        self.period = look_period(coord.env.world_size)
+        self.stop = threading.Event()  # a clean exit: the main thread stopped us
+        self.leaving = False  # set once this rank has its verdict: store errors are expected
+        self.looked = 0.0     # when watch() or follow() last read heartbeats
+        self._n, self._aborted = 0, False
+        self._due = self._beat_due = 0.0  # monotonic: the next look, the next heartbeat
+        self._ticking = threading.Lock()
+        self._wake = (-1, -1)
+        self._thread: threading.Thread | None = None
 
-    def run(self) -> None:
-        c, store = self.coord, self.coord.wd_store
-        period = look_period(c.env.world_size, 2)
+    def start(self) -> None:
+        """The thread; a terminating signal wakes it through a pipe, wherever the main thread
+        is (Python handlers run only between bytecodes)."""
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._wake = (r, w)
+        for sig in TERMINATING:
+            signal.signal(sig, lambda *_: None)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ddp-smoke-liveness")
+        self._thread.start()
+
+    # -- one look ------------------------------------------------------------------------
+    def beat(self, store) -> None:
+        """Prove this process is alive, and publish where it is (the first time, list it)."""
+        self._beat_due = time.monotonic() + self.period
+        self._n += 1
+        rank = self.coord.env.rank
+        store.set(keys.of(keys.BEAT, rank),
+                  records.Beat(n=self._n, t=time.time(), stage=self.coord.stage,
+                               progress=progress.progress()).to_json())
+        if self._n == 1:
+            store.append(keys.listed(keys.BEAT), f"{rank},")
+
+    def tick(self, store, look: bool = True) -> bool:
+        """What is due, from whichever thread holds the connection: once a period the
+        heartbeat, and, with ``look``, the deadline, on rank 0 the heartbeats of the ranks it
+        waits for (else rank 0's) and the abort list. True once the run is aborted. (A main
+        thread whose wait ended in time only beats: one call, no answer to wait for.)"""
+        if self._aborted:
+            return True
+        # (a tenth of a period early still counts: whoever looks on a period's beat, not
+        # one that lands a moment early and then waits a whole period more)
+        now, early = time.monotonic(), self.period / 10
+        due = now >= self._due - early if look else now >= self._beat_due - early
+        if not due or not self._ticking.acquire(blocking=False):
+            return False
         try:
-            while not c.stop.is_set():
-                if self.step(store, period):
-                    break
-            else:
-                return  # clean exit: the main thread stopped us
-            # A launcher stopping the job signals every rank at once: another rank's abort
-            # may be seen a moment before this rank's own signal is read. Read it now, so a
-            # whole-job termination is known as one (the first reason still stands).
-            self.step(store, 0.1)
-            exit_aborted(c, store)  # returns only when the main thread owns the exit
-        except Exception as e:  # noqa: BLE001 — never die silently (the store is gone?)
-            if c.leaving:
-                return
-            give_up(c, e)
+            with store.raw.hold(blocking=False) as free:
+                # taken: the main thread waits on it and looks between its slices
+                if free:
+                    self.beat(store)
+                return self._look(store) if free and look else False
+        finally:
+            self._ticking.release()
 
-    def step(self, store, wait_s: float) -> bool:
-        """One look: signals (waiting up to ``wait_s`` for one), the deadline, on rank 0 the
-        heartbeats of the ranks it waits for, the abort list. True when aborted."""
+    def _look(self, store) -> bool:
+        self._due = time.monotonic() + self.period
         c = self.coord
-        if select.select([self.wakeup_fd], [], [], wait_s)[0]:
-            got = [s for s in os.read(self.wakeup_fd, 64) if s in TERMINATING]
-            if got:
-                c.abort(store, keys.TERMINATED, {"signal": TERMINATING[got[0]]})
-        if c.expired():
-            c.abort(store, keys.TIMEOUT, {"waiting_for": c.stage})
-        if c.awaiting is not None:
-            self.watch(store, *c.awaiting)
-        if c.following is not None:
-            self.follow(store, c.following)
-        return c.aborted(store)
+        awaiting, following = c.waiting()
+        if c.expired():  # what the main thread waits for, where it waits
+            c.abort(store, records.TimeoutAbort,
+                    waiting_for=awaiting[0] if awaiting else following or c.stage)
+        if awaiting is not None:
+            self.watch(store, *awaiting)
+        if following is not None:
+            self.follow(store, following)
+        self._aborted = c.aborted(store)
+        return self._aborted
+
+    def watch(self, store, what: str, prefix: str) -> None:
+        """Rank 0, while its main thread waits for every rank's ``prefix/<rank>``: a rank
+        that has beaten, whose heartbeat has been still since (killed, frozen, cut off) and
+        that has not posted stops the run now, not at the deadline. A rank not yet started
+        is waited for. All heartbeats are read in one call, about once WATCH_S."""
+        if time.monotonic() - self.looked < self.WATCH_S:
+            return
+        self.looked = time.monotonic()
+        c, world = self.coord, range(self.coord.env.world_size)
+        forged: set[int] = set()  # heartbeats written from outside: no sign of death
+        beats = read_beats(store, world, forged)
+        silent = c.silence.update({r: (beats.get(r) or {}).get("n") for r in world}, forged)
+        gone = [r for r in silent if r in beats and try_get(store, keys.of(prefix, r)) is None]
+        if gone:
+            c.abort(store, records.LostAbort, silent=gone, waiting_for=what)
 
     def follow(self, store, what: str) -> None:
         """Another rank, while it waits for rank 0 to say that every rank arrived: rank 0
-        silent for DEAD_AFTER_S (killed, its node lost) stops the run now, not at the
-        deadline, and the lowest survivor writes the report. One read of rank 0's heartbeat
-        a period: at 4,096 ranks a fifth of the store's budget."""
-        c = self.coord
-        if time.monotonic() - self.looked < max(self.WATCH_S,
-                                                look_period(c.env.world_size, 4)):
+        silent (killed, its node lost) stops the run now, not at the deadline, and the
+        lowest survivor writes the report. One read of rank 0's heartbeat per half a
+        heartbeat silence: at 16,384 ranks a fifth of the store's budget."""
+        c = self.coord  # (once a slice of the main thread's read: half a heartbeat silence)
+        if time.monotonic() - self.looked < 0.9 * c.follow_slice:
             return
         self.looked = time.monotonic()
         beat = beat_of(store, 0)
         if beat is not None and c.silence.update({0: beat.get("n")}) == [0]:
-            c.abort(store, keys.LOST, {"silent": [0], "waiting_for": what})
+            c.abort(store, records.LostAbort, silent=[0], waiting_for=what)
 
-    def watch(self, store, what: str, prefix: str) -> None:
-        """Rank 0, while its main thread waits for every rank's ``prefix/<rank>``: a rank
-        that has beaten, whose heartbeat has been still for DEAD_AFTER_S since (killed,
-        frozen, cut off) and that has not posted stops the run now, not at the deadline. A
-        rank not yet started is waited for. All heartbeats are read in one call, about once
-        WATCH_S, whatever the world size."""
-        if time.monotonic() - self.looked < self.WATCH_S:
-            return
-        self.looked = time.monotonic()
-        world = range(self.coord.env.world_size)
-        forged: set[int] = set()  # heartbeats written from outside: no sign of death
-        beats = read_beats(store, world, forged)
-        silent = self.coord.silence.update({r: (beats.get(r) or {}).get("n") for r in world},
-                                           forged)
-        gone = [r for r in silent if r in beats and try_get(store, keys.of(prefix, r)) is None]
-        if gone:
-            self.coord.abort(store, keys.LOST, {"silent": gone, "waiting_for": what})
+    # -- the thread ----------------------------------------------------------------------
+    def _signals(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for a terminating signal (or a wake-up); abort on one."""
+        if select.select([self._wake[0]], [], [], max(0.0, wait_s))[0]:
+            got = [s for s in os.read(self._wake[0], 64) if s in TERMINATING]
+            if got:
+                self.coord.abort(self.coord.store, records.TerminatedAbort,
+                                 signal=TERMINATING[got[0]])
+                self._due = 0.0  # look now
 
+    def _run(self) -> None:
+        c, store = self.coord, self.coord.store
+        try:
+            while not self.stop.is_set():
+                # until the next look is due; if it is and the main thread holds the
+                # connection (it looks between its wait's slices), a while
+                due = self._due - time.monotonic()
+                self._signals(due if due > 0 else self.period / 4)
+                if self.stop.is_set():
+                    return  # clean exit
+                if self.tick(store):
+                    break
+            else:
+                return
+            # A launcher stopping the job signals every rank at once: another rank's abort
+            # may be seen a moment before this rank's own signal is read. Read it now, so a
+            # whole-job termination is known as one (the first reason still stands).
+            self._signals(0.1)
+            if c.claim_exit():
+                exit_aborted(c, store)  # returns only when the main thread writes the report
+            self.keep_beating(store)
+        except Exception as e:  # noqa: BLE001 — never die silently (the store is gone?)
+            if self.leaving:
+                return
+            give_up(c, e)
 
-def start(c) -> None:
-    """Heartbeat and watchdog threads; a terminating signal wakes the watchdog through a
-    pipe, wherever the main thread is (Python handlers run only between bytecodes)."""
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-    for sig in TERMINATING:
-        signal.signal(sig, lambda *_: None)
-    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    c.threads = [threading.Thread(target=beat, daemon=True, name="ddp-smoke-heartbeat",
-                                  args=(c,)),
-                 Watchdog(c, r)]
-    for t in c.threads:
-        t.start()
+    def shut_down(self) -> None:
+        """Stop the thread, now (a write to its pipe ends its wait), and wait for it."""
+        self.leaving = True
+        self.stop.set()
+        if self._wake[1] >= 0:
+            try:
+                os.write(self._wake[1], b"\0")
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.period + 1)
+
+    def keep_beating(self, store, seconds: float | None = None) -> None:
+        """Beat until the process ends (or ``seconds``): the other thread writes the report
+        and must be seen alive meanwhile. Never raises: the store may be going."""
+        end = None if seconds is None else time.monotonic() + seconds
+        while not self.stop.is_set() and (end is None or time.monotonic() < end):
+            try:
+                self.beat(store)
+            except Exception:  # noqa: BLE001
+                return
+            self.stop.wait(self.period)
 
 
 def shut_down(c) -> None:
-    """A clean exit: stop our threads before the interpreter does (a thread caught inside a
-    store call at exit aborts the process), then tear the process group down."""
-    c.leaving = True
-    c.stop.set()
-    for t in c.threads:
-        t.join(timeout=2 * BEAT_S + 1)
+    """A clean exit: stop the liveness thread before the interpreter does (a thread caught
+    inside a store call at exit aborts the process), then tear the process group down."""
+    c.liveness.shut_down()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -16,21 +16,22 @@ import struct
 import torch
 import torch.distributed as dist
 
-from . import identity, keys
+from . import identity, keys, records
 from ..config.launchenv import LaunchEnv
 from ..errors import ConfigError
 
 
-def share_run_id(env: LaunchEnv, store: dist.Store) -> LaunchEnv:
-    """Every rank's run id: rank 0 posts its own, the others read it (see
-    :mod:`ddp_smoke.config.launchenv`). Call once every rank has connected. Always one round, even
-    for a launcher-given id: ranks started differently (one node through the image's
-    entrypoint, which sets DDP_SMOKE_RUN_ID, another by a plain `torchrun` command) must not
-    each decide on their own whether to wait for rank 0's."""
+def share_run_id(env: LaunchEnv, tell, read) -> LaunchEnv:
+    """Every rank's run id: rank 0 posts its own (``tell(key, value)``), the others read it
+    (``read(key)``, blocking until rank 0 wrote it; see :mod:`ddp_smoke.config.launchenv`).
+    Call once every rank has connected. Always one round, even for a launcher-given id:
+    ranks started differently (one node through the image's entrypoint, which sets
+    DDP_SMOKE_RUN_ID, another by a plain `torchrun` command) must not each decide on their
+    own whether to wait for rank 0's."""
     if env.rank == 0:
-        store.set(keys.RUN_ID, env.run_id)
+        tell(keys.RUN_ID, env.run_id)
         return env
-    return dataclasses.replace(env, run_id=store.get(keys.RUN_ID).decode())
+    return dataclasses.replace(env, run_id=read(keys.RUN_ID).decode())
 
 
 def pick_backend(requested: str) -> str:
@@ -94,6 +95,17 @@ def connect_store(env: LaunchEnv, timeout_s: float, may_host: bool = True) -> di
                              datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     is_master = may_host and env.rank == 0 and not env.agent_store
     return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master,
+                         datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def process_group_store(env: LaunchEnv, timeout_s: float) -> dist.Store:
+    """The process group's own store connection: the launcher's rendezvous store (torchrun's
+    agent's, else rank 0's at MASTER_ADDR:MASTER_PORT), where a plain ``init_process_group``
+    would go. Never the kit's store host: its one connection per rank is the kit's, and the
+    backend's set-up blocks on its store for as long as a peer is missing."""
+    hosts = env.rank == 0 and not env.agent_store and env.store is not None  # else rank 0's
+    # kit connection already serves MASTER_PORT (connect_store)
+    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, hosts,
                          datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
@@ -163,14 +175,14 @@ def gpu_facts(device: torch.device) -> dict:
 
 
 def rank_record(env: LaunchEnv, device: torch.device) -> dict:
-    """This rank's identity for the report's ``ranks`` list."""
+    """This rank's identity for the report's ``ranks`` list (:class:`.records.Identity`)."""
     host = socket.gethostname()
-    return {"rank": env.rank, "local_rank": env.local_rank, "group_rank": env.group_rank,
-            "host": host, "pid": os.getpid(), "device": str(device),
-            "route_address": route_address(env.master_addr, env.master_port),
-            "hostname_addresses": hostname_addresses(host),
-            "addresses": interface_addresses(), **gpu_facts(device),
-            **launcher_node(), "identity": identity.collect(device)}
+    return records.wire(records.Identity(
+        rank=env.rank, local_rank=env.local_rank, group_rank=env.group_rank, host=host,
+        pid=os.getpid(), device=str(device),
+        route_address=route_address(env.master_addr, env.master_port),
+        hostname_addresses=hostname_addresses(host), addresses=interface_addresses(),
+        **gpu_facts(device), **launcher_node(), identity=identity.collect(device)))
 
 
 def launcher_node(environ=os.environ) -> dict:

@@ -70,6 +70,16 @@ _findings: dict[tuple[str, str], dict] = {}
 _local_file: str | None = None  # this node's secret file, while it exists
 
 
+def _forked() -> None:
+    """In a rank forked from a launcher that reads the store too: a fresh lock and findings."""
+    global _lock
+    _lock = threading.Lock()
+    _findings.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 # -- the secret -------------------------------------------------------------------------------
 
 def run_secret(env, environ=os.environ) -> bytes | None:
@@ -253,6 +263,9 @@ class SignedStore:
     def set(self, key: str, value) -> None:
         self.raw.set(key, self.seal(key, value))
 
+    def multi_set(self, keys: list[str], values: list) -> None:
+        self.raw.multi_set(keys, [self.seal(k, v) for k, v in zip(keys, values)])
+
     def append(self, key: str, value) -> None:
         piece = self.seal(key, value)
         # One item per line, a line break on both sides: junk appended without one cannot
@@ -282,7 +295,9 @@ class SignedStore:
     def check(self, keys) -> bool:
         return self.raw.check(keys)
 
-    def wait(self, keys, timeout=None) -> None:
+    def wait(self, keys, timeout=None, **waiting) -> None:
+        if waiting:  # a Connection's sliced wait (coordination/store.py)
+            return self.raw.wait(keys, timeout, **waiting)
         return self.raw.wait(keys) if timeout is None else self.raw.wait(keys, timeout)
 
     def peek(self, keys: list[str]) -> list[bytes | None]:
@@ -290,8 +305,10 @@ class SignedStore:
         check. Never waits for a genuine record."""
         return [self._genuine(k, v) for k, v in zip(keys, self.raw.multi_get(keys))]
 
-    def get(self, key: str) -> bytes:
-        return self.multi_get([key])[0]
+    def get(self, key: str, **waiting) -> bytes:
+        """The genuine value at ``key`` (``waiting``: a Connection's sliced blocking read)."""
+        value = self._genuine(key, self.raw.get(key, **waiting)) if waiting else None
+        return value if value is not None else self.multi_get([key])[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         got = self.peek(keys)
@@ -331,7 +348,8 @@ class SignedStore:
             pass
 
 
-_RANK0 = ("result/", "next/", "run_id", "backend", "final", "writer")  # rank 0's (or writer's)
+_RANK0 = (keys.of(keys.RESULT, ""), keys.of(keys.NEXT, ""), keys.RUN_ID, keys.BACKEND,
+          keys.FINAL, keys.WRITER)  # rank 0's (or the writer's)
 
 
 def _claimed_rank(key: str, raw: bytes) -> int | None:
