@@ -62,7 +62,7 @@ test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docke
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.test  ## shellcheck the scripts, hadolint the Dockerfile, parse the manifests
-	$(VENV)/bin/shellcheck slurm/*.sbatch docker/*.sh .ci/run job/torch_choice.sh
+	$(VENV)/bin/shellcheck slurm/*.sbatch slurm/*.sh docker/*.sh .ci/run job/torch_choice.sh
 	$(VENV)/bin/hadolint docker/Dockerfile
 	$(VENV)/bin/kubectl label --local -f k8s x=y -o name >/dev/null
 

@@ -317,6 +317,10 @@ def once(args, node: str, worker_args: list[str], cfg: dict) -> int:
     nproc = gpus if gpus and not os.environ.get(REPLAY_ENV) else args.cpu_ranks
     report, report_dir, took = check(args, node, worker_args, nproc)
     root = os.path.dirname(os.path.abspath(report_dir))
+    if _stop["now"]:  # stopped, not judged: no verdict, no act, no run in the node's memory
+        shutil.rmtree(report_dir, ignore_errors=True)
+        print(f"{said} stopped by SIGTERM before the check ended; nothing judged", flush=True)
+        return 128 + signal.SIGTERM
     found = findings(report)
     for line in found:
         print(f"{said} FAIL {line}", flush=True)
@@ -326,7 +330,7 @@ def once(args, node: str, worker_args: list[str], cfg: dict) -> int:
     settings = cfg["fleet"]
     bad = lemon(root, node, report, settings)
     if bad:
-        print(f"{said} {fleet.lemon_line(bad)}", flush=True)
+        print(f"{said} LEMON {fleet.lemon_line(bad).split(': ', 1)[1]}", flush=True)
     lines, done = [], []
     if args.act == "slurm-drain":
         lines, done = act_slurm(node, report, settings["drain_max_share"], bad)
@@ -410,9 +414,9 @@ def main(argv: list[str]) -> int:
     args, worker_args, cfg = parse(argv)  # ConfigError: the CLI says it in one line, exit 2
     node = args.node or os.environ.get("SLURMD_NODENAME") or os.environ.get("NODE_NAME") \
         or socket.gethostname()
+    signal.signal(signal.SIGTERM, _term)  # the worker's group ends with us
     if args.every is None:
         return once(args, node, worker_args, cfg)
-    signal.signal(signal.SIGTERM, _term)
     while not _stop["now"]:
         start = time.monotonic()
         once(args, node, worker_args, cfg)

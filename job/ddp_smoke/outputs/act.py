@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import ssl
 import subprocess
 import urllib.error
@@ -22,7 +21,6 @@ import urllib.request
 SCONTROL_S = 5.0
 API_S = 5.0
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
-_REASON = re.compile(r" Reason=(.*?)(?: \w+=|$)")
 
 
 class ActError(RuntimeError):
@@ -44,22 +42,26 @@ def _scontrol(*args: str, environ=None) -> str:
 
 
 def parse_nodes(text: str) -> dict[str, dict]:
-    """``scontrol show node -o`` as ``{name: {"state", "reason"}}`` (Reason may hold spaces;
-    Slurm appends ``[user@time]`` to it)."""
-    out = {}
+    """``scontrol show node`` as ``{name: {"state", "reason"}}``. Its multi-line form: a
+    reason has a line of its own there (it may hold spaces and ``KEY=value`` words, and Slurm
+    appends ``[user@time]`` to it)."""
+    out: dict[str, dict] = {}
+    name = None
     for line in text.splitlines():
-        fields = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
-        if "NodeName" not in fields:
-            continue
-        reason = _REASON.search(line)
-        out[fields["NodeName"]] = {"state": fields.get("State", ""),
-                                   "reason": reason.group(1).strip() if reason else ""}
+        words = line.strip()
+        if words.startswith("NodeName="):
+            name = words.split()[0].split("=", 1)[1]
+            out[name] = {"state": "", "reason": ""}
+        elif name and words.startswith("Reason="):
+            out[name]["reason"] = words[len("Reason="):].strip()
+        elif name and words.startswith("State="):
+            out[name]["state"] = words.split()[0].split("=", 1)[1]
     return out
 
 
 def slurm_nodes(environ=None) -> dict[str, dict]:
     """Every node of the cluster with its state and reason."""
-    return parse_nodes(_scontrol("show", "node", "-o", environ=environ))
+    return parse_nodes(_scontrol("show", "node", environ=environ))
 
 
 def drained(state: str) -> bool:

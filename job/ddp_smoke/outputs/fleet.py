@@ -125,9 +125,9 @@ def _kind(check: str, reason: str) -> str:
 
 
 def _masked(reason: str, node: str) -> str:
-    """A reason with what differs from node to node masked: its name, ranks, numbers."""
-    text = reason.replace(node, "<node>") if node else reason
-    return re.sub(r"\d+(?:\.\d+)?", "N", text)
+    """A reason with the node's own name masked (what else differs, a rank or an address,
+    only shortens the words they share)."""
+    return re.sub(rf"(?<![\w.-]){re.escape(node)}(?![\w.-])", "<node>", reason) if node else reason
 
 
 def _shared(texts: list[str]) -> str:
