@@ -62,7 +62,7 @@ test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docke
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.test  ## shellcheck the scripts, hadolint the Dockerfile, parse the manifests
-	$(VENV)/bin/shellcheck slurm/*.sbatch docker/*.sh .ci/run job/torch_choice.sh
+	$(VENV)/bin/shellcheck slurm/*.sbatch slurm/*.sh docker/*.sh .ci/run job/torch_choice.sh
 	$(VENV)/bin/hadolint docker/Dockerfile
 	$(VENV)/bin/kubectl label --local -f k8s x=y -o name >/dev/null
 
@@ -77,7 +77,7 @@ wheelhouse:  ## wheels for an offline `make image WHEELHOUSE=wheelhouse` (PY_VER
 image-test: $(VENV)/.test  ## build and run the image on a private Docker engine (root)
 	$(PY) -m pytest tests/launchers/test_docker.py $(PYTEST_ARGS)
 
-bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs the tutorial, busbw vs a loop, phases, pair planner, coordination at 16,384 ranks, preflight's and health's cost
+bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs the tutorial, busbw vs a loop, phases, pair planner, coordination at 16,384 ranks, preflight's, health's and node-check's cost
 	@echo "# bench on $$(nproc) CPUs; load average now: $$(cut -d' ' -f1-3 /proc/loadavg)"
 	$(PY) bench/smoke_vs_tutorial.py $(BENCH_ROUNDS)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 bench/bandwidth_vs_loop.py --rounds 7
@@ -86,6 +86,7 @@ bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs t
 	$(PY) bench/coordination_scale.py --quick --signing-cost 1 --signing-at 16384
 	$(PY) bench/preflight_cost.py 3
 	$(PY) bench/health_cost.py 3
+	$(PY) bench/node_check.py 3
 
 gpu-check: $(VENV)/.runtime  ## on a GPU machine (CUDA torch: TORCH_SPEC/PIP_EXTRA): NVML + health, SDC, every check on NCCL, a hang's Flight Recorder, compute vs h200 (<= 8 min)
 	$(PY) bench/gpu_check.py

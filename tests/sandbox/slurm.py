@@ -80,7 +80,7 @@ SchedulerParameters=batch_sched_delay=0,sched_interval=1
 NodeName=DEFAULT CPUs={cpus} RealMemory=4096 State=UNKNOWN
 {nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-"""
+{extra}"""
 
 
 def _run(argv: Sequence[str], timeout: float,
@@ -121,11 +121,13 @@ class SlurmSandbox:
             that resolves nowhere, while its NodeHostname stays its hostname and its NodeAddr
             its address: three different things, as on sites whose NodeNames are inventory
             labels. None: NodeName = hostname.
+        extra_conf: slurm.conf lines appended as they are (HealthCheckProgram=…, Prolog=…).
     """
 
     def __init__(self, nodes: int = 2, run_dir: str | None = None, prefix: str = PREFIX,
                  subnet: str = SUBNET, cpus: int = 2, keep_run_dir: bool = False,
-                 node_name_prefix: str | None = None):
+                 node_name_prefix: str | None = None, extra_conf: str = ""):
+        self.extra_conf = extra_conf
         self.run_dir = Path(run_dir or f"/tmp/ddp-smoke-slurm-{os.getpid()}").resolve()
         self.conf = self.run_dir / "slurm.conf"
         self.hosts = HostSandbox(prefix, subnet, nodes)
@@ -216,7 +218,8 @@ class SlurmSandbox:
                           for n, h in zip(self.node_names, self.hosts.hosts))
         gw = self.hosts.gateway
         self.conf.write_text(_CONF.format(ctld=gw.name, ctld_addr=gw.addr, port=CTLD_PORT,
-                                          run=run, cpus=self.cpus, nodes=nodes))
+                                          run=run, cpus=self.cpus, nodes=nodes,
+                                          extra=self.extra_conf))
 
     def _start(self, name: str, argv: list[str], host=None) -> None:
         """Starts a daemon in the foreground (so its PID is ours), output to log/<name>.out."""
@@ -292,8 +295,11 @@ def missing_for_tests() -> str | None:
     return None
 
 
-def slurm_fixture(nodes: int = 2, scope: str = "module", node_name_prefix: str | None = None):
-    """Returns a pytest fixture yielding a running SlurmSandbox, skipping without root."""
+def slurm_fixture(nodes: int = 2, scope: str = "module", node_name_prefix: str | None = None,
+                  extra_conf=""):
+    """Returns a pytest fixture yielding a running SlurmSandbox, skipping without root.
+    ``extra_conf``: slurm.conf lines, or a function of the fixture's tmp_path_factory that
+    returns them (a HealthCheckProgram written for the module)."""
     import pytest
 
     @pytest.fixture(scope=scope)
@@ -302,7 +308,9 @@ def slurm_fixture(nodes: int = 2, scope: str = "module", node_name_prefix: str |
         if reason:
             pytest.skip(reason)
         run_dir = tmp_path_factory.mktemp("slurm") / "run"
-        with SlurmSandbox(nodes, str(run_dir), node_name_prefix=node_name_prefix) as cluster:
+        extra = extra_conf(tmp_path_factory) if callable(extra_conf) else extra_conf
+        with SlurmSandbox(nodes, str(run_dir), node_name_prefix=node_name_prefix,
+                          extra_conf=extra) as cluster:
             yield cluster
 
     return _cluster

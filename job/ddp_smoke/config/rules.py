@@ -177,6 +177,9 @@ RULES: dict[str, Any] = {
     "history.margin_cpu": MARGIN,
     "history.window": Int(1, 10000),
     "history.min_runs": Int(1, 10000),
+    "fleet.drain_max_share": Real(0.0, 1.0),  # 1: the breaker never trips
+    "fleet.lemon_failures": Int(1, 10000),
+    "fleet.lemon_runs": Int(1, 10000),
     "health.sdc_seed": SEED,
     "health.sdc_size_cpu": Int(1, 16384),
     "health.sdc_size_gpu": Int(1, 32768),
@@ -200,12 +203,14 @@ RULES: dict[str, Any] = {
     "health.hca_flaps_max": Int(0, 1 << 31),
     "health.temp_warn_margin_c": Int(0, 100),
     "health.require_persistence_mode": Any_(),
+    "health.cpu_throttled_fraction": Real(0.0, 1.0, lo_open=True),
 }
 
 # (key, other key): key must be >= the other.
 _AT_LEAST = (("bandwidth.max_bytes_cpu", "bandwidth.min_bytes"),
              ("bandwidth.max_bytes_gpu", "bandwidth.min_bytes"),
-             ("bandwidth.iters", "bandwidth.min_iters"))
+             ("bandwidth.iters", "bandwidth.min_iters"),
+             ("fleet.lemon_runs", "fleet.lemon_failures"))
 
 
 def flat(cfg: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -34,14 +34,18 @@ import time
 from ..config import defaults as config_defaults
 from ..errors import ConfigError
 
+from . import fleet
 from .runs import INDEX_NAME, REPORT, Index, _d, _l, gpu_key, run_time
 
 SPARKS = "▁▂▃▄▅▆▇█"
 
 
 def defaults() -> dict:
-    """The ``history`` section of the package's defaults.yaml."""
-    return dict(config_defaults()["history"])
+    """The ``history`` section of the package's defaults.yaml (and the ``fleet`` section's
+    lemon rule)."""
+    d = config_defaults()
+    return {**d["history"], "lemon_failures": d["fleet"]["lemon_failures"],
+            "lemon_runs": d["fleet"]["lemon_runs"]}
 
 
 # -- judging a series (pure) ----------------------------------------------------------------
@@ -181,7 +185,30 @@ def render(index: Index, shown: int = 6) -> str:
                                    f"(margin {r['margin']:.0%}; run {r['runs'][-1]})")
     lines.append("")
     lines += [f"degrading: {f}" for f in flagged] or ["degrading: none"]
-    return "\n".join(lines)
+    return "\n".join(lines + fleet_lines(index, shown=3 * shown))
+
+
+def fleet_lines(index: Index, shown: int = 18) -> list[str]:
+    """The fleet memory (outputs/fleet.py): what the kit did to nodes and why (its last
+    ``shown`` actions, and the nodes its records leave drained), then the lemons."""
+    s, acts = index.settings, index.actions()
+    when = lambda t: str(t)[:16].replace("T", " ")  # noqa: E731 — ISO, UTC, to the minute
+    lines = ["", f"# fleet: the kit's drains, resumes and refusals ({len(acts)} recorded, "
+                 "actions.json beside each report); sinfo -R has the live state"]
+    for a in acts[-shown:]:
+        fate = "" if a["done"] else f" — not done: {a['detail']}"
+        lines.append(f"  {when(a['t'])}  {a['action']:<6} {a['node']:<16} run {a['run_id']}: "
+                     f"{a['reason']}{fate}")
+    latest: dict[str, dict] = {}
+    for a in acts:
+        if a["action"] in (fleet.DRAIN, fleet.RESUME) and a["done"]:
+            latest[a["node"]] = a
+    held = [f"{n} ({a['reason']})" for n, a in latest.items() if a["action"] == fleet.DRAIN]
+    lines.append(f"drained by ddp-smoke: {'; '.join(held) if held else 'none'}")
+    found = fleet.lemons(index.host_runs(), s["lemon_failures"], s["lemon_runs"])
+    lines.append(f"# lemons: failed in >= {s['lemon_failures']} of their last "
+                 f"{s['lemon_runs']} runs (fleet.lemon_failures, fleet.lemon_runs)")
+    return lines + ([fleet.lemon_line(x) for x in found] or ["lemons: none"])
 
 
 def run(root: str, margin: float | None = None, window: int | None = None,

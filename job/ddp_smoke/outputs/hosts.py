@@ -24,7 +24,10 @@ label the Kubernetes node; each only for the launcher that ran (Slurm lines for 
 recorded a Slurm node, kubectl lines for pods that recorded their node; none on a laptop, none
 for an injected fault). It runs none of them, except with ``--act slurm-drain``: then, under
 Slurm only, rank 0 runs the scontrol lines for the bad hosts (rank 0 needs the Slurm privileges
-to drain: an operator's or SlurmUser's job).
+to drain: an operator's or SlurmUser's job). It drains none when more than
+``fleet.drain_max_share`` of the run's hosts are bad (the circuit breaker,
+:mod:`ddp_smoke.outputs.fleet`: a shared cause, not each host), and records every drain and
+refusal in ``actions.json`` beside the report.
 
 Everything here but :func:`finish` and :func:`drain` is pure.
 """
@@ -38,6 +41,7 @@ import sys
 import time
 
 from ..model import get_field
+from . import fleet
 from .files import write_atomic
 
 GOOD, SUSPECT, BAD = "good", "suspect", "bad"
@@ -226,30 +230,64 @@ def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None,
 
 # -- rank 0's outputs (I/O) -----------------------------------------------------------------
 
-def drain(hosts: list[dict], run_id: str, environ=os.environ) -> list[str]:
+def drain(hosts: list[dict], run_id: str, environ=os.environ, report_dir: str | None = None,
+          max_share: float = 1.0, where: dict | None = None) -> list[str]:
     """``--act slurm-drain``: run scontrol for each bad host; return one line per outcome.
 
     Only under Slurm (``SLURM_JOB_ID`` set) and only for hosts whose ranks recorded their Slurm
-    node name: a host name guessed into a NodeName could drain another machine. The calls run
-    side by side under one deadline, DRAIN_BUDGET_S: the other ranks are waiting for rank 0's
-    verdict meanwhile (10 s at most after an abort), and must not be told rank 0 is gone.
+    node name: a host name guessed into a NodeName could drain another machine. None at all
+    when more than ``max_share`` of the hosts are bad (:func:`ddp_smoke.outputs.fleet.breaker`;
+    ``where``: what they shared). The calls run side by side under one deadline,
+    DRAIN_BUDGET_S: the other ranks are waiting for rank 0's verdict meanwhile (10 s at most
+    after an abort), and must not be told rank 0 is gone. Each outcome is recorded in
+    ``report_dir``'s actions.json.
     """
     bad = by_status(hosts)[BAD]
     if not bad:
         return []
     if not environ.get("SLURM_JOB_ID"):
         return ["--act slurm-drain: not inside a Slurm job (no SLURM_JOB_ID); nothing drained"]
+    tripped = fleet.breaker({h.get("slurm_node") or h["host"]: h["reasons"] for h in bad},
+                            len(hosts), max_share, where)
+    if tripped:
+        _record(report_dir, run_id, [fleet.entry(n, fleet.HOLD, tripped["line"], True)
+                                     for n in tripped["failing"]])
+        return [f"--act slurm-drain: {tripped['line']}"]
     out = [f"--act slurm-drain: {h['host']} not drained: its ranks recorded no SLURMD_NODENAME"
            for h in bad if not h.get("slurm_node")]
     started = [(h, drain_argv(h, run_id)) for h in bad if h.get("slurm_node")]
     procs = [(h, argv, _start(argv, dict(environ))) for h, argv in started]
     deadline = time.monotonic() + DRAIN_BUDGET_S
+    done = []
     for h, argv, proc in procs:
         why = _finish(proc, deadline)
+        done.append(fleet.entry(h["slurm_node"], fleet.DRAIN, argv[-1][len("Reason="):],
+                                why is None, why or "scontrol: ok"))
         out.append(f"--act slurm-drain: {h['slurm_node']} " + (
             "drained" if why is None else f"NOT drained ({why}); run by hand: "
                                           f"{shlex.join(argv)}"))
+    _record(report_dir, run_id, done)
     return out
+
+
+def _record(report_dir: str | None, run_id: str, entries: list[dict]) -> None:
+    if report_dir:
+        try:
+            fleet.record(report_dir, run_id, entries)
+        except OSError as e:  # the drains happened: saying so matters more than the file
+            print(f"ddp-smoke: actions not recorded in {report_dir}: {e}", file=sys.stderr)
+
+
+def shared_parts(report) -> dict[str, str]:
+    """What every rank of the run shared that a shared cause may sit in: the storage folder
+    (and its filesystem), for the circuit breaker's message."""
+    for check in get_field(report, "checks") or []:
+        if get_field(check, "name") == "storage":
+            figures = get_field(check, "figures") or {}
+            types = "/".join(sorted({str(t) for t in figures.get("fs_types") or [] if t}))
+            if figures.get("dir"):
+                return {"storage": f"{figures['dir']}" + (f" ({types})" if types else "")}
+    return {}
 
 
 def _start(argv: list[str], env):
@@ -303,7 +341,9 @@ def finish(report, report_dir: str, run_id: str) -> None:
         if refused:
             lines.append(f"# {refused}")
         elif act == "slurm-drain":
-            lines += [f"# {m}" for m in drain(hosts, run_id)]
+            share = (config.get("fleet") or {}).get("drain_max_share", 1.0)
+            lines += [f"# {m}" for m in drain(hosts, run_id, report_dir=report_dir,
+                                              max_share=share, where=shared_parts(report))]
         if lines:
             print("\n".join(lines), flush=True)
     except Exception as e:  # noqa: BLE001

@@ -13,8 +13,10 @@ import os
 import sqlite3
 import time
 
+from . import fleet
+
 INDEX_NAME = ".ddp-smoke-history.sqlite"
-SCHEMA = 1
+SCHEMA = 3  # 3: the fleet memory's tables (_FLEET_TABLES)
 REPORT = "report.json"
 # Folders a run writes beside its report: never a run of their own, not worth a walk.
 _ARTIFACT_DIRS = {"storage", "flight", "stacks", "nccl", "torchrun"}
@@ -129,6 +131,24 @@ def figures(report: dict) -> list[dict]:
     return out
 
 
+def host_runs(report: dict) -> list[tuple]:
+    """(host, status, first reason, boot id) of every host of a report: the fleet memory's
+    row (the boot id from the health check's node figures, when it read one)."""
+    boots = {_d(n).get("host"): _d(n).get("boot_id")
+             for c in _l(report.get("checks")) if _d(c).get("name") == "health"
+             for n in _l(_d(_d(c).get("figures")).get("nodes"))}
+    out = []
+    for h in map(_d, _l(report.get("hosts"))):
+        if not h.get("host"):
+            continue
+        first = _d((sorted(map(_d, _l(h.get("reasons"))), key=lambda r: "link" in r) or [{}])[0])
+        reason = f"{first.get('check')}: {first.get('reason')}" if first else ""
+        boot = boots.get(h["host"])
+        out.append((str(h["host"]), str(h.get("status") or ""), reason[:300],
+                    str(boot) if boot else None))
+    return out
+
+
 def run_time(report: dict, fallback: float) -> float:
     """When the run started (Unix time), from ``started_at``; else the file's mtime."""
     try:
@@ -149,6 +169,17 @@ CREATE INDEX figures_by_entity ON figures (kind, entity, figure);
 CREATE INDEX figures_by_path ON figures (path);
 CREATE TABLE hosts (path TEXT, host TEXT, verdict TEXT);
 CREATE INDEX hosts_by_path ON hosts (path);
+"""
+# The fleet memory (outputs/fleet.py): each host's status in each run with its first reason and
+# boot id (practice runs left out: a failure made on purpose is no failure of the node), and
+# the kit's own actions from actions.json beside the report (written after it: kept fresh on
+# its own mtime and size).
+_FLEET_TABLES = """
+CREATE TABLE host_runs (path TEXT, host TEXT, status TEXT, reason TEXT, boot_id TEXT);
+CREATE INDEX host_runs_by_host ON host_runs (host);
+CREATE TABLE actions (path TEXT, t TEXT, run_id TEXT, node TEXT, action TEXT, reason TEXT,
+                      done INTEGER, detail TEXT);
+CREATE TABLE action_files (path TEXT PRIMARY KEY, mtime_ns INTEGER, size INTEGER);
 """
 
 
@@ -195,7 +226,7 @@ class Index:
     def _schema(db: sqlite3.Connection) -> int:
         have = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         if not have:
-            db.executescript(_TABLES)
+            db.executescript(_TABLES + _FLEET_TABLES)
             db.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
             db.commit()
             return SCHEMA
@@ -233,6 +264,7 @@ class Index:
             except OSError:
                 continue
             if known.get(rel) == (st.st_mtime_ns, st.st_size):
+                self._actions(rel)
                 continue
             self._add(rel, st)
             if deadline is not None and time.monotonic() > deadline:
@@ -252,7 +284,7 @@ class Index:
         return self.stats
 
     def _remove(self, rel: str) -> None:
-        for table in ("runs", "figures", "hosts"):
+        for table in ("runs", "figures", "hosts", "host_runs", "actions", "action_files"):
             self.db.execute(f"DELETE FROM {table} WHERE path = ?", (rel,))
 
     def _add(self, rel: str, st: os.stat_result) -> None:
@@ -283,6 +315,35 @@ class Index:
         self.db.executemany("INSERT INTO hosts VALUES (?,?,?)",
                             [(rel, str(_d(h).get("host")), str(_d(h).get("status") or _d(h).get("verdict")))
                              for h in _l(report.get("hosts")) if _d(h).get("host")])
+        if not report.get("injected"):
+            self.db.executemany("INSERT INTO host_runs VALUES (?,?,?,?,?)",
+                                [(rel, *row) for row in host_runs(report)])
+        self._actions(rel)
+
+    def _actions(self, rel: str) -> None:
+        """Read the run's actions.json again when it changed (or came, or went)."""
+        path = os.path.join(os.path.dirname(rel), fleet.ACTIONS_FILE)
+        try:
+            st = os.stat(os.path.join(self.root, path))
+            now = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            now = None
+        had = self.db.execute("SELECT mtime_ns, size FROM action_files WHERE path = ?",
+                              (rel,)).fetchone()
+        if (tuple(had) if had else None) == now:
+            return
+        self.db.execute("DELETE FROM actions WHERE path = ?", (rel,))
+        self.db.execute("DELETE FROM action_files WHERE path = ?", (rel,))
+        body = fleet.read(os.path.join(self.root, path)) if now else None
+        if now:
+            self.db.execute("INSERT INTO action_files VALUES (?,?,?)", (rel, *now))
+        for a in _l((body or {}).get("actions")):
+            a = _d(a)
+            self.db.execute("INSERT INTO actions VALUES (?,?,?,?,?,?,?,?)",
+                            (rel, str(a.get("t") or ""), str(body.get("run_id") or ""),
+                             str(a.get("node") or ""), str(a.get("action") or ""),
+                             str(a.get("reason") or ""), int(bool(a.get("done"))),
+                             str(a.get("detail") or "")))
 
     # queries -------------------------------------------------------------------------------
     def runs(self) -> list[tuple]:
@@ -323,6 +384,25 @@ class Index:
             "SELECT r.t, h.verdict FROM hosts h JOIN runs r ON r.path = h.path "
             "WHERE h.host = ? ORDER BY r.t, r.path", (host,)).fetchall()
         return [v for t, v in rows if until is None or t <= until]
+
+    def host_runs(self) -> dict[str, list[dict]]:
+        """Each host's runs, oldest first: ``{"t", "run_id", "status", "reason", "boot_id"}``
+        (:func:`ddp_smoke.outputs.fleet.lemons` reads these)."""
+        rows = self.db.execute(
+            "SELECT h.host, r.t, r.run_id, h.status, h.reason, h.boot_id FROM host_runs h "
+            "JOIN runs r ON r.path = h.path ORDER BY r.t, r.path").fetchall()
+        out: dict[str, list[dict]] = {}
+        for host, t, run_id, status, reason, boot in rows:
+            out.setdefault(host, []).append({"t": t, "run_id": run_id, "status": status,
+                                             "reason": reason, "boot_id": boot})
+        return out
+
+    def actions(self) -> list[dict]:
+        """Every action the kit recorded (actions.json), oldest first."""
+        rows = self.db.execute("SELECT t, run_id, node, action, reason, done, detail, path "
+                               "FROM actions ORDER BY t, path").fetchall()
+        keys = ("t", "run_id", "node", "action", "reason", "done", "detail", "path")
+        return [dict(zip(keys, row)) for row in rows]
 
     def margin(self, entry: dict) -> float:
         """The margin for a series: the flag's, else the latest run's own config, else the

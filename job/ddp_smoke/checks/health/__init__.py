@@ -19,6 +19,7 @@ nvlink   every link's state against the SKU's design, per-link error counters
 fabric   NVSwitch fabric registration, health mask and summary
 config   persistence, MIG, InfoROM, VBIOS uniformity, stray processes
 hca      GPU-traffic ports' state and rate, counters (saturation too), flaps
+cpu      a cgroup CPU quota that held the node's processes back during the run
 sdc      the same seeded product on every rank, bit for bit
 ======== ===============================================================================
 
@@ -38,12 +39,12 @@ import time
 
 from ...config import profiles
 from ...model import FAIL, PASS, SKIP, CheckResult
-from . import clocks, config, fabric, hca, memory, nvlink, pcie, presence, sdc, xid
+from . import clocks, config, cpu, fabric, hca, memory, nvlink, pcie, presence, sdc, xid
 from .finding import CHECKED, NOT_MEASURED, WARN, Finding, Limits
 from .readers import REPLAY_ENV, Node, replay
 from .reading import end_gpus, gpu_reading, samples
 
-FAMILIES = (presence, memory, xid, clocks, pcie, nvlink, fabric, config, hca)
+FAMILIES = (presence, memory, xid, clocks, pcie, nvlink, fabric, config, hca, cpu)
 _NODE: dict = {}  # this process's node reader (local rank 0 only)
 
 
@@ -153,6 +154,7 @@ def _node_figures(host, rank: int, o: dict, findings: list[Finding], owners: dic
                      "nvlink_up": len((g.get("nvlink") or {}).get("up", [])) or None})
     hca = node.get("hca") or {}
     return {"host": host, "rank": rank, "read_s": o["node_read_s"], "replay": node.get("replay"),
+            "boot_id": (node.get("cpu") or {}).get("boot_id"),
             "driver": (gpu_reading(node).get("end") or {}).get("driver"), "gpus": gpus,
             "hca_ports": len(hca.get("end") or {}),
             "findings": [{**f.as_dict(), "line": f.line()} for f in findings

@@ -15,8 +15,6 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-import torch
-
 from .finding import Limits
 
 
@@ -30,6 +28,9 @@ class RankFinding:
 
 def product(ctx, cfg: dict) -> dict:
     """The seeded product on this rank's device; the digest of each repeat's result."""
+    # torch only here: the readers and judges load without it (node-check's parent, history)
+    import torch
+
     cuda = ctx.device.type == "cuda"
     n = cfg["sdc_size_gpu" if cuda else "sdc_size_cpu"]
     gen = torch.Generator(device="cpu").manual_seed(cfg["sdc_seed"])

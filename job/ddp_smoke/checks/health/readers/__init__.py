@@ -9,7 +9,7 @@ A reader has a ``name`` (its key in the node's reading) and three methods:
               mode judges each iteration), never raising: what cannot be read says why.
 
 :class:`Node` holds the readers of this node — NVML (:mod:`.nvml`), sysfs/procfs
-(:mod:`.sysfs`), the kernel log (:mod:`.kmsg`) — and one daemon thread that samples them every
+(:mod:`.sysfs`), the kernel log (:mod:`.kmsg`), the CPU quota and boot id (:mod:`.cgroup`) — and one daemon thread that samples them every
 ``sample_period_s``, waiting on NVML's XID events in between. With ``DDP_SMOKE_HEALTH_REPLAY``
 set to a recorded node (:mod:`.replay`), every reader reads the recording instead: a pynvml-
 shaped NVML and a made file tree. The reading then says so, and so does the report.
@@ -20,7 +20,7 @@ import os
 import threading
 import time
 
-from . import kmsg, nvml, replay, sysfs
+from . import cgroup, kmsg, nvml, replay, sysfs
 
 REPLAY_ENV = "DDP_SMOKE_HEALTH_REPLAY"
 
@@ -44,7 +44,8 @@ class Node:
                                 "fix": "report this reading failure"}
         self.root = root  # where sysfs, procfs and /dev/kmsg are read (a replay's own tree)
         self.others = [sysfs.HcaReader(root, environ.get("NCCL_IB_HCA")),
-                       sysfs.PciReader(root), kmsg.KmsgReader(root)]
+                       sysfs.PciReader(root), kmsg.KmsgReader(root),
+                       cgroup.CpuQuotaReader(root)]
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
         self.t0 = time.monotonic()

@@ -1,0 +1,218 @@
+"""A fleet memory that acts: who the kit drained and why, when it must not drain, and lemons.
+
+Three rules, pure, on what the reports and the history index hold (docs/continuous.md):
+
+* **The circuit breaker** (:func:`breaker`). When more than ``fleet.drain_max_share`` of a
+  run's nodes failed, and at least two, the cause is likely one they share — the fabric, the
+  storage, the image — not each node: ``--act`` then drains none, and says what the failing
+  nodes have in common (the check, the words of their reasons, the folder or the network).
+  A full report filesystem makes the storage check name every rank of a run: drained one by
+  one, a cluster would lose every node to one full disk. Applied to the nodes of one run
+  (``--act slurm-drain`` of a multi-node run) and, for ``node-check``, which sees one node per
+  run, to the cluster: the nodes the kit has drained already plus this one.
+* **Lemons** (:func:`lemons`). A node that failed in at least ``fleet.lemon_failures`` of its
+  last ``fleet.lemon_runs`` runs is a lemon. Escalation, as repair crews work: first
+  **reboot**; once it failed again after a reboot (its failing runs span two boot ids, read
+  from ``/proc/sys/kernel/random/boot_id`` by the health check), **drain and RMA**. The runs
+  are the evidence.
+* **Drain records.** Every drain, resume or refusal the kit makes is recorded in the run's
+  folder, ``actions.json`` (:func:`record`), with the run id and the reason; ``ddp-smoke
+  history`` lists the nodes the kit drained and why (:func:`render`).
+
+``actions.json``::
+
+    {"format": "ddp-smoke-actions/1", "run_id": "…",
+     "actions": [{"t": "2026-12-01T04:50:38+00:00", "node": "node2", "action": "drain",
+                  "reason": "ddp-smoke node-check: preflight: interfaces: …", "done": true,
+                  "detail": "scontrol: ok"}]}
+
+``action``: ``drain``, ``resume`` (only a drain of the kit's own tier: a node drained by
+hand, or by another tool, is never resumed), ``hold`` (the circuit breaker: not drained),
+``label`` (a Kubernetes node's health label). ``done``: whether the command succeeded.
+"""
+from __future__ import annotations
+
+import datetime
+import difflib
+import json
+import os
+import re
+
+from .files import write_atomic
+
+ACTIONS_FILE = "actions.json"
+FORMAT = "ddp-smoke-actions/1"
+NODE_RUN_PREFIX = "node-check-"  # node-check's run ids: node-check-<node>-<UTC time>-<hex>
+ACTIONS = ("drain", "resume", "hold", "label")
+DRAIN, RESUME, HOLD, LABEL = ACTIONS
+REBOOT, RMA = "reboot", "drain and RMA"
+_MIN_SHARED = 12  # characters two reasons must share to be quoted as their common words
+# What a check's failure on many nodes at once most likely points at.
+_SHARED_KIND = {"storage": "storage", "bandwidth": "fabric", "transport": "fabric",
+                "collectives": "fabric", "launch": "fabric", "environment": "image",
+                "ddp_step": "image", "sampler_epochs": "image", "compute": "load or power",
+                "health": "hardware or driver"}
+_PREFLIGHT_KIND = {"report_dir": "storage", "interfaces": "fabric", "rendezvous": "fabric",
+                   "joined": "fabric", "rendezvous_host": "fabric", "torch": "image",
+                   "python": "image"}
+
+
+def tier(report: dict) -> str:
+    """``node`` for a node-check run (its run id), else ``acceptance``."""
+    return "node" if str(report.get("run_id") or "").startswith(NODE_RUN_PREFIX) else \
+        "acceptance"
+
+
+# -- the circuit breaker (pure) -------------------------------------------------------------
+
+def breaker(failing: dict[str, list[dict]], nodes: int, max_share: float,
+            where: dict[str, str] | None = None) -> dict | None:
+    """Whether draining must stop because the cause is likely shared.
+
+    Args:
+        failing: node -> its reasons (``{"check", "reason"}``, as the report's hosts section
+            has them), for every node that would be drained.
+        nodes: how many nodes the share is of (the run's, or the cluster's).
+        max_share: ``fleet.drain_max_share``.
+        where: what the failing nodes had in common beside the reasons (e.g. the storage
+            folder), ``{"storage": "/shared/reports/…"}``.
+
+    Returns:
+        None when draining may go ahead; else ``{"failing", "nodes", "max_share", "kind",
+        "common", "line"}``: ``line`` is what to print and record.
+    """
+    n = len(failing)
+    if n < 2 or nodes <= 0 or n / nodes <= max_share:
+        return None
+    kind, common = common_cause(failing, where or {})
+    line = (f"circuit breaker: {n} of {nodes} nodes failed (more than {max_share:.0%}): "
+            f"drained none; the cause is likely shared ({kind}): {common}")
+    return {"failing": sorted(failing), "nodes": nodes, "max_share": max_share, "kind": kind,
+            "common": common, "line": line}
+
+
+def common_cause(failing: dict[str, list[dict]], where: dict[str, str]) -> tuple[str, str]:
+    """(kind, what they have in common) of the failing nodes' reasons."""
+    checks = None
+    for reasons in failing.values():
+        named = {r.get("check") for r in reasons}
+        checks = named if checks is None else checks & named
+    checks = sorted(c for c in checks or () if c)
+    if not checks:
+        return "unclear", "no check failed on all of them: " + "; ".join(
+            f"{node}: {_first(reasons)}" for node, reasons in sorted(failing.items())[:3])
+    check = checks[0]
+    texts = [_masked(next(r["reason"] for r in reasons if r.get("check") == check), node)
+             for node, reasons in failing.items()]
+    kind = _kind(check, texts[0])
+    said = f"every one failed {check}" + (f" (and {', '.join(checks[1:])})" if checks[1:] else "")
+    shared = _shared(texts)
+    if shared:
+        said += f": {shared!r}"
+    if kind in where:
+        said += f"; all of them used {where[kind]}"
+    return kind, said
+
+
+def _first(reasons: list[dict]) -> str:
+    return f"{reasons[0].get('check')}: {reasons[0].get('reason')}" if reasons else "?"
+
+
+def _kind(check: str, reason: str) -> str:
+    if check in ("preflight", "node-check"):
+        return _PREFLIGHT_KIND.get(reason.split(":", 1)[0].strip(), "the node's set-up")
+    return _SHARED_KIND.get(check, "the run itself")
+
+
+def _masked(reason: str, node: str) -> str:
+    """A reason with the node's own name masked (what else differs, a rank or an address,
+    only shortens the words they share)."""
+    return re.sub(rf"(?<![\w.-]){re.escape(node)}(?![\w.-])", "<node>", reason) if node else reason
+
+
+def _shared(texts: list[str]) -> str:
+    """The longest run of words every text has (at least _MIN_SHARED characters), or ""."""
+    common = texts[0]
+    for other in texts[1:]:
+        m = difflib.SequenceMatcher(None, common, other, autojunk=False).find_longest_match(
+            0, len(common), 0, len(other))
+        common = common[m.a:m.a + m.size]
+    common = common.strip(" ;,:")
+    return common if len(common) >= _MIN_SHARED else ""
+
+
+# -- lemons (pure) --------------------------------------------------------------------------
+
+def lemons(runs: dict[str, list[dict]], failures: int, window: int) -> list[dict]:
+    """The nodes failing in >= ``failures`` of their last ``window`` runs, with escalation.
+
+    Args:
+        runs: node -> its runs, oldest first: ``{"t", "run_id", "status" (good/suspect/bad),
+            "reason", "boot_id" (or None)}``.
+
+    Returns:
+        ``{"node", "failed", "of", "action" (reboot | drain and RMA), "why", "evidence"
+        (the failing runs)}`` per lemon, worst first.
+    """
+    out = []
+    for node, history in runs.items():
+        last = history[-window:]
+        bad = [r for r in last if r["status"] == "bad"]
+        if len(bad) < failures:
+            continue
+        boots = list(dict.fromkeys(r["boot_id"] for r in bad if r.get("boot_id")))
+        if len(boots) >= 2:
+            action, why = RMA, (f"it failed again after a reboot (its failing runs span "
+                                f"{len(boots)} boots)")
+        else:
+            action, why = REBOOT, ("all its failures are from one boot" if boots else
+                                   "no reboot seen since it started failing (no boot id "
+                                   "recorded)")
+        out.append({"node": node, "failed": len(bad), "of": len(last), "action": action,
+                    "why": why, "evidence": bad})
+    return sorted(out, key=lambda x: (x["action"] != RMA, -x["failed"], x["node"]))
+
+
+def lemon_line(lemon: dict) -> str:
+    """One line per lemon: the count, the action, why, and the runs as evidence."""
+    runs = "; ".join(f"{r['run_id']}: {r['reason'] or 'failed'}"[:160]
+                     for r in lemon["evidence"][-3:])
+    return (f"lemon {lemon['node']}: failed {lemon['failed']} of its last {lemon['of']} runs "
+            f"-> {lemon['action']} ({lemon['why']}); runs: {runs}")
+
+
+# -- drain records (I/O) --------------------------------------------------------------------
+
+def entry(node: str, action: str, reason: str, done: bool, detail: str = "") -> dict:
+    """One action as ``actions.json`` holds it, stamped now."""
+    if action not in ACTIONS:
+        raise ValueError(f"action {action!r} not in {ACTIONS}")
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"t": now, "node": node, "action": action, "reason": reason, "done": bool(done),
+            "detail": detail}
+
+
+def record(report_dir: str, run_id: str, entries: list[dict]) -> str | None:
+    """Add ``entries`` to the run's ``actions.json`` (atomically); its path, or None when
+    there is nothing to record. Raises OSError when the folder cannot be written."""
+    if not entries:
+        return None
+    path = os.path.join(report_dir, ACTIONS_FILE)
+    have = read(path)
+    body = {"format": FORMAT, "run_id": run_id,
+            "actions": (have["actions"] if have and have.get("run_id") == run_id else [])
+            + entries}
+    write_atomic(path, json.dumps(body, indent=1) + "\n")
+    return path
+
+
+def read(path: str) -> dict | None:
+    """An ``actions.json``, or None when absent or not one of ours."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            body = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(body, dict) and body.get("format") == FORMAT and \
+        isinstance(body.get("actions"), list)
+    return body if ok else None
