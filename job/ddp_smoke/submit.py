@@ -53,7 +53,7 @@ from . import task
 from .config.args import Parser, parse_config
 from .coordination import lost
 from .errors import ConfigError, ReportWriteError
-from .model import Culprit
+from .model import Culprit, injected
 from .outputs import launch_report
 from .outputs.report import as_dict, write_report
 from .outputs.last_line import from_lost
@@ -250,7 +250,10 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
         failed = SmokeFailed("", report, job.job_id)
         lines = [f"rank {k['rank']} ({k['host']}) at {k['check']}: {k['reason']}"
                  for k in failed.culprits] or ["no culprit named"]
-        failed.args = (f"ddp-smoke job {job.job_id}: verdict fail; " + "; ".join(lines),)
+        practice = injected(report)  # a practice run (--fault) says so, as every output does
+        failed.args = (f"ddp-smoke job {job.job_id}: verdict fail"
+                       f"{f' (PRACTICE: --fault {practice})' if practice else ''}; "
+                       + "; ".join(lines),)
         raise failed
     return report
 
