@@ -250,10 +250,8 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
         failed = SmokeFailed("", report, job.job_id)
         lines = [f"rank {k['rank']} ({k['host']}) at {k['check']}: {k['reason']}"
                  for k in failed.culprits] or ["no culprit named"]
-        practice = injected(report)  # a practice run (--fault) says so, as every output does
-        failed.args = (f"ddp-smoke job {job.job_id}: verdict fail"
-                       f"{f' (PRACTICE: --fault {practice})' if practice else ''}; "
-                       + "; ".join(lines),)
+        mark = f" (PRACTICE: --fault {injected(report)})" if injected(report) else ""
+        failed.args = (f"ddp-smoke job {job.job_id}: verdict fail{mark}; " + "; ".join(lines),)
         raise failed
     return report
 
