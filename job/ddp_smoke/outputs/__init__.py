@@ -1,4 +1,6 @@
-"""Everything rank 0 leaves beside a run, written by one :func:`publish` in one order.
+"""Everything a run leaves beside its report, written by one :func:`publish` in one order,
+whoever writes: rank 0, the survivor that took over, the store host (the report of last resort),
+a launcher whose workers never ran (:mod:`.launch_report`), submit.
 
 ``ARTIFACTS`` lists every file a run writes in its report folder; :func:`prepare` removes them
 all before the run starts, so nothing an earlier run left (a ``bad_hosts.txt`` an operator
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NamedTuple
 
 from ..errors import ConfigError, ReportWriteError
 from ..model import FAIL, Report
@@ -55,13 +58,19 @@ def check_writable(report_dir: str) -> None:
         raise ConfigError(f"--report-dir {report_dir}: not writable ({e.strerror})") from None
 
 
-def publish(report: Report, report_dir: str, run_id: str) -> str:
+class Published(NamedTuple):
+    verdict: str  # what the ranks still waiting are told: ``fail`` when the report was lost
+    path: str     # report.json's path, or "(not written: why)"
+
+
+def publish(report: Report, report_dir: str, run_id: str,
+            print_summary: bool = True) -> Published:
     """Write every output of a finished run, in this order: report.json and junit.xml, the
     plot, the page (report.html), the host lists (and ``--act``), the Prometheus file; then
-    print the human summary, which ends on the verdict line (hosts, next steps and where the
-    optional files went come just before it). Returns the verdict the other ranks are told:
-    ``fail`` when the report was lost (it then goes to stderr as one JSON line). Never
-    raises."""
+    the human summary, which ends on the verdict line (hosts, next steps and where the optional
+    files went come just before it). ``print_summary`` False (a launcher that prints its own
+    last line): only those lines before it. A report that cannot be written goes to stderr as
+    one JSON line. Never raises."""
     lost, png = False, None
     try:
         path = write_report(report, report_dir)
@@ -78,5 +87,8 @@ def publish(report: Report, report_dir: str, run_id: str) -> str:
         said.append(f"# {plot.FILENAME}: {png or plot.not_drawn(report) or 'not written'}")
     if prom:
         said.append(f"# prometheus textfile: {prom}")
-    summary.print_report(report, path, said)
-    return FAIL if lost else report.verdict
+    if print_summary:
+        summary.print_report(report, path, said)
+    elif said:
+        print("\n".join(said), flush=True)
+    return Published(FAIL if lost else report.verdict, path)
