@@ -132,6 +132,9 @@ def _k8s_check(*folders) -> subprocess.CompletedProcess:
 
 
 def test_k8s_check_passes_the_shipped_manifests_and_names_a_typo(tmp_path):
+    listed = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True,
+                            timeout=30).stdout
+    assert re.search(r"^k8s-check +check the manifests in k8s/", listed, re.M), listed
     done = _k8s_check()
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[-1].startswith(

@@ -113,6 +113,7 @@ def test_a_run_held_to_a_fifth_of_a_core_is_degrading_in_history(runs):
     quota = runs["quota"]
     assert quota.report is not None, quota.stderr[-3000:]
     text = runs["after_quota"]
+    print(f"\n$ ddp-smoke history ROOT --min-runs 2\n{text}")
     assert "# compute: the sustained rate (median block), the figure its verdict judges; " \
            "GFLOPS on a CPU slot, TFLOPS on a GPU" in text, text
     assert _slots(text) == set(SLOTS), text
