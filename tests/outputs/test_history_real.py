@@ -112,6 +112,7 @@ def test_history_leaves_the_practice_run_out_and_marks_it_when_asked(runs):
 def test_a_run_held_to_a_fifth_of_a_core_is_degrading_in_history(runs):
     quota = runs["quota"]
     assert quota.report is not None, quota.stderr[-3000:]
+    print(f"\nthe quota run's own verdict: {quota.report['verdict']}")
     text = runs["after_quota"]
     print(f"\n$ ddp-smoke history ROOT --min-runs 2\n{text}")
     assert "# compute: the sustained rate (median block), the figure its verdict judges; " \
