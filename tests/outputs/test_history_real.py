@@ -3,9 +3,10 @@
 Four 2-rank runs into one folder of runs, as a user's ``reports/`` fills: two healthy ones, a
 practice run (``--fault``, failures made on purpose to test the alerting path), and a run whose
 whole job (both ranks, once started) is held to a fifth of a core by a real CPU quota (cgroup
-``cpu.max``, as a throttled or shared node holds a job). The quota run passes on its own (every rank equally slow: no pace
-rule fires, the cpu profile has no floor); only history can see it, from the sustained rate the
-compute verdict judges, not the best block (timed in CPU seconds, which a quota does not touch).
+``cpu.max``, as a throttled or shared node holds a job). The quota run can pass on its own
+(every rank equally slow: no pace rule fires, the cpu profile has no floor); history sees it
+from the sustained rate the compute verdict judges, not from the best block (timed in CPU
+seconds, which a quota does not touch).
 
 The practice run is labelled as practice in every artifact, and history leaves it out: before,
 ``--fault 1:slow=4@compute`` made history flag a healthy host's slot as DEGRADING.
