@@ -12,6 +12,8 @@ PIP_EXTRA  ?=
 # the NVML binding the health check is tested with (pyproject.toml, docker/Dockerfile: the same)
 NVML_SPEC  := nvidia-ml-py>=13.580.65,<14
 NPROC      ?= 2
+# more than 4 ranks per CPU core are refused (memory, time); OVERSUBSCRIBE=1 runs them anyway
+OVERSUBSCRIBE ?=
 # quick: a verdict in about the time of the bare tutorial (README, "Measurement levels")
 LEVEL      ?= quick
 # empty: reports/<run id>, the run id local-<UTC time>-<random>: every run its own folder
@@ -30,12 +32,13 @@ IMAGE      ?= ddp-smoke:0.1.0
 BASE_IMAGE ?= pytorch/pytorch:2.13.0-cuda12.6-cudnn9-runtime
 WHEELHOUSE ?=
 PY_VERSION ?= 3.12
+K8S_DIRS   ?=
 
 .PHONY: help venv smoke-local test lint clean sandbox-up sandbox-down slurm-up slurm-try slurm-down \
-        image wheelhouse image-test bench gpu-check
+        image wheelhouse image-test bench gpu-check k8s-check
 
 help:  ## list the verbs
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
 
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,8 +57,8 @@ venv: $(VENV)/.runtime  ## create .venv/ (torch, numpy, pyyaml, submitit, this p
 # starts, the output ends on the kit's last line, the exit status is the workers' (0/1/2). The
 # launcher holds the coordination store itself (not torchrun's agent: a report even when rank 0
 # dies) and forks the ranks with the worker imported: a verdict faster than the bare tutorial.
-smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, LEVEL=quick, ARGS=…)
-	@$(PY) -m ddp_smoke.launch_local --nproc-per-node=$(NPROC) -- \
+smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, LEVEL=quick, ARGS=…, OVERSUBSCRIBE=1)
+	@$(PY) -m ddp_smoke.launch_local --nproc-per-node=$(NPROC) $(if $(OVERSUBSCRIBE),--oversubscribe) -- \
 	  --backend gloo --level $(LEVEL) $(if $(REPORT_DIR),--report-dir $(REPORT_DIR)) $(ARGS)
 
 test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docker, manifests)
@@ -65,6 +68,9 @@ lint: $(VENV)/.test  ## shellcheck the scripts, hadolint the Dockerfile, parse t
 	$(VENV)/bin/shellcheck slurm/*.sbatch slurm/*.sh docker/*.sh .ci/run job/torch_choice.sh
 	$(VENV)/bin/hadolint docker/Dockerfile
 	$(VENV)/bin/kubectl label --local -f k8s x=y -o name >/dev/null
+
+k8s-check: $(VENV)/.test  ## check the manifests in k8s/ (or K8S_DIRS="…") offline: kubectl's parser, Kubernetes' schemas, the operators' CRDs
+	@$(PY) -m tests.k8s_check $(K8S_DIRS)
 
 image:  ## build the worker image (IMAGE=…, BASE_IMAGE=…, WHEELHOUSE=wheelhouse: offline)
 	docker build -f docker/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) \

@@ -189,10 +189,15 @@ trap 'kill -TERM "$pid" 2> /dev/null' TERM INT
 status=0
 wait "$pid" || status=$?
 while kill -0 "$pid" 2> /dev/null; do status=0; wait "$pid" || status=$?; done
-# A worker that ran and failed shows in torchrun's failure block ("exitcode : …"); then the
-# report is rank 0's, possibly on another node. Only a torchrun that started no worker (the
-# rendezvous failed, torch did not import) leaves the verdict to this node.
+# A worker that ran and failed shows in torchrun's failure block ("exitcode : …"), printed after
+# the worker's verdict: the run's line comes again after it, as the output's last line (its
+# report here; without one, rank 0's node holds it). Only a torchrun that started no worker
+# (the rendezvous failed, torch did not import) leaves the verdict to this node.
 if [[ $status -ne 0 ]] && ! grep -qs 'exitcode' "$report_dir/launch/$node.run.err"; then
     verdict run "$status"
+elif [[ $status -ne 0 ]]; then
+    python -m ddp_smoke last-line --dir "$report_dir" --run-id "$DDP_SMOKE_RUN_ID" 2> /dev/null \
+        || echo "ddp-smoke: torchrun exit $status on $node; no report here: rank 0's node" \
+                "holds it ($report_dir/report.json there)"
 fi
 exit "$status"

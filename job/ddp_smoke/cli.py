@@ -22,9 +22,10 @@ Usage, per launcher:
 
 Reading runs (no torch, no launcher; the first word picks the command):
   ddp-smoke render REPORT.json [-o OUT.html]   rebuild report.html from any report.json
-  ddp-smoke history ROOT [--margin F] [--window N] [--min-runs N]
-            every run under ROOT: per host and GPU each figure across runs, its trend, and
-            the ones degrading (more than history.margin below their own median), the
+  ddp-smoke history ROOT [--margin F] [--window N] [--min-runs N] [--include-practice]
+            every run under ROOT: per host and GPU each figure across runs (compute: the
+            sustained rate its verdict judges), its trend, and the ones degrading (more than
+            history.margin below their own median); practice runs (--fault) left out; the
             nodes the kit drained and why, and the lemons (failing again and again)
   ddp-smoke last-line REPORT.json | --dir REPORT_DIR [--run-id ID]
             the run as one line (a pod's termination message, a job log's last line)
@@ -126,9 +127,26 @@ def _history(argv: list[str]) -> int:
                    help=f"earlier runs the median is over (default {d['window']})")
     p.add_argument("--min-runs", type=int, metavar="N",
                    help=f"earlier runs needed to judge (default {d['min_runs']})")
+    p.add_argument("--include-practice", action="store_true",
+                   help="count practice runs (--fault) too, each value and verdict marked * "
+                        "(default: left out; a failure made on purpose is no drift)")
     args = p.parse_args(argv)
-    print(history.run(args.root, args.margin, args.window, args.min_runs), flush=True)
+    print(history.run(args.root, args.margin, args.window, args.min_runs,
+                      args.include_practice), flush=True)
     return 0
+
+
+def _worker(cfg: dict) -> int:
+    """The run on this rank; bad input a rank finds (the world size, the report folder) is its
+    one line and status 2 here, inside ``@record``: an exception leaving it would be written to
+    torchrun's error file, and torchrun would print it, traceback and all, once per rank in its
+    failure box."""
+    from . import harness
+    try:
+        return harness.run(cfg)
+    except ConfigError as e:
+        say_once(f"ddp-smoke: error: {e}")
+        return 2
 
 
 # The first word picks a command; none of them imports torch (reading runs anywhere, in any
@@ -173,13 +191,8 @@ def worker(argv: list[str]) -> int:
     except ConfigError as e:
         os.write(2, f"ddp-smoke: error: {e}\n".encode())
         return 2
-    try:
-        store.quiet_slices()  # before torch is imported
-        from torch.distributed.elastic.multiprocessing.errors import record
+    store.quiet_slices()  # before torch is imported
+    from torch.distributed.elastic.multiprocessing.errors import record
 
-        from . import harness
-        # record: an unexpected exception also lands in torchrun's error file and summary.
-        return record(harness.run)(cfg)
-    except ConfigError as e:
-        say_once(f"ddp-smoke: error: {e}")
-        return 2
+    # record: an unexpected exception also lands in torchrun's error file and summary.
+    return record(_worker)(cfg)

@@ -146,6 +146,16 @@ def get_field(obj, key: str, default=None):
     return getattr(obj, key, default)
 
 
+def injected(report) -> str | None:
+    """The ``--fault`` spec of a practice run (a Report or its JSON dict), or None for a real
+    one. Every output marks a practice run as such: its failures were made on purpose."""
+    if isinstance(report, dict):
+        config = report.get("config") if isinstance(report.get("config"), dict) else {}
+        spec = report.get("injected") or config.get("fault")
+        return str(spec) if spec else None
+    return report.config.get("fault") or None
+
+
 def check_from_dict(data: dict[str, Any]) -> CheckResult:
     """Rebuild a CheckResult from its JSON form."""
     culprits = [Culprit(**c) for c in data.get("culprits", [])]

@@ -53,7 +53,7 @@ from . import task
 from .config.args import Parser, parse_config
 from .coordination import hosting, lost
 from .errors import ConfigError
-from .model import Culprit
+from .model import Culprit, injected
 from .outputs import launch_report, publish
 from .outputs.last_line import from_lost
 from .outputs.report import as_dict
@@ -250,7 +250,8 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
         failed = SmokeFailed("", report, job.job_id)
         lines = [f"rank {k['rank']} ({k['host']}) at {k['check']}: {k['reason']}"
                  for k in failed.culprits] or ["no culprit named"]
-        failed.args = (f"ddp-smoke job {job.job_id}: verdict fail; " + "; ".join(lines),)
+        mark = f" (PRACTICE: --fault {injected(report)})" if injected(report) else ""
+        failed.args = (f"ddp-smoke job {job.job_id}: verdict fail{mark}; " + "; ".join(lines),)
         raise failed
     return report
 

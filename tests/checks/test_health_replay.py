@@ -164,4 +164,5 @@ def test_sdc_fault_names_exactly_the_perturbed_rank_every_time(tmp_path):
         [[1], [1], [1]]
     assert "silent data corruption" in check["culprits"][0]["reason"]
     bad = [h for h in run.report["hosts"] if h["status"] == "bad"]
-    assert len(bad) == 1 and (tmp_path / "bad_hosts.txt").read_text().split() == [bad[0]["host"]]
+    # a practice run (--fault): judged in the report, but no host listed to drain (issue 35)
+    assert len(bad) == 1 and (tmp_path / "bad_hosts.txt").read_text() == ""

@@ -23,7 +23,9 @@ def test_flag_beats_file_beats_default(tmp_path):
 
 
 @pytest.mark.parametrize("text, words", [
-    ("timeot: 3\n", ["unknown key 'timeot'", "valid keys", "timeout"]),
+    ("timeot: 3\n", ["unknown key 'timeot'", "; did you mean 'timeout'? valid keys"]),
+    ("compute: {block: 0.1}\n", ["unknown key 'compute.block'",
+                                  "did you mean 'compute.blocks'?"]),
     ("timeout: fast\n", ["'timeout'", "'fast'", "expected a float", "got str"]),
     ("timeout: -1\n", ["'timeout'", "-1", "> 0"]),
     ("backend: mpi\n", ["'backend'", "'mpi'", "auto, gloo, nccl"]),

@@ -209,12 +209,11 @@ def _failing_report(security: dict) -> Report:
     ({"signed": False, "findings": []}, "nothing drained: this run's records were not signed"),
 ])
 def test_act_drains_nothing_in_a_run_that_saw_a_forgery_or_was_not_signed(
-        security, said, tmp_path, capsys, monkeypatch):
+        security, said, tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setattr(triage, "drain", lambda *a, **k: pytest.fail("drain was called"))
     report = _failing_report(security)
-    triage.finish(report, str(tmp_path), "r")
-    out = capsys.readouterr().out
+    out = "\n".join(triage.finish(report, str(tmp_path), "r"))  # printed before the verdict
     assert said in out
     assert "SECURITY" in summary.render(report, "report.json")
     assert (tmp_path / "bad_hosts.txt").read_text() == "node-b\n"  # the lists still say it

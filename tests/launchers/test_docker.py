@@ -193,6 +193,33 @@ def test_docker_run_writes_a_passing_two_rank_report(docker_engine, worker_image
     assert (out / runs[1] / "report.json").stat().st_uid == uid  # the image's non-root user
 
 
+def test_the_verdict_is_the_last_line_of_the_image_output(docker_engine,
+                                                          worker_image: BuiltImage, tmp_path):
+    """Issue 35: after a failing verdict torchrun prints its failure block; the entrypoint then
+    says the run's line again, so the output (both streams, in the order they were written)
+    ends on the verdict; a practice run's line says so."""
+    out = _report_dir(tmp_path, _image_user(docker_engine, worker_image.tag))
+    name = "dsd-last-line"
+    docker_engine.docker("rm", "-f", name, check=False)
+    try:
+        docker_engine.docker("run", "-d", "--name", name, "--network", "none", "--volume",
+                             f"{out}:/reports", worker_image.tag, "--", "--checks",
+                             "environment,ddp_step", "--fault", "1:corrupt@ddp_step",
+                             "--timeout", "60")
+        status = int(docker_engine.docker("wait", name, timeout_s=RUN_TIMEOUT_S).stdout)
+        logs = docker_engine.docker("logs", "--timestamps", name)
+    finally:
+        docker_engine.docker("rm", "-f", name, check=False)
+    # each line stamped by the engine as written (fixed-width RFC 3339, nanoseconds): the two
+    # streams merged back into one, in order
+    lines = sorted(((ln.split(" ", 1) + [""])[:2] for ln in
+                    (logs.stdout + logs.stderr).splitlines() if ln.strip()), key=lambda x: x[0])
+    text = "\n".join(line for _, line in lines)
+    assert status == 1 and "ChildFailedError" in text, text[-3000:]
+    assert lines[-1][1].startswith("ddp-smoke FAIL (PRACTICE: --fault 1:corrupt@ddp_step) · "
+                                   "run "), text[-3000:]
+
+
 def test_two_containers_as_two_nodes_rendezvous_with_c10d(
         docker_engine, worker_image: BuiltImage, pod_network: PodNetwork, tmp_path):
     uid = _image_user(docker_engine, worker_image.tag)

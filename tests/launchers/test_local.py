@@ -71,11 +71,14 @@ def test_the_makefile_installs_what_the_choice_prints():
 
 # -- items 2 and 4: bad input, once, before any rank ------------------------------------------
 
-def _local(*worker_args: str, cwd: Path, nproc: int = 2, timeout: float = 120):
+def _local(*worker_args: str, cwd: Path, nproc: int = 2, timeout: float = 120,
+           merged: bool = False):
+    """make smoke-local's launcher; ``merged``: stderr into stdout, the terminal's one stream."""
     return subprocess.run([sys.executable, "-m", "ddp_smoke.launch_local",
                            f"--nproc-per-node={nproc}", "--", "--backend", "gloo",
                            "--level", "quick", *worker_args],
-                          cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, stdout=subprocess.PIPE, text=True, timeout=timeout,
+                          stderr=subprocess.STDOUT if merged else subprocess.PIPE,
                           stdin=subprocess.DEVNULL)
 
 
@@ -93,8 +96,15 @@ def _local(*worker_args: str, cwd: Path, nproc: int = 2, timeout: float = 120):
     (["--profile", "h100-8gpu"],
      "ddp-smoke: error: --profile h100-8gpu does not fit this run: it is for H100 GPUs and "
      "--backend gloo runs the checks on CPUs"),
-], ids=["check-typo", "flag-typo", "fault-with-act", "fault-rank", "gpu-profile-on-cpu"])
+    (["--report-dir", "r.txt"],  # issue 35: "File exists" before
+     "ddp-smoke: error: --report-dir r.txt: is a file, not a folder; choose a folder"),
+    (["--config", "c.yaml"],  # issue 35: no "did you mean" for a key in a file before
+     "ddp-smoke: error: unknown key 'timout' (c.yaml); did you mean 'timeout'? valid keys: "),
+], ids=["check-typo", "flag-typo", "fault-with-act", "fault-rank", "gpu-profile-on-cpu",
+        "report-dir-is-a-file", "config-key-typo"])
 def test_bad_input_is_one_line_and_exit_2_before_any_rank_starts(tmp_path, argv, line):
+    (tmp_path / "r.txt").write_text("a file\n")
+    (tmp_path / "c.yaml").write_text("timout: 30\n")
     p = _local(*argv, cwd=tmp_path, timeout=30)
     assert p.returncode == 2, p.stderr
     assert p.stdout == "" and p.stderr.count("\n") == 1 and p.stderr.startswith(line), p.stderr
@@ -119,6 +129,26 @@ def test_under_make_a_mistake_is_the_kits_line_and_makes_own(tmp_path):
          "print(rc, 'torch' in sys.modules)"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert probe.stdout == "2 False\n", probe.stdout + probe.stderr
+
+
+def test_more_ranks_than_the_cores_can_hold_is_bad_input_unless_asked_for(tmp_path):
+    """Issue 35: NPROC=64 on 2 cores only warned, then asked ~25 GB and minutes of imports.
+    Beyond 4 ranks per core: one line, exit 2, nothing started; --oversubscribe (make's
+    OVERSUBSCRIBE=1) runs it anyway. Up to 4 per core it runs, with a warning."""
+    from ddp_smoke import launch_local
+    cores = len(os.sched_getaffinity(0))
+    p = _local("--checks", "environment", cwd=tmp_path, nproc=4 * cores + 1, timeout=30)
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    assert p.stderr == (f"ddp-smoke: error: --nproc-per-node {4 * cores + 1} on {cores} CPU "
+                        "core(s): more than 4 ranks per core (each a Python process with torch, "
+                        f"~0.4 GB): choose at most {4 * cores}, or add --oversubscribe (make "
+                        "smoke-local OVERSUBSCRIBE=1) to run it\n")
+    assert not (tmp_path / "reports").exists()
+    for argv in (["--nproc-per-node=64", "--oversubscribe"], [f"--nproc-per-node={4 * cores}"]):
+        assert launch_local._split([*argv, "--", "--checks", "environment"])[0] == \
+            int(argv[0].split("=")[1])
+    make = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    assert "--nproc-per-node=$(NPROC) $(if $(OVERSUBSCRIBE),--oversubscribe) --" in make
 
 
 @pytest.mark.parametrize("launcher, worker, status, says", [
@@ -158,6 +188,24 @@ def test_a_report_folder_that_cannot_be_written_is_bad_input(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_bad_input_a_rank_finds_under_plain_torchrun_leads_with_no_kit_traceback(tmp_path):
+    """Issue 35: a mistake only the ranks can see (the world size) under a hand-written
+    torchrun. Before: the kit's ConfigError left the @record-wrapped run and torchrun printed
+    its traceback once per rank in its failure box (65 lines). Now the kit's line comes before
+    anything of the failure, and no frame of the kit's code appears."""
+    run = torchrun(2, "--backend", "gloo", "--fault", "5:crash@compute",
+                   report_dir=tmp_path / "r", env={"OMP_NUM_THREADS": "1"})
+    assert run.returncode == 1, run.stderr  # torchrun's agent: 1 whatever the workers said
+    lines = run.stderr.splitlines()
+    said = [i for i, ln in enumerate(lines) if "ddp-smoke: error:" in ln]
+    assert [lines[i] for i in said] == ["ddp-smoke: error: key 'fault' = '5:crash@compute': "
+                                        "rank out of range for WORLD_SIZE=2"], run.stderr
+    assert said[0] == 0, run.stderr  # first: torchrun's "failed" line and box come after it
+    assert "ddp_smoke/" not in run.stderr and "ConfigError" not in run.stderr, run.stderr
+    assert "exitcode  : 2" in run.stderr  # the workers' own status, in torchrun's box
+
+
+@pytest.mark.timeout(120)
 def test_bad_input_under_plain_torchrun_is_said_once(tmp_path):
     """Without the local launcher (sbatch, the image: torchrun itself) every rank finds the
     mistake; only local rank 0 says it, on a line of its own."""
@@ -175,23 +223,26 @@ def test_a_failing_run_ends_on_the_kits_line_and_leads_with_the_culprit(tmp_path
     block after the verdict, the report's error naming rank 0's "Connection reset by peer",
     drain and cordon lines for a laptop, nothing saying the fault was injected."""
     p = _local("--checks", "environment,collectives", "--fault", "1:crash@collectives",
-               "--report-dir", str(tmp_path / "r"), cwd=tmp_path)
-    out = p.stdout + p.stderr
+               "--report-dir", str(tmp_path / "r"), cwd=tmp_path, merged=True)
+    out = p.stdout
     assert p.returncode == 1, out[-3000:]
     assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
-    # no store-host chatter: the run opens on the kit's header (issue 35 item 4)
-    assert p.stdout.startswith("# ddp-smoke "), p.stdout[:300]
-    assert "store host" not in out and "127.0.0.1:" not in p.stderr, p.stderr[-2000:]
-    assert p.stdout.rstrip().splitlines()[-1].startswith("# next steps: none; the failures "
-                                                         "were injected"), p.stdout[-2000:]
-    assert "# injected on purpose (--fault 1:crash@collectives)" in p.stdout
+    # issue 35: the verdict is the last line of the terminal (stdout and stderr alike)
+    lines = out.rstrip().splitlines()
+    assert lines[-1].startswith("verdict: FAIL (PRACTICE: --fault 1:crash@collectives) — "), \
+        out[-2000:]
+    assert lines[-2].startswith("# next steps: none; the failures were injected"), out[-2000:]
+    assert "# injected on purpose (--fault 1:crash@collectives)" in out
+    assert "store host" not in out, out[-2000:]  # no store-host chatter (issue 35 item 4)
     assert "scontrol" not in out and "kubectl" not in out
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["injected"] == "1:crash@collectives"
     assert (report["error"]["rank"], report["error"]["stage"]) == (1, "collectives"), report
     junit = ET.parse(tmp_path / "r" / "junit.xml").getroot()
     [run] = [t for t in junit.iter("testcase") if t.get("name") == "run"]
-    assert run.find("failure").get("message").startswith("rank 1 host "), ET.tostring(run)
+    assert run.find("failure").get("message").startswith(
+        "PRACTICE, injected on purpose (--fault 1:crash@collectives), not this cluster's fault: "
+        "rank 1 host "), ET.tostring(run)
     assert [p.get("value") for p in junit.iter("property") if p.get("name") == "injected"] \
         == ["1:crash@collectives"]
 

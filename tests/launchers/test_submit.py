@@ -30,6 +30,7 @@ def test_local_fault_raises_with_the_culprit_and_the_report(tmp_path):
     assert e.value.report["verdict"] == "fail"
     assert [(k["rank"], k["check"]) for k in e.value.culprits] == [(1, "ddp_step")]
     assert "rank 1" in str(e.value)
+    assert ": verdict fail (PRACTICE: --fault 1:corrupt@ddp_step); " in str(e.value)  # issue 35
 
 
 @pytest.mark.timeout(180)

@@ -188,9 +188,10 @@ def test_drain_reports_a_refusing_or_silent_scontrol_and_the_command_to_run(tmp_
 # -- real runs ---------------------------------------------------------------------------------
 
 @pytest.mark.timeout(180)
-def test_real_run_with_a_corrupting_rank_writes_the_lists_and_prints_next_steps(tmp_path):
-    """Two ranks on this host, rank 1 corrupts: the host is bad, the lists say so; the fault
-    was injected and no launcher's node was named: no drain or cordon line (issue 25)."""
+def test_real_run_with_a_corrupting_rank_judges_the_host_and_lists_nothing(tmp_path):
+    """Two ranks on this host, rank 1 corrupts: the report judges the host bad; the fault was
+    injected on purpose, so the lists stay empty (a script drains from bad_hosts.txt) and no
+    drain or cordon line is printed (issues 25, 35); the verdict is still the last line."""
     run = torchrun(2, "--checks", "environment,collectives", "--fault", "1:corrupt@collectives",
                    report_dir=tmp_path, env={"SLURM_JOB_ID": ""})
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
@@ -199,16 +200,18 @@ def test_real_run_with_a_corrupting_rank_writes_the_lists_and_prints_next_steps(
     assert (entry["host"], entry["status"], entry["ranks"]) == (host, "bad", [0, 1])
     assert {r["check"] for r in entry["reasons"]} == {"collectives"}
     assert {r["rank"] for r in entry["reasons"]} == {1}
-    assert (tmp_path / "bad_hosts.txt").read_text() == f"{host}\n"
-    assert (tmp_path / "good_hosts.txt").read_text() == ""
-    assert (tmp_path / "suspect_hosts.txt").read_text() == ""
+    for name in ("bad_hosts.txt", "good_hosts.txt", "suspect_hosts.txt"):
+        assert (tmp_path / name).read_text() == "", name
     out = run.stdout
     assert "scontrol" not in out and "kubectl" not in out and "sbatch" not in out, out
     assert "# injected on purpose (--fault 1:corrupt@collectives)" in out
     assert "# next steps: none; the failures were injected (--fault 1:corrupt@collectives)" \
         in out
+    assert f"# hosts: 1 bad, 0 suspect, 0 good; practice run: lists (bad_hosts.txt, " \
+        f"suspect_hosts.txt, good_hosts.txt) left empty in {tmp_path}" in out
     assert run.report["injected"] == "1:corrupt@collectives"
-    assert out.index("verdict: FAIL") < out.index("# hosts: 1 bad, 0 suspect, 0 good")
+    assert out.splitlines()[-1].startswith(
+        "verdict: FAIL (PRACTICE: --fault 1:corrupt@collectives) — "), out
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp-")]
 
 

@@ -20,6 +20,12 @@ def test_line_names_verdict_run_shape_and_culprits():
         "ddp-smoke PASS · run ? · 2 ranks on 1 nodes")
 
 
+def test_a_practice_run_says_so_first():
+    """Issue 35: a pod's termination message of a --fault run read as a real failure."""
+    assert last_line.line(dict(FAILED, injected="8:slow@transport")).startswith(
+        "ddp-smoke FAIL (PRACTICE: --fault 8:slow@transport) · run job-1 · ")
+
+
 def test_line_is_bounded_and_single():
     long = dict(FAILED, checks=[{"name": "bandwidth", "status": "fail", "culprits": [
         {"rank": r, "host": "h", "reason": "slow\nlink " * 20} for r in range(50)]}])

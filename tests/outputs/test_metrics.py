@@ -53,6 +53,19 @@ def test_a_failure_that_names_no_host_fails_the_check_on_every_host():
     assert values(got["ddp_smoke_check_pass"], "host") == {("n0",): 0, ("n1",): 0}
 
 
+def test_a_practice_run_marks_every_series_and_a_real_one_none():
+    """Issue 35: an injected failure must not page anyone as a real one; an alert rule can
+    route it (`ddp_smoke_pass{practice!="true"} == 0` pages for real failures only)."""
+    ranks = [{"rank": r, "local_rank": 0, "host": f"n{r}"} for r in range(2)]
+    for fault in ("1:crash@compute", None):
+        report = Report("0", "t", "gloo", 2, ranks, [CheckResult("compute", FAIL, culprits=[
+            Culprit(1, "n1", "terminated")])], {"checks": ["compute"], "fault": fault})
+        got = parse(metrics.render(report, "1", 0.0))
+        samples = [s for series in got.values() for s in series]
+        assert {s.labels.get("practice") for s in samples} == ({"true"} if fault else {None})
+        assert got["ddp_smoke_info"][0].labels.get("fault") == fault
+
+
 @pytest.mark.timeout(240)
 def test_real_run_writes_a_textfile_prometheus_reads(tmp_path):
     """Two real ranks with bandwidth and compute; every figure in the file is the report's."""

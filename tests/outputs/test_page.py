@@ -54,7 +54,9 @@ def _report(host_b: str = "node2", started: str = "2026-11-30T10:00:00+00:00",
             {"name": "compute", "status": "pass", "summary": "", "duration_s": 0.5,
              "culprits": [], "figures": {"matrix_size": 512, "median_tflops": {"fp32": tflops},
                                          "ranks": [{"rank": r["rank"], "host": r["host"],
-                                                    "matmul": {"fp32": {"tflops": tflops}}}
+                                                    "matmul": {"fp32": {
+                                                        "tflops": tflops * 1.1,
+                                                        "tflops_median": tflops}}}
                                                    for r in ranks]}}]}
 
 
@@ -93,6 +95,58 @@ def test_invalid_and_partial_reports_render_with_what_they_have(broken):
     assert 'id="verdict"' in text and text.rstrip().endswith("</html>")
     if not isinstance(broken, dict):
         assert "not a JSON object" in text
+
+
+def test_times_read_as_the_terminal_prints_them():
+    """Issue 35: a 25 us check read `2.5e-05` on the page; the terminal prints 0.000."""
+    report = _report()
+    report["checks"][0]["duration_s"] = 2.5e-05
+    report["timings"] = {"load_checks_s": 1.2e-05, "total_s": 3.25, "iterations": 1}
+    text = page.render(report)
+    assert "e-05" not in text and '<td class="num">0.000</td>' in text
+    assert "load_checks_s 0.000, total_s 3.250, iterations 1" in text
+
+
+def test_compute_reads_as_the_terminal_sustained_and_in_gflops_on_cpu():
+    text = page.render(_report(tflops=0.1))
+    assert "fp32 matmul, sustained (median block; GFLOPS, n = 512)" in text
+    assert "median 100" in text  # 0.1 TFLOPS median block = 100 GFLOPS
+
+
+def test_a_practice_run_says_so_on_the_page_and_lists_nothing_to_drain():
+    """Issue 35: report.html of a --fault run read as a real failure, drain commands and all."""
+    report = _report(pair=0.05, verdict="fail")
+    report["ranks"][2]["slurm_node"] = "node3"
+    report["injected"] = "2:slow=4@bandwidth"
+    text = page.render(report)
+    banner = re.search(r'<p id="practice" class="practice">(.*?)</p>', text)[1]
+    assert banner.startswith("PRACTICE, injected on purpose (--fault 2:slow=4@bandwidth), "
+                             "not this cluster&#x27;s fault: the failures below"), banner
+    assert text.index('id="verdict"') < text.index('id="practice"') < text.index('id="culprits"')
+    assert "<title>ddp-smoke FAIL (PRACTICE)" in text
+    assert 'id="next"' not in text and "scontrol" not in text
+
+
+def test_the_plot_hint_runs_as_written():
+    """Issue 35: `pip install 'ddp-smoke[plot]'` fails: the kit is not on PyPI. The hint's
+    command, run as written from the checkout, installs (here: finds) matplotlib."""
+    from ddp_smoke.outputs import plot
+    report = {"config": {"level": "standard"}}
+    saved = sys.modules.get("matplotlib")
+    sys.modules["matplotlib"] = None  # as if not installed: import raises ImportError
+    try:
+        said = plot.not_drawn(report)
+    finally:
+        sys.modules.pop("matplotlib")
+        if saved is not None:
+            sys.modules["matplotlib"] = saved
+    assert said == f"not drawn: matplotlib is not installed (in the checkout: {plot.INSTALL})"
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = plot.INSTALL.split()
+    if not os.path.exists(os.path.join(repo, argv[0])):
+        pytest.skip("no .venv in this checkout (make venv makes it)")
+    done = subprocess.run(argv, cwd=repo, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "matplotlib" in done.stdout, done.stdout + done.stderr
 
 
 def test_a_failing_run_leads_with_the_verdict_culprits_and_next_commands():

@@ -50,3 +50,20 @@ def test_summary_names_culprits_and_ends_with_the_verdict():
     text = render(_report(PASS, FAIL), "r/report.json")
     assert "culprit: rank 1 (node2): slow" in text
     assert text.splitlines()[-1].startswith("verdict: FAIL")
+
+
+def test_a_practice_run_says_so_in_every_junit_failure_and_in_the_verdict_line():
+    """Issue 35: a CI page shows a failure's message, not the suite's properties."""
+    report = _report(PASS, FAIL, error={"type": "Stopped", "message": "stopped", "rank": 1,
+                                        "host": "node2"})
+    report.config["fault"] = "1:slow=4@ddp_step"
+    root = ET.fromstring(to_junit(report))
+    note = "PRACTICE, injected on purpose (--fault 1:slow=4@ddp_step), not this cluster's fault: "
+    failures = list(root.iter("failure"))
+    assert len(failures) == 2 and all(f.get("message").startswith(note) for f in failures)
+    assert failures[0].text.startswith(note + "rank 1 host node2: slow")
+    lines = render(report, "r/report.json", ["# hosts: …"]).splitlines()
+    assert lines[-2:] == ["# hosts: …", "verdict: FAIL (PRACTICE: --fault 1:slow=4@ddp_step) — "
+                          "1/2 checks passed in 1.00 s; failed: ddp_step · report r/report.json"]
+    plain = ET.fromstring(to_junit(_report(PASS, FAIL)))
+    assert not any("PRACTICE" in (f.get("message") or "") for f in plain.iter("failure"))

@@ -106,6 +106,9 @@ def test_help_is_the_manual_and_names_every_check():
         assert f"  {name} " in p.stdout
     for words in ("--report-dir", "--config", "--checks", "--timeout", "Exit status"):
         assert words in p.stdout
+    from ddp_smoke.config.faults import KINDS  # issue 35: sdc was missing from --help
+    fault_help = " ".join(p.stdout[p.stdout.index("\n  --fault "):].split()[:40])
+    assert all(kind in fault_help for kind in KINDS), fault_help
 
 
 @pytest.mark.timeout(60)

@@ -73,7 +73,9 @@ def _merge(base: dict, overlay: dict, source: str, prefix: str = "") -> None:
         name = f"{prefix}{key}"
         if key not in base:
             valid = ", ".join(sorted(base))
-            raise ConfigError(f"unknown key {name!r} ({source}); valid keys: {valid}")
+            close = difflib.get_close_matches(str(key), list(base), n=1)
+            hint = f" did you mean {prefix + close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown key {name!r} ({source});{hint} valid keys: {valid}")
         default = base[key]
         if isinstance(default, dict):
             if not isinstance(value, dict):

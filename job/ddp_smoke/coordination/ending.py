@@ -75,7 +75,8 @@ def exit_aborted(c, store) -> None:
             return
     except Exception as e:  # noqa: BLE001 — the store went away while leaving
         give_up(c, e)
-    leave(f"run aborted at {c.stage}; the report was written", code=1)
+    # The writer's verdict line says it all, and must stay the output's last line: silent.
+    leave(None, code=1)
 
 
 def await_report(c, store, timeout_s: float) -> str | None:

@@ -45,6 +45,9 @@ def prepare(report_dir: str) -> list[str]:
 
 def check_writable(report_dir: str) -> None:
     """The folder can be made and written (a probe file, removed again); else ConfigError."""
+    if os.path.exists(report_dir) and not os.path.isdir(report_dir):
+        raise ConfigError(f"--report-dir {report_dir}: is a file, not a folder; choose a folder "
+                          "(it is made when missing)")
     try:
         os.makedirs(report_dir, exist_ok=True)
         probe = os.path.join(report_dir, f".write-test-{os.getpid()}")
@@ -63,9 +66,11 @@ class Published(NamedTuple):
 def publish(report: Report, report_dir: str, run_id: str,
             print_summary: bool = True) -> Published:
     """Write every output of a finished run, in this order: report.json and junit.xml, the
-    plot, the page (report.html), the human summary (unless ``print_summary`` is False: a
-    launcher that prints its own last line), the host lists and next steps (and ``--act``), the Prometheus
-    file. A report that cannot be written goes to stderr as one JSON line. Never raises."""
+    plot, the page (report.html), the host lists (and ``--act``), the Prometheus file; then
+    the human summary, which ends on the verdict line (hosts, next steps and where the optional
+    files went come just before it). ``print_summary`` False (a launcher that prints its own
+    last line): only those lines before it. A report that cannot be written goes to stderr as
+    one JSON line. Never raises."""
     lost, png = False, None
     try:
         path = write_report(report, report_dir)
@@ -75,16 +80,15 @@ def publish(report: Report, report_dir: str, run_id: str,
         path, lost = f"(not written: {e})", True
         print(f"ddp-smoke: error: {e}; the report follows as one JSON line", file=sys.stderr)
         print(to_json_line(report), file=sys.stderr)
-    if print_summary:
-        summary.print_report(report, path)
-    hosts.finish(report, report_dir, run_id)
+    said = hosts.finish(report, report_dir, run_id)
     prom = metrics.write(report, run_id)  # --prometheus FILE, when set
     # where the optional files went, or why they are absent: a missing file asks a question
-    said = []
     if plot.bandwidth_rows(report) and not lost:
         said.append(f"# {plot.FILENAME}: {png or plot.not_drawn(report) or 'not written'}")
     if prom:
         said.append(f"# prometheus textfile: {prom}")
-    if said:
+    if print_summary:
+        summary.print_report(report, path, said)
+    elif said:
         print("\n".join(said), flush=True)
     return Published(FAIL if lost else report.verdict, path)

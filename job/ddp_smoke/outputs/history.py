@@ -14,7 +14,14 @@ Figures kept, each named with what makes two runs comparable (size, dtype, rank 
   the best of its pairs, so that one slow link does not mark both ends), and, on single-node
   runs, each collective's busbw at the largest size swept (that node's own fabric);
 * per GPU, by serial where pynvml could read it, else its UUID, else ``host:local_rank`` (a CPU
-  slot on CPU runs): matmul TFLOPS per dtype and HBM copy bandwidth (compute check).
+  slot on CPU runs): compute's sustained matmul rate per dtype — its median block, the figure
+  the verdict judges, in the terminal's unit (TFLOPS on a GPU, GFLOPS on a CPU slot) — and HBM
+  copy bandwidth. Not the best block: a device held back for most of the run (a throttled GPU,
+  a CPU quota) keeps its best block, and only the sustained rate shows the fall.
+
+Practice runs (``--fault``, ``injected`` in the report) are indexed but left out of every
+series, trend and verdict list: a failure made on purpose is no drift of the cluster's.
+``--include-practice`` puts them back, each value and verdict marked ``*``.
 
 A figure is **degrading** in its latest run when it fell more than a margin below its own median
 over the runs before (the last ``window`` of them, at least ``min_runs``), even while it is still
@@ -87,6 +94,7 @@ def summarize(index: Index, kind: str, entities: list[tuple[str, str]] | None = 
             margin = index.margin(entry)
             rows.append({"figure": figure, "unit": entry["unit"], "values": values,
                          "runs": [p[2] for p in entry["points"]], "margin": margin,
+                         "practice": [p[4] is not None for p in entry["points"]],
                          **trend(values, margin, s["window"], s["min_runs"])})
         verdicts = index.host_verdicts(entity, until) if kind == "host" else []
         out.append({"kind": kind, "entity": entity, "label": label, "figures": rows,
@@ -147,6 +155,11 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.4g}"
 
 
+def _marked(text: str, practice: bool) -> str:
+    """A value or verdict of a practice run, shown only with --include-practice: ``*``."""
+    return text + "*" if practice else text
+
+
 def render(index: Index, shown: int = 6) -> str:
     """The text ``ddp-smoke history`` prints (pure given the index)."""
     s, runs = index.settings, index.runs()
@@ -157,27 +170,35 @@ def render(index: Index, shown: int = 6) -> str:
     margin = (f"{s['margin_override']:.0%}" if s.get("margin_override") is not None else
               f"the latest run's history.margin (default {s['margin']:.0%} on GPU, "
               f"{s['margin_cpu']:.0%} on CPU runs)")
-    lines = [f"# ddp-smoke history: {len(runs)} run(s) under {index.root}{span}",
+    practice = index.practice_runs()
+    kept = ("; * = a practice run (--fault), shown with --include-practice"
+            if s.get("include_practice") else
+            f"; {practice} practice run(s) (--fault) left out: --include-practice shows them"
+            if practice else "")
+    lines = [f"# ddp-smoke history: {len(runs)} run(s) under {index.root}{span}{kept}",
              f"# index {index.path}: {st['read']} report(s) read now, {st['removed']} gone, "
              f"{st['unreadable']} unreadable",
              f"# degrading = the latest value more than {margin} below the median of the "
-             f"{s['window']} runs before it (at least {s['min_runs']}); values oldest -> newest"]
+             f"{s['window']} runs before it (at least {s['min_runs']}); values oldest -> newest",
+             "# compute: the sustained rate (median block), the figure its verdict judges; "
+             "GFLOPS on a CPU slot, TFLOPS on a GPU"]
     flagged = []
     for kind, title in (("host", "host"), ("gpu", "device")):
         for ent in summarize(index, kind):
             head = f"{title} {ent['label']}"
             if ent["verdicts"]:
-                head += f"  verdicts: {' '.join(ent['verdicts'][-shown:])}"
+                head += "  verdicts: " + " ".join(_marked(v, p)
+                                                  for v, p in ent["verdicts"][-shown:])
             lines.append(f"\n{head}")
             for r in ent["figures"]:
-                tail = r["values"][-shown:]
+                tail = list(zip(r["values"], r["practice"]))[-shown:]
                 more = "… " if len(r["values"]) > shown else ""
                 change = "" if r["change"] is None else f"{r['change']:+.0%} vs median " \
                     f"{_fmt(r['median'])} of {r['prior']}"
                 flag = "  DEGRADING" if r["degrading"] else ""
                 lines.append(f"  {r['figure'] + ' (' + r['unit'] + ')':<42} runs {len(r['values']):>4}"
                              f"  {spark(r['values'][-24:]):<24}  {more}"
-                             f"{' '.join(_fmt(v) for v in tail)}   {change}{flag}")
+                             f"{' '.join(_marked(_fmt(v), p) for v, p in tail)}   {change}{flag}")
                 if r["degrading"]:
                     flagged.append(f"{title} {ent['entity']}: {r['figure']} {_fmt(r['last'])} "
                                    f"{r['unit']}, {-r['change']:.0%} below its median "
@@ -212,7 +233,7 @@ def fleet_lines(index: Index, shown: int = 18) -> list[str]:
 
 
 def run(root: str, margin: float | None = None, window: int | None = None,
-        min_runs: int | None = None) -> str:
+        min_runs: int | None = None, include_practice: bool = False) -> str:
     """``ddp-smoke history ROOT``: refresh the index and return the text to print.
 
     Raises:
@@ -224,7 +245,7 @@ def run(root: str, margin: float | None = None, window: int | None = None,
         raise ConfigError(f"history: --margin {margin}: expected a fraction >= 0 and < 1")
     if any(v is not None and v < 1 for v in (window, min_runs)):
         raise ConfigError("history: --window and --min-runs: expected integers >= 1")
-    settings = {"margin_override": margin}
+    settings = {"margin_override": margin, "include_practice": include_practice}
     settings.update({k: v for k, v in (("window", window), ("min_runs", min_runs)) if v})
     index = Index(root, {**defaults(), **settings})
     try:

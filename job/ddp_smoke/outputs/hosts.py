@@ -18,7 +18,7 @@ failed, but no host is to blame.
 
 Rank 0 then writes ``bad_hosts.txt``, ``suspect_hosts.txt`` and ``good_hosts.txt`` beside the
 report (one host name per line, atomically) and, when a host is not good, prints the commands
-an operator would run next: drain (``scontrol update … State=DRAIN Reason=…``), re-test
+an operator would run next, just before the verdict line: drain (``scontrol update … State=DRAIN Reason=…``), re-test
 without the bad nodes (``sbatch --exclude=…``), re-test a suspect link alone, and cordon and
 label the Kubernetes node; each only for the launcher that ran (Slurm lines for ranks that
 recorded a Slurm node, kubectl lines for pods that recorded their node; none on a laptop, none
@@ -28,6 +28,11 @@ to drain: an operator's or SlurmUser's job). It drains none when more than
 ``fleet.drain_max_share`` of the run's hosts are bad (the circuit breaker,
 :mod:`ddp_smoke.outputs.fleet`: a shared cause, not each host), and records every drain and
 refusal in ``actions.json`` beside the report.
+
+A practice run (``--fault``) leaves all three lists empty: a script that drains from
+bad_hosts.txt must find nothing to drain after a failure made on purpose, and a practice run
+vouches for no host either. Its ``hosts`` section in report.json keeps the judgement (the
+alerting path under test reads it), beside ``injected``.
 
 Everything here but :func:`finish` and :func:`drain` is pure.
 """
@@ -40,7 +45,7 @@ import subprocess
 import sys
 import time
 
-from ..model import get_field
+from ..model import get_field, injected
 from . import fleet
 from .files import write_atomic
 
@@ -201,15 +206,17 @@ def next_commands(hosts: list[dict], run_id: str) -> list[str]:
 
 def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None,
            injected: str | None = None) -> list[str]:
-    """What rank 0 prints after the verdict when a host is not good (nothing otherwise).
+    """What rank 0 prints just before the verdict when a host is not good (nothing otherwise).
     ``injected``: the run's ``--fault``; its failures were made on purpose, so no command that
-    takes a host out of service is printed for them."""
+    takes a host out of service is printed for them, and the lists are empty."""
     split = by_status(hosts)
     if not split[BAD] and not split[SUSPECT]:
         return []
     counts = ", ".join(f"{len(split[v])} {v}" for v in (BAD, SUSPECT, GOOD))
     lists = ", ".join(LISTS.values())
-    lines = [f"# hosts: {counts}; lists ({lists}) in {report_dir}"]
+    where = (f"practice run: lists ({lists}) left empty in {report_dir}" if injected else
+             f"lists ({lists}) in {report_dir}")
+    lines = [f"# hosts: {counts}; {where}"]
     for h in split[BAD] + split[SUSPECT]:
         first, more = _lead(h)
         lines.append(f"#   {h['status']:<7} {h['host']:<20} {first['check']}: "
@@ -326,25 +333,27 @@ def _untrusted(security: dict) -> str | None:
     return None
 
 
-def finish(report, report_dir: str, run_id: str) -> None:
-    """Rank 0, after the report is written: host lists, next steps, ``--act``. Never raises:
-    the verdict is already on disk and must reach every rank."""
+def finish(report, report_dir: str, run_id: str) -> list[str]:
+    """Rank 0, after the report is written: host lists, ``--act``; returns the lines to print
+    before the verdict (the hosts that are not good, next steps). Never raises: the verdict is
+    already on disk and must reach every rank."""
     try:
         hosts = hosts_section(report)
-        for name, text in host_lists(hosts).items():
+        practice = injected(report)
+        lists = host_lists([] if practice else hosts)
+        for name, text in lists.items():
             write_atomic(os.path.join(report_dir, name), text)
         config = get_field(report, "config") or {}
         act = config.get("act")
         refused = _untrusted(get_field(report, "security") or {}) if act else None
-        lines = render(hosts, run_id, report_dir, None if refused else act,
-                       injected=config.get("fault"))
+        lines = render(hosts, run_id, report_dir, None if refused else act, injected=practice)
         if refused:
             lines.append(f"# {refused}")
         elif act == "slurm-drain":
             share = (config.get("fleet") or {}).get("drain_max_share", 1.0)
             lines += [f"# {m}" for m in drain(hosts, run_id, report_dir=report_dir,
                                               max_share=share, where=shared_parts(report))]
-        if lines:
-            print("\n".join(lines), flush=True)
+        return lines
     except Exception as e:  # noqa: BLE001
         print(f"ddp-smoke: host lists not written: {type(e).__name__}: {e}", file=sys.stderr)
+        return []

@@ -31,6 +31,7 @@ import sys
 from typing import Any
 
 from ..coordination import lost
+from ..model import injected
 
 MAX_CHARS = 1024  # well inside the kubelet's 4096-byte limit, whole words never needed
 
@@ -39,7 +40,9 @@ def line(report: dict[str, Any], max_chars: int = MAX_CHARS) -> str:
     """The report as one line: verdict, run id, shape, failed checks with their culprits."""
     ranks = report.get("ranks") or []
     nodes = report.get("nodes", len({r.get("host") for r in ranks}))
-    parts = [f"ddp-smoke {str(report.get('verdict', 'none')).upper()}",
+    practice = injected(report)
+    parts = [f"ddp-smoke {str(report.get('verdict', 'none')).upper()}"
+             + (f" (PRACTICE: --fault {practice})" if practice else ""),
              f"run {report.get('run_id', '?')}",
              f"{report.get('world_size', len(ranks))} ranks on {nodes} nodes"]
     failed = []

@@ -301,10 +301,11 @@ def culprit_text(report: dict) -> str:
     return "; ".join(parts[:SHOWN]) + more
 
 
-def last_line(verdict: str, detail: str, exit_code: int | None, path: str) -> str:
+def last_line(verdict: str, detail: str, exit_code: int | None, path: str,
+              launcher: str = "slurm") -> str:
     parts = [f"ddp-smoke: verdict {verdict}"] + ([detail] if detail else [])
-    if exit_code is not None:
-        parts.append(f"srun exit {exit_code}")
+    if exit_code is not None:  # the status of what the launcher ran: srun's, or torchrun's
+        parts.append(f"{'srun' if launcher == 'slurm' else 'torchrun'} exit {exit_code}")
     parts += [f"report {path}", f"end {datetime.now().astimezone().isoformat(timespec='seconds')}"]
     return " · ".join(parts)
 
@@ -329,7 +330,8 @@ def main(argv: list[str]) -> int:
         report = own_report(a.report_dir, a.run_id)
         if report is not None:
             verdict = str(report.get("verdict"))
-            print(last_line(verdict, culprit_text(report), a.exit_code, path), flush=True)
+            print(last_line(verdict, culprit_text(report), a.exit_code, path, a.launcher),
+                  flush=True)
             return 0 if verdict == "pass" else 1
         refused = [error_line(node_stderr(a.report_dir, n, "run").splitlines() + [
             x for f in glob.glob(os.path.join(a.report_dir, "torchrun", n, "*", "attempt_*",
@@ -337,7 +339,8 @@ def main(argv: list[str]) -> int:
             if "ddp-smoke: error:" in x]) for n in nodes]
         refused = [r for r in refused if "ddp-smoke: error:" in r]
         if refused:  # bad input: no report by design, the worker's own line says why
-            print(last_line("none (no report)", f"bad input: {refused[0]}", a.exit_code, path))
+            print(last_line("none (no report)", f"bad input: {refused[0]}", a.exit_code, path,
+                            a.launcher))
             return 2
         said = lost.read(a.report_dir, a.run_id)
         if said:  # the workers ran; the ranks that lost the store left their word
@@ -355,6 +358,6 @@ def main(argv: list[str]) -> int:
     report = build(a.stage, nodes, culprits, victims, a.report_dir, a.run_id, a.launcher,
                    records, summary)
     written = publish(report, a.report_dir, a.run_id, print_summary=False).path
-    print(last_line(report.verdict, culprit_text(report.to_dict()), a.exit_code, written),
-          flush=True)
+    print(last_line(report.verdict, culprit_text(report.to_dict()), a.exit_code, written,
+                    a.launcher), flush=True)
     return 1

@@ -22,6 +22,12 @@ name ending in ``.prom``. Each run replaces the file; series (all gauges)::
 
 Labels hold no run id except ``ddp_smoke_info``'s, so the other series stay the same series
 from one run to the next.
+
+A practice run (``--fault``: failures made on purpose, to test the alerting path) adds the label
+``practice="true"`` to every series, and ``ddp_smoke_info`` carries the spec as ``fault``:
+an alert rule can route it as a drill (``ddp_smoke_pass{practice!="true"} == 0`` pages only
+for real failures) and a dashboard can tell it from a real failure. A real run's series carry
+no such label.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import os
 import sys
 import time
 
-from ..model import get_field
+from ..model import get_field, injected
 from .hosts import HOST_STATUSES, culprit_hosts, hosts_section
 from .files import write_atomic
 
@@ -126,12 +132,16 @@ def render(report, run_id: str, now_s: float) -> str:
         "run_duration_seconds": [({}, (d.get("timings") or {}).get("total_s", 0.0))],
         "last_run_timestamp_seconds": [({}, now_s)],
     }
+    practice = injected(d)
+    if practice:
+        series["info"][0][0]["fault"] = practice
+    mark = {"practice": "true"} if practice else {}
     lines = []
     for name, samples in series.items():
         if not samples:
             continue
         lines += [f"# HELP ddp_smoke_{name} {_HELP[name]}", f"# TYPE ddp_smoke_{name} gauge"]
-        lines += [_sample(name, labels, value) for labels, value in samples]
+        lines += [_sample(name, {**labels, **mark}, value) for labels, value in samples]
     return "\n".join(lines) + "\n"
 
 

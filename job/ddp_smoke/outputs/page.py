@@ -29,14 +29,14 @@ import sys
 
 from .. import __version__
 from ..errors import ConfigError, ReportWriteError
-from ..model import finite
+from ..model import finite, injected
 from . import history
 from .runs import _d, _l, _num
 from .files import write_atomic
 from .hosts import hosts_section, next_commands
-from .report import as_dict
-from .charts import (MAX_ROWS, check_of, checks_of, e, fmt, sec_bandwidth, sec_compute, sec_pairs,
-                     sec_timeline, sparkline)
+from .report import as_dict, practice_note
+from .charts import (MAX_ROWS, check_of, checks_of, e, fmt, seconds, sec_bandwidth, sec_compute,
+                     sec_pairs, sec_timeline, sparkline)
 
 FILENAME = "report.html"
 
@@ -81,8 +81,12 @@ def sec_verdict(report: dict) -> str:
              '</p>') if err else ""
     who = (f"{e(report.get('world_size', '?'))} ranks on {e(report.get('nodes', '?'))} node(s), "
            f"backend {e(report.get('backend', '?'))} &middot; run {e(report.get('run_id') or '?')}")
+    practice = (f'<p id="practice" class="practice">{e(practice_note(report))}: the failures '
+                'below test the alerting path; no host is to blame and none is listed to drain'
+                '</p>') if injected(report) else ""
     return (f'<header class="verdict {e(verdict)}"><h1><span id="verdict">{e(verdict.upper())}'
-            f'</span> <small>ddp-smoke</small></h1><p>{e(line)}</p><p>{who}</p>{extra}</header>')
+            f'</span> <small>ddp-smoke</small></h1>{practice}<p>{e(line)}</p><p>{who}</p>{extra}'
+            '</header>')
 
 
 def sec_culprits(report: dict) -> str:
@@ -104,7 +108,7 @@ def sec_culprits(report: dict) -> str:
 
 def sec_next(report: dict) -> str:
     lines = next_commands(_hosts(report), str(report.get("run_id") or ""))
-    if not lines:
+    if not lines or injected(report):  # nothing to drain after a failure made on purpose
         return ""
     return (f'<section id="next"><h2>Next steps <small>(printed, not run)</small></h2>'
             f'<pre>{e(chr(10).join(lines))}</pre></section>')
@@ -154,7 +158,8 @@ def _history_cell(ent: dict) -> str:
                    f'<span class="muted">{e(r["figure"])}</span> {fmt(r["last"])}'
                    f'{e(change)}{flag}</div>')
     if ent.get("verdicts"):
-        out.append(f'<div class="muted">verdicts: {e(" ".join(ent["verdicts"][-12:]))}</div>')
+        verdicts = " ".join(v for v, _ in ent["verdicts"][-12:])
+        out.append(f'<div class="muted">verdicts: {e(verdicts)}</div>')
     return "".join(out)
 
 
@@ -163,7 +168,7 @@ def sec_checks(report: dict) -> str:
     for c in checks_of(report):
         status = str(c.get("status") or "?")
         rows.append(f'<tr><td>{e(c.get("name"))}</td><td>{_chip(status)}</td>'
-                    f'<td class="num">{fmt(c.get("duration_s"), 3)}</td>'
+                    f'<td class="num">{seconds(c.get("duration_s"))}</td>'
                     f'<td>{e(c.get("summary") or "")}</td></tr>')
     return (f'<section id="checks"><h2>Checks</h2><div class="scroll"><table><thead><tr>'
             f'<th>check</th><th>status</th><th>s</th><th>result</th></tr></thead><tbody>'
@@ -250,7 +255,8 @@ def sec_identity(report: dict) -> str:
              ("backend", report.get("backend")), ("level", cfg.get("level")),
              ("profile", cfg.get("profile") or "cpu"),
              *[(k, v) for k, v in versions.items() if v]]
-    timings = ", ".join(f"{k} {fmt(v, 3)}" for k, v in _d(report.get("timings")).items())
+    timings = ", ".join(f"{k} {seconds(v) if k.endswith('_s') else fmt(v)}"
+                        for k, v in _d(report.get("timings")).items())
     dl = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in facts if v is not None)
     ranks = [_d(r) for r in _l(report.get("ranks"))]
     rows = []
@@ -288,6 +294,7 @@ header.verdict p{margin:4px 0}
 header.pass{background:#dafbe1;border-color:#1a7f37}header.fail{background:#ffebe9;
 border-color:#cf222e}header.pass h1{color:#1a7f37}header.fail h1{color:#cf222e}
 .error{font-family:ui-monospace,monospace;font-size:.9em}
+.practice{background:#fff1a8;border:2px dashed #9a6700;padding:6px 10px;font-weight:bold}
 .muted{color:#57606a;font-size:.9em}
 .culprits{padding-left:18px}.culprit{margin:0 0 8px}
 pre{background:#f6f8fa;padding:8px;overflow-x:auto;white-space:pre-wrap;word-break:break-all;
@@ -344,6 +351,7 @@ def render(report, hist: dict | None = None, source: str = "report.json") -> str
     warn = "".join(f'<section id="problems"><p class="error">{e(p)}</p></section>'
                    for p in problems)
     verdict = str(report.get("verdict") or "unknown").upper()
+    verdict += " (PRACTICE)" if injected(report) else ""
     title = f"ddp-smoke {verdict} · {report.get('run_id') or source}"
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"

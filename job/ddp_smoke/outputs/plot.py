@@ -1,9 +1,9 @@
 """Optional picture: busbw against message size, one line per collective, beside the report.
 
-Rank 0 calls :func:`write_busbw_png` after writing ``report.json``. It needs matplotlib (the
-``plot`` extra: ``pip install 'ddp-smoke[plot]'``); without it nothing is written and nothing is
-said. Not at the quick level (``ddp_smoke.config.levels``). A plot that fails for another reason
-costs one line on stderr, never the verdict.
+Rank 0 calls :func:`write_busbw_png` after writing ``report.json``. It needs matplotlib in the
+worker's Python (:data:`INSTALL`, the ``plot`` extra's one package); without it nothing is
+written, and the summary says why. Not at the quick level (``ddp_smoke.config.levels``). A plot
+that fails for another reason costs one line on stderr, never the verdict.
 """
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import sys
 from .files import write_atomic
 
 FILENAME = "busbw.png"
+# The kit is not on PyPI (pip install 'ddp-smoke[plot]' finds nothing): the command that works
+# as written, from the checkout, for the venv `make` made; elsewhere that Python's own pip.
+INSTALL = ".venv/bin/python -m pip install matplotlib"
 
 
 def not_drawn(report) -> str | None:
@@ -26,7 +29,7 @@ def not_drawn(report) -> str | None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return "not drawn: matplotlib is not installed (pip install 'ddp-smoke[plot]')"
+        return f"not drawn: matplotlib is not installed (in the checkout: {INSTALL})"
     return None
 
 

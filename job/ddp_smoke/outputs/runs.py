@@ -13,10 +13,11 @@ import os
 import sqlite3
 import time
 
+from ..model import injected
 from . import fleet
 
 INDEX_NAME = ".ddp-smoke-history.sqlite"
-SCHEMA = 3  # 3: the fleet memory's tables (_FLEET_TABLES)
+SCHEMA = 3  # 2: runs.practice, compute figures the sustained median block; 3: the fleet memory's tables (_FLEET_TABLES)
 REPORT = "report.json"
 # Folders a run writes beside its report: never a run of their own, not worth a walk.
 _ARTIFACT_DIRS = {"storage", "flight", "stacks", "nccl", "torchrun"}
@@ -118,6 +119,8 @@ def figures(report: dict) -> list[dict]:
                 f"x{report.get('world_size')} ranks", "GB/s", row.get("busbw_gbps"))
     comp = _d(_check(report, "compute").get("figures"))
     size = comp.get("matrix_size")
+    # the terminal's unit: GFLOPS for a CPU slot, TFLOPS for a GPU (checks/compute.py)
+    unit, scale = ("TFLOPS", 1.0) if device_type(report) == "cuda" else ("GFLOPS", 1e3)
     for row in _l(comp.get("ranks")):
         row = _d(row)
         rank = row.get("rank")
@@ -125,8 +128,11 @@ def figures(report: dict) -> list[dict]:
         key, label = gpu_key({**record, "host": record.get("host") or row.get("host")})
         host = record.get("host") or row.get("host")
         for dtype, m in _d(row.get("matmul")).items():
-            add("gpu", key, label, host, f"{dtype} matmul n={size}", "TFLOPS",
-                _d(m).get("tflops"))
+            # the median block, the rate the verdict judges: a throttled or quota-held device
+            # keeps its best block (a CPU slot's best is even timed in CPU seconds)
+            sustained = _num(_d(m).get("tflops_median"))
+            add("gpu", key, label, host, f"{dtype} matmul n={size} sustained", unit,
+                None if sustained is None else sustained * scale)
         add("gpu", key, label, host, "hbm copy", "GB/s", row.get("hbm_gbps"))
     return out
 
@@ -162,7 +168,8 @@ def run_time(report: dict, fallback: float) -> float:
 _TABLES = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE runs (path TEXT PRIMARY KEY, mtime_ns INTEGER, size INTEGER, t REAL,
-                   run_id TEXT, verdict TEXT, device TEXT, margin REAL, readable INTEGER);
+                   run_id TEXT, verdict TEXT, device TEXT, margin REAL, readable INTEGER,
+                   practice TEXT);
 CREATE TABLE figures (path TEXT, kind TEXT, entity TEXT, label TEXT, host TEXT, figure TEXT,
                       unit TEXT, value REAL);
 CREATE INDEX figures_by_entity ON figures (kind, entity, figure);
@@ -297,17 +304,17 @@ class Index:
                 raise ValueError("not an object")
         except (OSError, ValueError):  # half-written by hand, truncated, not ours
             self.stats["unreadable"] += 1
-            self.db.execute("INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,0)",
+            self.db.execute("INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,0,NULL)",
                             (rel, st.st_mtime_ns, st.st_size, st.st_mtime, None, None, None,
                              None))
             return
         device = device_type(report)
         own = _d(_d(report.get("config")).get("history"))
         margin = _num(own.get("margin_cpu" if device == "cpu" else "margin"))
-        self.db.execute("INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,1)",
+        self.db.execute("INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,1,?)",
                         (rel, st.st_mtime_ns, st.st_size, run_time(report, st.st_mtime),
                          str(report.get("run_id") or ""), str(report.get("verdict") or ""),
-                         device, margin))
+                         device, margin, injected(report)))
         self.db.executemany(
             "INSERT INTO figures VALUES (?,?,?,?,?,?,?,?)",
             [(rel, f["kind"], f["entity"], f["label"], f["host"], f["figure"], f["unit"],
@@ -346,17 +353,28 @@ class Index:
                              str(a.get("detail") or "")))
 
     # queries -------------------------------------------------------------------------------
+    @property
+    def _shown(self) -> str:
+        """The runs the queries read: practice runs (``--fault``) only when the settings ask
+        (``include_practice``): a failure made on purpose is no trend of the cluster's."""
+        return "" if self.settings.get("include_practice") else " AND r.practice IS NULL"
+
     def runs(self) -> list[tuple]:
-        """(path, t, run_id, verdict) of every readable run, oldest first."""
-        return self.db.execute("SELECT path, t, run_id, verdict FROM runs WHERE readable = 1 "
-                               "ORDER BY t, path").fetchall()
+        """(path, t, run_id, verdict, practice) of every readable run shown, oldest first."""
+        return self.db.execute("SELECT path, t, run_id, verdict, practice FROM runs r "
+                               f"WHERE readable = 1{self._shown} ORDER BY t, path").fetchall()
+
+    def practice_runs(self) -> int:
+        """How many readable practice runs the index holds (shown or not)."""
+        return self.db.execute("SELECT COUNT(*) FROM runs WHERE readable = 1 AND practice IS "
+                               "NOT NULL").fetchone()[0]
 
     def entities(self, kind: str, names: list[str] | None = None) -> list[tuple[str, str]]:
         """(entity, label) of every entity of a kind (or those named), in first-seen order;
         the label is the latest run's."""
         rows = self.db.execute(
             "SELECT f.entity, f.label FROM figures f JOIN runs r ON r.path = f.path "
-            "WHERE f.kind = ? ORDER BY r.t, r.path", (kind,)).fetchall()
+            f"WHERE f.kind = ?{self._shown} ORDER BY r.t, r.path", (kind,)).fetchall()
         labels = {}
         for entity, label in rows:
             labels[entity] = label
@@ -364,26 +382,27 @@ class Index:
         return list(keep.items())
 
     def series(self, kind: str, entity: str, until: float | None = None) -> dict[str, dict]:
-        """Each figure of an entity: ``{"unit", "points": [(t, path, run_id, value)]}``, oldest
-        first; only runs that started at or before ``until`` when given."""
+        """Each figure of an entity: ``{"unit", "points": [(t, path, run_id, value,
+        practice)]}``, oldest first; only runs that started at or before ``until`` when given."""
         rows = self.db.execute(
-            "SELECT f.figure, f.unit, r.t, r.path, r.run_id, f.value, r.device, r.margin "
-            "FROM figures f JOIN runs r ON r.path = f.path WHERE f.kind = ? AND f.entity = ? "
-            "ORDER BY r.t, r.path", (kind, entity)).fetchall()
+            "SELECT f.figure, f.unit, r.t, r.path, r.run_id, f.value, r.device, r.margin, "
+            "r.practice FROM figures f JOIN runs r ON r.path = f.path WHERE f.kind = ? AND "
+            f"f.entity = ?{self._shown} ORDER BY r.t, r.path", (kind, entity)).fetchall()
         out: dict[str, dict] = {}
-        for figure, unit, t, path, run_id, value, device, margin in rows:
+        for figure, unit, t, path, run_id, value, device, margin, practice in rows:
             if until is not None and t > until:
                 continue
             entry = out.setdefault(figure, {"unit": unit, "points": []})
-            entry["points"].append((t, path, run_id, value))
+            entry["points"].append((t, path, run_id, value, practice))
             entry["device"], entry["run_margin"] = device, margin
         return out
 
-    def host_verdicts(self, host: str, until: float | None = None) -> list[str]:
+    def host_verdicts(self, host: str, until: float | None = None) -> list[tuple[str, bool]]:
+        """(verdict, practice) of a host in every run shown, oldest first."""
         rows = self.db.execute(
-            "SELECT r.t, h.verdict FROM hosts h JOIN runs r ON r.path = h.path "
-            "WHERE h.host = ? ORDER BY r.t, r.path", (host,)).fetchall()
-        return [v for t, v in rows if until is None or t <= until]
+            "SELECT r.t, h.verdict, r.practice FROM hosts h JOIN runs r ON r.path = h.path "
+            f"WHERE h.host = ?{self._shown} ORDER BY r.t, r.path", (host,)).fetchall()
+        return [(v, p is not None) for t, v, p in rows if until is None or t <= until]
 
     def host_runs(self) -> dict[str, list[dict]]:
         """Each host's runs, oldest first: ``{"t", "run_id", "status", "reason", "boot_id"}``

@@ -1,13 +1,15 @@
 """The human summary rank 0 prints, laid out like nccl-tests: header, per-rank lines, notes,
-one row per check with its culprits, then the verdict."""
+one row per check with its culprits, what else was written, then the verdict: the verdict is the
+last line, whatever else the run prints (a log's tail, a job's last line)."""
 from __future__ import annotations
 
 from ..coordination import stragglers
-from ..model import FAIL, PASS, Report
+from ..model import FAIL, PASS, Report, injected
 
 
-def render(report: Report, path: str) -> str:
-    """The whole summary as text (pure, for tests and for printing)."""
+def render(report: Report, path: str, before_verdict: list[str] = ()) -> str:
+    """The whole summary as text (pure, for tests and for printing); ``before_verdict``: the
+    other outputs' lines (hosts, next steps, files written), printed just before the verdict."""
     d = report.to_dict()
     cfg = report.config
     lines = [f"# ddp-smoke {report.version} · backend {report.backend} · world_size "
@@ -39,14 +41,18 @@ def render(report: Report, path: str) -> str:
                          f"{', '.join(str(v['rank']) for v in victims[:16])}"
                          f"{' …' if len(victims) > 16 else ''}")
     lines.extend(security_lines(report.security))
-    if cfg.get("fault"):
-        lines.append(f"# injected on purpose (--fault {cfg['fault']}): the failures it causes "
+    practice = injected(report)
+    if practice:
+        lines.append(f"# injected on purpose (--fault {practice}): the failures it causes "
                      "test the alerting path, not this cluster")
+    lines.extend(before_verdict)
     passed = sum(c.status == PASS for c in report.checks)
     failed = [c.name for c in report.checks if c.status == FAIL]
     tail = f"; failed: {', '.join(failed)}" if failed else ""
-    lines.append(f"verdict: {report.verdict.upper()} — {passed}/{len(report.checks)} checks "
-                 f"passed in {report.timings.get('total_s', 0):.2f} s{tail} · report {path}")
+    mark = f" (PRACTICE: --fault {practice})" if practice else ""
+    lines.append(f"verdict: {report.verdict.upper()}{mark} — {passed}/{len(report.checks)} "
+                 f"checks passed in {report.timings.get('total_s', 0):.2f} s{tail} · report "
+                 f"{path}")
     return "\n".join(lines)
 
 
@@ -63,5 +69,5 @@ def security_lines(security: dict) -> list[str]:
     return out
 
 
-def print_report(report: Report, path: str) -> None:
-    print(render(report, path), flush=True)
+def print_report(report: Report, path: str, before_verdict: list[str] = ()) -> None:
+    print(render(report, path, before_verdict), flush=True)
