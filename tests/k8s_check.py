@@ -7,7 +7,7 @@ folders given):
 
 1. kubectl's own parser reads the folder exactly as ``kubectl apply -f FOLDER`` will
    (``kubectl label --local -f FOLDER x=y -o name``): a file that is no manifest fails here;
-2. core kinds (ConfigMap, Service, Job) against Kubernetes' own strict schemas
+2. core kinds (ConfigMap, Service, Job, DaemonSet, RBAC) against Kubernetes' own strict schemas
    (kubernetes-validate) at :data:`K8S_VERSIONS`;
 3. the PyTorchJob against the real CRD of Training Operator v1.9.4, made strict as the API
    server's field validation reads it, plus the operator's webhook rules; its pod templates
@@ -145,7 +145,10 @@ def errors_of(v, doc) -> list[str]:
 def validate(doc: dict) -> list[str]:
     """Every reason the API server (and the operator's webhook) would refuse ``doc``."""
     kind = (doc.get("apiVersion"), doc.get("kind"))
-    if kind in {("v1", "ConfigMap"), ("v1", "Service"), ("batch/v1", "Job")}:
+    if kind in {("v1", "ConfigMap"), ("v1", "Service"), ("batch/v1", "Job"), ("v1", "Namespace"),
+                ("v1", "ServiceAccount"), ("apps/v1", "DaemonSet"),
+                ("rbac.authorization.k8s.io/v1", "ClusterRole"),
+                ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding")}:
         return _core_errors(doc)
     if kind == ("kubeflow.org/v1", "PyTorchJob"):
         errors = []
