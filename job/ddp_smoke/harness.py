@@ -32,8 +32,8 @@ from .checks.api import Context, Evidence
 from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
-from .coordination import (ending, forensics, hosting, keys, liveness, lost, progress, reach,
-                           runtime, signing, stragglers)
+from .coordination import (ending, forensics, hosting, keys, liveness, lost, progress, rails,
+                           reach, runtime, signing, stragglers)
 from .coordination.protocol import Coordinator, Stop, error_detail
 from .coordination.store import DEAD_AFTER_S, wait_key
 from .errors import ConfigError
@@ -48,6 +48,7 @@ def run(cfg: dict[str, Any]) -> int:
     env = LaunchEnv.from_environ()
     faults = parse_faults(cfg["fault"], cfg["checks"])
     prelaunch.check_run(cfg, env.world_size)  # what `make smoke-local` checked before launch
+    rails.check(cfg, env)  # the rail interface this rank will bind exists on its node
     for name in cfg["checks"]:  # imports cost seconds (DDP pulls in torch._dynamo): not timed
         checks.load(name)
     coord_t0 = time.monotonic()
@@ -152,6 +153,7 @@ def _join(c: Coordinator, store, faults: list) -> Context:
     c.env = env = runtime.share_run_id(env, store)
     c.report_dir = rdir = default_report_dir(cfg, env.run_id)  # named after rank 0's id
     c.backend = c.agree_backend(store, cfg["backend"], pick, picks)
+    rails.bind(c, store, cfg["rails"], c.backend)  # gloo: each rank's rail, before the group
     runtime.nccl_log_env(c.backend, rdir)  # before NCCL's first init: transport check
     if device_error:
         c.abort(store, keys.ERROR, {"type": "DeviceError", "message": device_error,

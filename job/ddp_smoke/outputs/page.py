@@ -29,7 +29,7 @@ import sys
 
 from .. import __version__
 from ..errors import ConfigError, ReportWriteError
-from ..model import finite
+from ..model import finite, rail_label
 from . import history
 from .runs import _d, _l, _num
 from .files import write_atomic
@@ -52,13 +52,14 @@ def _hosts(report: dict) -> list[dict]:
 
 
 def _who(c: dict) -> str:
+    rail = f" · {rail_label(c['rail'])}" if isinstance(c.get("rail"), dict) else ""
     if c.get("rank") is not None:
-        return e(f"rank {c.get('rank')} ({c.get('host')})")
+        return e(f"rank {c.get('rank')} ({c.get('host')}){rail}")
     ranks, hosts = _l(c.get("ranks")), _l(c.get("hosts"))
     if ranks or hosts:
         ends = [f"{h} (rank {r})" for r, h in zip(ranks or [None] * len(hosts), hosts or ranks)]
-        return "link " + " &lt;-&gt; ".join(e(x) for x in ends)
-    return "no single rank"
+        return "link " + " &lt;-&gt; ".join(e(x) for x in ends) + e(rail)
+    return e(f"{rail_label(c['rail'])}, every node") if rail else "no single rank"
 
 
 def _chip(verdict) -> str:
@@ -123,6 +124,8 @@ def sec_hosts(report: dict, hist: dict | None) -> str:
                           for r in _l(h.get("reasons")))
         node = " ".join(f'{k.split("_")[0]} {e(h[k])}' for k in ("slurm_node", "k8s_node")
                         if h.get(k))
+        node += "".join(f'<div>{e(rail_label(r))}: {_chip(r.get("status"))}</div>'
+                        for r in map(_d, _l(h.get("rails"))))
         ranks = _l(h.get("ranks"))
         rank_text = ", ".join(str(r) for r in ranks[:16]) + (" …" if len(ranks) > 16 else "")
         cell = ""
