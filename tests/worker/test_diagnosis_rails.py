@@ -7,24 +7,25 @@ with c10d rendezvous on every node, two gloo ranks per node, local rank i on rai
 setting ``rails: [eth0, eth1]``). The faults are the kernel's own
 (../shared/reference/fault-recipes.md): one node's rail 1 throttled with tbf at both ends of
 its veth; one node's rail 1 dropped with iptables inside it (a dead NIC or cable); rail 1
-throttled on every node (its leaf switch). One two-rail sandbox serves the whole module.
+throttled on every node (its leaf switch). Each fault case runs more than once where a race
+could show as a wrong culprit set. One two-rail sandbox serves the whole module, and a run
+without the ``rails`` setting on it stays what a one-network run always was.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests import report_schema
-from tests.multinode import Nodes, torchrun_argv
+from tests.multinode import Nodes, in_host, sh, torchrun_argv
 from tests.sandbox.hosts import Host, HostSandbox, sandbox_fixture
 
 PREFIX, SUBNET, RAIL1 = "dsl", "10.231.37.0/24", "10.231.38.0/24"
 NODES, PER_NODE = 3, 2
+REPEAT = 2
 SLOW = ["rate", "200mbit", "burst", "64kb", "latency", "500ms"]
 # Small transfers: at 200 mbit a large buffer takes seconds per exchange.
 CONFIG = """rails: [eth0, eth1]
@@ -38,28 +39,20 @@ box = sandbox_fixture(PREFIX, SUBNET, NODES, needs=("tc", "iptables"), rail_subn
 _port = iter(range(29700, 29790))
 
 
-def _sh(*argv: str) -> None:
-    subprocess.run(list(argv), check=True, capture_output=True, timeout=10)
-
-
-def _in(host: Host, *argv: str) -> None:
-    _sh("ip", "netns", "exec", host.netns, *argv)
-
-
 @contextlib.contextmanager
 def _slow_rail(hosts: list[Host], rail: int = 1):
     """tbf on both ends of each host's rail veth: that rail of those nodes, both directions."""
     for h in hosts:
         ifname, _, link = h.rail(rail)
-        _sh("tc", "qdisc", "add", "dev", link, "root", "tbf", *SLOW)
-        _in(h, "tc", "qdisc", "add", "dev", ifname, "root", "tbf", *SLOW)
+        sh("tc", "qdisc", "add", "dev", link, "root", "tbf", *SLOW)
+        in_host(h, "tc", "qdisc", "add", "dev", ifname, "root", "tbf", *SLOW)
     try:
         yield
     finally:
         for h in hosts:
             ifname, _, link = h.rail(rail)
-            _sh("tc", "qdisc", "del", "dev", link, "root")
-            _in(h, "tc", "qdisc", "del", "dev", ifname, "root")
+            sh("tc", "qdisc", "del", "dev", link, "root")
+            in_host(h, "tc", "qdisc", "del", "dev", ifname, "root")
 
 
 @contextlib.contextmanager
@@ -68,12 +61,12 @@ def _dead_rail(host: Host, rail: int = 1):
     ifname = host.rail(rail)[0]
     rules = [["INPUT", "-i", ifname, "-j", "DROP"], ["OUTPUT", "-o", ifname, "-j", "DROP"]]
     for rule in rules:
-        _in(host, "iptables", "-I", *rule)
+        in_host(host, "iptables", "-I", *rule)
     try:
         yield
     finally:
         for rule in rules:
-            _in(host, "iptables", "-D", *rule)
+            in_host(host, "iptables", "-D", *rule)
 
 
 def run(sandbox: HostSandbox, tmp_path: Path, config: str = CONFIG,
@@ -135,7 +128,20 @@ def test_healthy_rails_are_measured_each_on_its_own(box, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_one_nodes_slow_rail_is_named_as_that_rail(box, tmp_path):
+def test_one_network_is_node_pairs_as_before(box, tmp_path):
+    """No rails setting: every rank on eth0 (the launcher's GLOO_SOCKET_IFNAME), node pairs."""
+    report, nodes = run(box, tmp_path, config=CONFIG.replace("rails: [eth0, eth1]\n", ""))
+    _show(report, nodes)
+    assert report["verdict"] == "pass", _named(report)
+    pairs = _check(report, "bandwidth")["figures"]["pairs"]
+    assert "rails" not in pairs and all("rail" not in p for p in pairs["results"])
+    assert pairs["leaders"] == [_rank(report, h, 0) for h in box.hosts]
+    assert {r["device"] for r in _check(report, "rails")["figures"]["ranks"]} == {"eth0"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("attempt", range(REPEAT))
+def test_one_nodes_slow_rail_is_named_as_that_rail(box, tmp_path, attempt):
     slow = box.hosts[2]
     with _slow_rail([slow]):
         report, nodes = run(box, tmp_path)
@@ -150,10 +156,17 @@ def test_one_nodes_slow_rail_is_named_as_that_rail(box, tmp_path):
                                           "status": "bad"}]
     assert all(h["status"] == "good" for n, h in hosts.items() if n != slow.name)
     assert (tmp_path / "report" / "bad_rails.txt").read_text() == f"{slow.name} rail 1 eth1\n"
+    assert (tmp_path / "report" / "bad_hosts.txt").read_text() == f"{slow.name}\n"
+    html = (tmp_path / "report" / "report.html").read_text()
+    assert f"rank {_rank(report, slow, 1)} ({slow.name}) · rail 1 (eth1)" in html
+    printed = [line for line in nodes.log(box.hosts[0].name).splitlines()  # rank 0's lines
+               if line.startswith(f"#   bad     {slow.name} ")]
+    assert len(printed) == 1 and "· rail 1 (eth1) bad bandwidth: " in printed[0], printed
 
 
 @pytest.mark.timeout(300)
-def test_one_nodes_dead_rail_is_named_and_the_run_goes_on(box, tmp_path):
+@pytest.mark.parametrize("attempt", range(REPEAT))
+def test_one_nodes_dead_rail_is_named_and_the_run_goes_on(box, tmp_path, attempt):
     dead = box.hosts[1]
     with _dead_rail(dead):
         report, nodes = run(box, tmp_path)

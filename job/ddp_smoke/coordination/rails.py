@@ -113,34 +113,16 @@ def _fallback(env) -> str | None:
 
 
 def cut_off(found: dict[int, dict]) -> dict[int, str]:
-    """The ranks of one rail that cannot carry it, from each one's ``{"tried", "failed"}``.
+    """The ranks of one rail that cannot carry it, from each one's ``{"tried", "failed"}``:
+    :func:`.reach.judge`'s rule, on the rail's ranks instead of the nodes' leaders.
 
     Returns:
-        ``{rank: "cut off"}`` for a rank that two or more of its peers, and most, fail with
-        (removed one at a time, the worst first, as :func:`.reach.judge` does), and
-        ``{rank: "unresolved"}`` for both ends of each failing pair left over (neither end
-        explains it, or two nodes alone cannot tell): gloo would not connect either pair.
+        ``{rank: "cut off"}`` for a rank that two or more of its peers, and most, fail with,
+        and ``{rank: "unresolved"}`` for both ends of each failing pair left over (neither
+        end explains it, or two nodes alone cannot tell): gloo would connect neither.
     """
-    pairs: dict[frozenset, bool] = {}
-    for a, f in found.items():
-        bad = set(f.get("failed") or [])
-        for b in f.get("tried") or []:
-            key = frozenset((a, b))
-            pairs[key] = pairs.get(key, False) or b in bad
-    out: dict[int, str] = {}
-    while True:
-        tally: dict[int, list[int]] = {}
-        for key, bad in pairs.items():
-            for n in key:
-                tally.setdefault(n, [0, 0])[0 if bad else 1] += 1
-        worst = [(bad / (bad + ok), bad, -n) for n, (bad, ok) in tally.items()
-                 if bad >= 2 and bad > ok]
-        if not worst:
-            break
-        n = -max(worst)[2]
-        out[n] = "cut off"
-        pairs = {k: v for k, v in pairs.items() if n not in k}
-    for key, bad in pairs.items():
-        if bad:
-            out.update({n: "unresolved" for n in key})
+    judged = reach.judge(found, [])
+    out = {c.rank: "cut off" for c in judged if c.rank is not None}
+    for c in judged:
+        out.update({n: "unresolved" for n in c.ranks or [] if n not in out})
     return out

@@ -230,13 +230,19 @@ def sec_identity(report: dict) -> str:
     timings = ", ".join(f"{k} {fmt(v, 3)}" for k, v in _d(report.get("timings")).items())
     dl = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in facts if v is not None)
     ranks = [_d(r) for r in _l(report.get("ranks"))]
+    chain = {c.get("rank"): c for c in map(_d, _l(_d(check_of(report, "rails")
+                                                       .get("figures")).get("ranks")))}
     rows = []
     for r in ranks[:MAX_ROWS]:
         ident = _d(r.get("identity"))
         gpu = " ".join(str(x) for x in (r.get("gpu_name"), r.get("gpu_bus_id"),
                                         ident.get("gpu_serial")) if x)
+        link = chain.get(r.get("rank"), {})  # the rails check's rank -> NIC chain
+        nic = " ".join(str(x) for x in (link.get("sent_on"), _d(link.get("nic")).get("pci"),
+                                        link.get("link")) if x)
         rows.append(f'<tr><td>{e(r.get("rank"))}</td><td>{e(r.get("local_rank"))}</td>'
                     f'<td>{e(r.get("host"))}</td><td>{e(r.get("device"))}</td><td>{e(gpu)}</td>'
+                    f'<td>{e(nic)}</td>'
                     f'<td>{e(r.get("route_address") or r.get("missing") or "")}</td></tr>')
     more = f'<p class="muted">and {len(ranks) - MAX_ROWS} more ranks in report.json</p>' \
         if len(ranks) > MAX_ROWS else ""
@@ -247,7 +253,8 @@ def sec_identity(report: dict) -> str:
         else ""
     return (f'<section id="identity"><h2>Run</h2><dl>{dl}</dl><p class="muted">timings (s): '
             f'{e(timings)}</p><div class="scroll"><table><thead><tr><th>rank</th><th>local</th>'
-            f'<th>host</th><th>device</th><th>GPU</th><th>address</th></tr></thead><tbody>'
+            f'<th>host</th><th>device</th><th>GPU</th><th>NIC (rail)</th><th>address</th></tr>'
+            f'</thead><tbody>'
             f'{"".join(rows)}</tbody></table></div>{more}{forensics}</section>')
 
 
