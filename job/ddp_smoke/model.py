@@ -91,6 +91,8 @@ class Report:
     # {"signed": bool, "findings": [{"key", "rank", "why", "seen_by", "value"}]}: records in
     # the store that failed their signature check (ddp_smoke.coordination.signing)
     security: dict[str, Any] = field(default_factory=dict)
+    # who wrote it: "rank 0", "rank N (took over from rank 0)", "store host", "launcher …"
+    written_by: str = ""
 
     def __post_init__(self):
         # Copies: the config and the results are the harness's own objects.

@@ -52,11 +52,11 @@ from typing import Any
 from . import task
 from .config.args import Parser, parse_config
 from .coordination import lost
-from .errors import ConfigError, ReportWriteError
+from .errors import ConfigError
 from .model import Culprit
-from .outputs import launch_report
-from .outputs.report import as_dict, write_report
+from .outputs import launch_report, publish
 from .outputs.last_line import from_lost
+from .outputs.report import as_dict
 
 CLUSTERS = ("slurm", "local")
 IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image from docker/
@@ -367,10 +367,9 @@ def _launch_report(job, p: Plan, errors: dict[int, BaseException]) -> dict | Non
     nodes = [str(n) for n in range(int(p.parameters["nodes"]))]
     report = launch_report.build("preflight" if failed else "run", nodes, failed or culprits,
                                  victims, str(p.report_dir), run_id, "submitit", {})
-    try:
-        write_report(report, str(p.report_dir))
-    except ReportWriteError:
-        pass  # the report still travels with the exception
+    # every artifact a run leaves; a report that cannot be written still travels with the
+    # exception
+    publish(report, str(p.report_dir), run_id, print_summary=False)
     return as_dict(report)
 
 

@@ -132,7 +132,8 @@ def test_the_judge_names_the_rank_whose_heartbeat_stopped(world):
     for c in coords[:2]:  # ranks 0 and 1 beat on; rank 2 is gone
         liveness.beat_once(c, c.beat_store, 2)
     coords[0].abort(coords[0].store, keys.LOST, {"silent": [2]})
-    live = judge.judge_abort(coords[0], coords[0].store)
+    coords[0].identities(coords[0].store)
+    live = judge.judge_as_a_rank(coords[0].store, coords[0].stopped(), coords[0].silence)
     result = coords[0].judged[-1][1]
     assert live == {0, 1} and result.name == "alpha" and result.status == "fail"
     assert [k.rank for k in result.culprits] == [2] and result.culprits[0].host == "h2"

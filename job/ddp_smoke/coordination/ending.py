@@ -14,7 +14,7 @@ import time
 from typing import Callable
 
 from . import keys, lost, progress, runtime
-from .judge import FORENSICS_WAIT_S, first_error, forensics_of, judge_abort
+from .judge import FORENSICS_WAIT_S, first_error, judge_as_a_rank
 from .store import DEAD_AFTER_S, beat_of, look_period, next_waiting, posted, try_get, wait_key
 
 FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
@@ -39,14 +39,15 @@ def finalize(c, store, aborted: bool) -> str | None:
     except Exception:  # noqa: BLE001 — the store is gone; write what this rank knows
         pass
     found, error = {}, None
+    c.identities(store)
     if aborted:
-        live = judge_abort(c, store)
+        stopped = c.stopped()
+        live = judge_as_a_rank(store, stopped, c.silence)
         # the report lists every live rank's forensics: the last ones may still come
         found = posted(store, keys.FORENSICS, live, FORENSICS_WAIT_S)
-        error = first_error(c, store)
+        error = first_error(store, stopped)
     c.timings["total_s"] = round(time.monotonic() - c.t0, 4)
-    c.identities(store)
-    verdict = c.publish(c, store, error, forensics_of(c, found))  # this thread's connection
+    verdict = c.publish(c, store, error, found)  # this thread's connection
     try:  # always, so that the other ranks leave now; a lost report is no pass
         store.set(keys.FINAL, verdict)
     except Exception:  # noqa: BLE001

@@ -32,10 +32,8 @@ from datetime import datetime, timezone
 
 from .. import __version__
 from ..coordination import lost
-from ..errors import ReportWriteError
 from ..model import FAIL, CheckResult, Culprit, Report
-from . import hosts, page
-from .report import write_report
+from . import publish
 
 STAGES = ("preflight", "run")
 CHECK = {"preflight": "preflight", "run": "launch"}
@@ -271,8 +269,8 @@ def build(stage: str, nodes: list[str], culprits: list[Culprit], victims: list[s
     return Report(version=__version__,
                   started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   backend="none", world_size=0, ranks=[], checks=[check],
-                  config={"launcher": launcher, "report_dir": report_dir, "stage": stage},
-                  run_id=run_id)
+                  config={"report_dir": report_dir}, run_id=run_id,
+                  written_by=f"{launcher} launcher")
 
 
 def own_report(report_dir: str, run_id: str) -> dict | None:
@@ -356,12 +354,7 @@ def main(argv: list[str]) -> int:
             return 0
     report = build(a.stage, nodes, culprits, victims, a.report_dir, a.run_id, a.launcher,
                    records, summary)
-    try:
-        written = write_report(report, a.report_dir)
-        page.write(report, a.report_dir)  # report.html, as beside the worker's reports
-    except (ReportWriteError, OSError) as e:  # the line below still names the nodes
-        written = f"(not written: {e})"
-    hosts.finish(report, a.report_dir, a.run_id)  # host lists and next steps, as the worker's
-    detail = culprit_text(report.to_dict())
-    print(last_line(report.verdict, detail, a.exit_code, written), flush=True)
+    written = publish(report, a.report_dir, a.run_id, print_summary=False).path
+    print(last_line(report.verdict, culprit_text(report.to_dict()), a.exit_code, written),
+          flush=True)
     return 1
