@@ -391,7 +391,9 @@ class HostSandbox:
             _sh(["ip", "-n", self.spine, "addr", "add", f"{net[SPINE_OFFSET]}/24", "dev",
                  f"leg{k}"])
             _sh(["ip", "-n", self.spine, "link", "set", f"leg{k}", "up"])
-        _sh(["ip", "netns", "exec", self.spine, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        # forwarding in the spine's namespace only (/proc/sys/net is per network namespace)
+        _sh(["ip", "netns", "exec", self.spine, "sh", "-c",
+             "echo 1 > /proc/sys/net/ipv4/ip_forward"])
 
     def _make_host(self, host: Host) -> None:
         self._do(f"netns {host.netns}", ["ip", "netns", "add", host.netns],
