@@ -330,7 +330,7 @@ def _rail_report() -> Report:
              "reference_busbw_gbps": 1.0, "size_bytes": SIZE}
     check = CheckResult("bandwidth", FAIL, culprits=culprits, figures={"pairs": pairs})
     return Report("0", "2026-12-01T10:00:00+00:00", "gloo", 6, ranks, [check], {"timeout": 9, "checks": ["bandwidth"]},
-                  timings={"total_s": 1.0}, run_id="r1")
+                  timings={"total_s": 1.0}, run_id="r1", written_by="rank 0")
 
 
 def test_host_lists_page_and_metrics_say_the_rail():
