@@ -141,6 +141,13 @@ def test_a_nearer_nic_nccl_does_not_list_points_at_its_port(gpu_root):
     assert "NCCL does not list mlx5_1: its port is down" in result.culprits[0].reason
 
 
+def test_nccl_candidates_are_its_nics_and_the_sites_rails():
+    devices = ["mlx5_0", "mlx5_1", "mlx5_8"]  # mlx5_8: a storage NIC nobody names a rail
+    assert rails.nccl_candidates(devices, ["mlx5_0"], None) == {"mlx5_0": True}
+    assert rails.nccl_candidates(devices, ["mlx5_0"], ["mlx5_0:1", "mlx5_1:1"]) == {
+        "mlx5_0": True, "mlx5_1": False}
+
+
 def test_the_sites_rails_setting_is_held_against_nccls_choice(gpu_root):
     obs = [_gpu_obs(gpu_root, i % 8, f"mlx5_{i % 8}", wanted=f"mlx5_{i % 8}") for i in range(16)]
     obs[2] = _gpu_obs(gpu_root, 2, "mlx5_2", wanted="mlx5_6")

@@ -10,8 +10,9 @@ reads, on every rank, with no traffic of its own:
 * the network device the rank sends on (:mod:`._rails`: NCCL's own log, or the interface gloo
   was given) and, from sysfs (:mod:`._topology`), the PCI address and NUMA node of that NIC,
   of the rank's GPU, and of the cores the rank may run on (its CPU affinity);
-* the other NICs it could have used: every RDMA device of the node under NCCL, the ``rails``
-  setting's interfaces under gloo.
+* the other NICs it could have used: under NCCL those in its NIC list and those the ``rails``
+  setting names (a rail NCCL does not list: its port down, or left out by ``NCCL_IB_HCA``);
+  under gloo the ``rails`` setting's interfaces.
 
 Pass criterion, per rank: its NIC is as near its GPU as any (PIX, PXB, PHB, NODE, SYS in the
 words of ``nvidia-smi topo -m``), or, on a CPU rank, on a NUMA node of its cores when one of
@@ -52,12 +53,20 @@ def run(ctx) -> dict:
         facts = nccl_log.read_own_log(pattern)[0] if pattern else nccl_log.parse([])
         listed = [n["device"] for t in nccl_log.nics(facts["devices"]).values()
                   for n in t.values()]
-        candidates = {d: d in listed for d in topology.rdma_devices("/")}
+        candidates = nccl_candidates(topology.rdma_devices("/"), listed, setting)
     else:
         candidates = {d: True for d in (setting or [])}
     return {"rail": rail, "wanted": wanted,
             **locate("/", rail.get("sent_on") or rail.get("device"), bus,
                      set(os.sched_getaffinity(0)), candidates)}
+
+
+def nccl_candidates(devices: list[str], listed: list[str], setting: list | None) -> dict:
+    """The NICs a GPU could have used under NCCL, each with whether NCCL lists it: those NCCL
+    lists, and those the ``rails`` setting names that it does not (a rail whose port is down,
+    or that NCCL_IB_HCA leaves out). A NIC neither names (storage, management) is no rail."""
+    rails = {str(d).split(":")[0] for d in setting or []}
+    return {d: d in listed for d in devices if d in listed or d in rails}
 
 
 def _bus_id(device) -> str | None:
