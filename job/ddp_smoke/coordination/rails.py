@@ -61,12 +61,26 @@ def chosen() -> dict | None:
 def bind(c, store, rails: list[str] | None, backend: str) -> None:
     """Probe this rank's rail, judge it with its peers, then point gloo at it (or not)."""
     global _CHOSEN
-    env = c.env
     if not rails or backend != "gloo":
         return
+    env = c.env
     name = interface(rails, env.local_rank)
     addr = runtime.interface_addresses().get(name)
-    probe = reach.Probe(addr)
+    records, group, found = _survey(c, store, name, addr)
+    dead = _dead(env.rank, records, group, found)
+    sent_on = _fallback(env) if dead else name
+    if sent_on:
+        os.environ["GLOO_SOCKET_IFNAME"] = sent_on
+    else:  # no interface found for the store's route: gloo's own default (the hostname)
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    _CHOSEN = {"index": env.local_rank, "interface": name, "address": addr,
+               "sent_on": sent_on, "dead": dead}
+
+
+def _survey(c, store, name: str, addr: str) -> tuple[list[dict], list[int], dict]:
+    """Every rank's rail record, this rank's rail group (itself and its peers on the other
+    nodes), and each group member's probe findings ``{"tried", "failed"}``."""
+    env, probe = c.env, reach.Probe(addr)
     node = f"{runtime.hostname()}/{env.group_rank}"
     try:
         mine = {"node": node, "local_rank": env.local_rank, "interface": name,
@@ -78,7 +92,7 @@ def bind(c, store, rails: list[str] | None, backend: str) -> None:
                  if x["local_rank"] == env.local_rank and (x["node"] != node or r == env.rank)]
         tried = reach.targets(env.rank, group)
         failed = set(tried)
-        for _ in range(reach.ROUNDS):
+        for _ in range(reach.ROUNDS):  # once more for those missed: a lost SYN is no dead rail
             failed = reach.connect_all({r: (records[r]["address"], records[r]["port"])
                                         for r in failed}, reach.PROBE_S)
             if not failed:
@@ -89,20 +103,18 @@ def bind(c, store, rails: list[str] | None, backend: str) -> None:
         probe.sock.close()
     found = dict(zip(group, map(json.loads, store.multi_get(
         [keys.of(keys.RAIL_REACH, r) for r in group]))))
-    cut = cut_off(found)
-    dead = None
-    if env.rank in cut:
-        unreached = sorted({records[r]["node"].rpartition("/")[0] for r in group
-                            if env.rank in found[r]["failed"] or r in found[env.rank]["failed"]})
-        dead = {"why": cut[env.rank], "unreached": unreached,
-                "tried": len(found[env.rank]["tried"])}
-    sent_on = _fallback(env) if dead else name
-    if sent_on:
-        os.environ["GLOO_SOCKET_IFNAME"] = sent_on
-    else:  # no interface found for the store's route: gloo's own default (the hostname)
-        os.environ.pop("GLOO_SOCKET_IFNAME", None)
-    _CHOSEN = {"index": env.local_rank, "interface": name, "address": addr,
-               "sent_on": sent_on, "dead": dead}
+    return records, group, found
+
+
+def _dead(rank: int, records: list[dict], group: list[int], found: dict) -> dict | None:
+    """Why this rank's rail is dead (:func:`cut_off`) and whom it did not reach; None if it
+    is not."""
+    why = cut_off(found).get(rank)
+    if why is None:
+        return None
+    unreached = sorted({records[r]["node"].rpartition("/")[0] for r in group
+                        if rank in found[r]["failed"] or r in found[rank]["failed"]})
+    return {"why": why, "unreached": unreached, "tried": len(found[rank]["tried"])}
 
 
 def _fallback(env) -> str | None:
