@@ -9,6 +9,8 @@
 PYTHON     ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PIP_EXTRA  ?=
+# the NVML binding the health check is tested with (pyproject.toml, docker/Dockerfile: the same)
+NVML_SPEC  := nvidia-ml-py>=13.580.65,<14
 NPROC      ?= 2
 # quick: a verdict in about the time of the bare tutorial (README, "Measurement levels")
 LEVEL      ?= quick
@@ -38,7 +40,7 @@ help:  ## list the verbs
 $(VENV)/.runtime: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	args=$$(TORCH_SPEC='$(TORCH_SPEC)' PIP_EXTRA='$(PIP_EXTRA)' PIP='$(PY) -m pip' \
-	  sh job/torch_choice.sh) && $(PIP) install $$args numpy pyyaml submitit nvidia-ml-py
+	  sh job/torch_choice.sh) && $(PIP) install $$args numpy pyyaml submitit '$(NVML_SPEC)'
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -70,12 +72,12 @@ image:  ## build the worker image (IMAGE=…, BASE_IMAGE=…, WHEELHOUSE=wheelho
 
 wheelhouse:  ## wheels for an offline `make image WHEELHOUSE=wheelhouse` (PY_VERSION = the base's Python)
 	$(PYTHON) -m pip download --only-binary=:all: --python-version $(PY_VERSION) \
-	  --platform manylinux_2_28_x86_64 -d wheelhouse numpy pyyaml submitit nvidia-ml-py setuptools
+	  --platform manylinux_2_28_x86_64 -d wheelhouse numpy pyyaml submitit '$(NVML_SPEC)' setuptools
 
 image-test: $(VENV)/.test  ## build and run the image on a private Docker engine (root)
 	$(PY) -m pytest tests/launchers/test_docker.py $(PYTEST_ARGS)
 
-bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs the tutorial, busbw vs a loop, phases, pair planner, preflight's cost, rails' pairs
+bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs the tutorial, busbw vs a loop, phases, pair planner, preflight's and health's cost, rails' pairs
 	@echo "# bench on $$(nproc) CPUs; load average now: $$(cut -d' ' -f1-3 /proc/loadavg)"
 	$(PY) bench/smoke_vs_tutorial.py $(BENCH_ROUNDS)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 bench/bandwidth_vs_loop.py --rounds 7
@@ -83,10 +85,11 @@ bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs t
 	$(PY) bench/pairs_plan.py
 	$(PY) bench/coordination_scale.py --quick
 	$(PY) bench/preflight_cost.py 3
+	$(PY) bench/health_cost.py 3
 	$(PY) bench/rails_pairs.py 3
 
 gpu-check: $(VENV)/.runtime  ## on a GPU machine (CUDA torch: TORCH_SPEC/PIP_EXTRA): NVML + health, SDC, every check on NCCL, a hang's Flight Recorder, compute vs h200 (<= 8 min)
-	bash bench/gpu_check.sh
+	$(PY) bench/gpu_check.py
 
 sandbox-up:  ## N network-namespace "nodes" (dsh-node1 …) on a private bridge, to try multi-node by hand (root)
 	$(PYTHON) -m tests.sandbox.hosts up $(N)

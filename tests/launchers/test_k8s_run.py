@@ -508,7 +508,7 @@ def test_pytorchjob_rank0_killed_the_report_names_it(k8s_net: PodNetwork,
     assert culprits == {(0, host_of[0])} and host_of[0] in {p.hostname for p in pods}, logs
     # The writer: rank 1, unless its torchrun agent stopped it first (the Master's agent hosts
     # torchrun's rendezvous store and leaves with its killed worker): then the store host.
-    assert writer in ("rank 1", "store host"), logs
+    assert writer in ("rank 1 (took over from rank 0)", "store host"), logs
     assert None not in statuses, logs
     lines = [ln for c in containers.values() for ln in c.logs().splitlines()
              if ln.startswith(REPORT_LINE)]

@@ -66,7 +66,7 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"
 TORCH_SPEC = "torch==2.13.0"  # exactly: any other spec makes pip fetch a multi-GB CUDA build
 TORCH_WHEEL_GLOB = "torch-2.13.0+cpu-cp311-cp311-*.whl"  # bookworm's python3 is 3.11
 # The worker's dependencies (torch aside: the base has it) and setuptools to build the worker.
-WHEEL_SPECS = ("numpy", "pyyaml", "submitit", "nvidia-ml-py", "setuptools")
+WHEEL_SPECS = ("numpy", "pyyaml", "submitit", "nvidia-ml-py>=13.580.65,<14", "setuptools")
 IMAGE_TAG = "local/ddp-smoke:test"
 # none, not host: proves the image builds with no network at all (pip --no-index).
 BUILD_NETWORK = "none"

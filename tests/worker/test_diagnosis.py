@@ -142,7 +142,17 @@ def test_rank_frozen_before_arriving_is_named_from_its_heartbeat(tmp_path, attem
     run.wait_until(_in_compute)
     pid = run.worker_pid(2)
     os.kill(pid, signal.SIGSTOP)
-    done = _finish_failed(run, time.time(), "rank 2 frozen before arriving")  # torchrun kills it
+    frozen_at = time.time()
+    report = run.report_dir / "report.json"
+    for _ in range(300):  # the report is written while rank 2 is still frozen
+        if report.exists():
+            break
+        time.sleep(0.1)
+    assert report.exists(), "no report 30 s after the freeze"
+    # The node wakes up: the SIGTERM torchrun sent it meanwhile is delivered now, and the
+    # launch ends by itself (frozen, it would end only at torchrun's SIGKILL, 30 s later).
+    os.kill(pid, signal.SIGCONT)
+    done = _finish_failed(run, frozen_at, "rank 2 frozen before arriving")
     report = done.report
     culprits = _culprits(report, "compute")
     assert [c["rank"] for c in culprits] == [2], culprits

@@ -147,13 +147,15 @@ def test_nan_weights_after_the_step_fail_ddp_step_and_name_the_rank():
 
 def test_report_is_strict_json_with_nan_and_inf_as_null(tmp_path):
     r = _report(checks=[CheckResult("compute", PASS, figures={
-        "a": math.nan, "b": [math.inf, 1.5], "c": {"d": -math.inf}})])
+        "straggler_margin": math.nan, "shared_cores": [math.inf, 1.5],
+        "median_tflops": {"fp32": -math.inf}})])
     path = write_report(r, str(tmp_path))
 
     def refuse(name):
         raise ValueError(f"non-standard JSON constant {name}")
     data = json.loads(Path(path).read_text(), parse_constant=refuse)
-    assert data["checks"][0]["figures"] == {"a": None, "b": [None, 1.5], "c": {"d": None}}
+    assert data["checks"][0]["figures"] == {"straggler_margin": None, "shared_cores": [None, 1.5],
+                                            "median_tflops": {"fp32": None}}
     assert json.loads(to_json_line(r), parse_constant=refuse)["run_id"] == "run-1"
     assert "\n" not in to_json_line(r)
 

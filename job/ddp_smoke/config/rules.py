@@ -213,6 +213,10 @@ RULES: dict[str, Any] = {
     "health.hca_symbol_error_per_s": Real(0.0, 1e9),
     "health.hca_port_rcv_errors_per_s": Real(0.0, 1e9),
     "health.hca_link_error_recovery_per_s": Real(0.0, 1e9),
+    "health.hca_port_xmit_discards_per_s": Real(0.0, 1e9),
+    "health.hca_local_ack_timeout_err_per_s": Real(0.0, 1e9),
+    "health.hca_flaps_max": Int(0, 1 << 31),
+    "health.temp_warn_margin_c": Int(0, 100),
     "health.require_persistence_mode": Any_(),
 }
 

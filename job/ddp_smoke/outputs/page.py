@@ -173,6 +173,32 @@ def sec_checks(report: dict) -> str:
             f'{"".join(rows)}</tbody></table></div></section>')
 
 
+def sec_gpus(report: dict) -> str:
+    """Every GPU the health check read, per node: identity, the rank using it, its verdict."""
+    health = check_of(report, "health") or {}
+    nodes = [_d(n) for n in _l(_d(health.get("figures")).get("nodes"))]
+    rows = []
+    for n in nodes:
+        for g in [_d(g) for g in _l(n.get("gpus"))][:MAX_ROWS]:
+            status = str(g.get("status") or "ok")
+            rows.append(f'<tr><td>{e(n.get("host"))}</td><td class="num">{e(g.get("index"))}</td>'
+                        f'<td>{e(g.get("bus_id"))}</td><td>{e(g.get("serial"))}</td>'
+                        f'<td class="num">{e(g.get("rank"))}</td>'
+                        f'<td>{_chip("pass" if status == "ok" else status)}</td>'
+                        f'<td class="num">{e(g.get("temp_max_c"))}</td>'
+                        f'<td>{e(g.get("pcie_busy"))}</td><td class="num">'
+                        f'{e(g.get("nvlink_up"))}</td></tr>')
+    if not rows:
+        return ""
+    replayed = [n.get("host") for n in nodes if n.get("replay")]
+    note = (f'<p class="muted">replayed from a recording, not the hardware: '
+            f'{e(", ".join(str(h) for h in replayed))}</p>' if replayed else "")
+    return (f'<section id="gpus"><h2>GPUs</h2>{note}<div class="scroll"><table><thead><tr>'
+            f'<th>host</th><th>GPU</th><th>bus id</th><th>serial</th><th>rank</th>'
+            f'<th>health</th><th>max °C</th><th>PCIe under load</th><th>NVLink up</th></tr>'
+            f'</thead><tbody>{"".join(rows)}</tbody></table></div></section>')
+
+
 def sec_victims(report: dict) -> str:
     rows = []
     for c in checks_of(report):
@@ -316,7 +342,7 @@ def render(report, hist: dict | None = None, source: str = "report.json") -> str
         problems.append(f"the report lacks {', '.join(missing)}: partial or another version")
     parts = []
     sections = [sec_verdict, sec_culprits, sec_next, lambda r: sec_hosts(r, hist), sec_checks,
-                sec_bandwidth, sec_pairs, sec_compute, sec_timeline, sec_victims,
+                sec_gpus, sec_bandwidth, sec_pairs, sec_compute, sec_timeline, sec_victims,
                 lambda r: sec_history(hist), sec_identity]
     for section in sections:
         try:

@@ -21,13 +21,23 @@ profile file holds::
     compute:
       min_tflops: {bf16: 676.0}   # per rank and dtype (fp32 on CPU)
     health:                 # what the health check expects of each node (absent: not judged)
-      gpus_per_node: 8
+      gpus_per_node: 8      # also makes a run a GPU run: GPUs that cannot be read fail it
       pcie_gen: 5           # every GPU's PCIe link under load, at least
       pcie_width: 16
-      nvlink_links: 18      # NVLink links per GPU, all up
-      hca_ports: 8          # HCA ports ACTIVE / LinkUp at hca_rate_gbps or more
+      nvlink_links: 18      # NVLink links per GPU by design, all up
+      hca_names: ["mlx5_*"] # the HCAs that carry GPU traffic (glob of device or device/port)
+      hca_ports: 8          # of those, ports ACTIVE / LinkUp at hca_rate_gbps or more
       hca_rate_gbps: 400
     sources: [where each number comes from]
+
+"By design" in ``health``: the profile states the SKU's design — its GPU count, its NVLink
+links per GPU (export parts such as some H800/H20-class boards have fewer than HGX's 18: their
+profile says so), which HCAs carry the GPU traffic and at what rate. A node is judged against
+that; what the profile does not state, the hardware states for itself (the NVLink link-count
+field, links NVML calls NOT_SUPPORTED as not wired) and the node's GPUs are held to each
+other. Without ``hca_names``, NCCL_IB_HCA (NCCL's own selection) names the GPU-traffic HCAs,
+else the ports at ``hca_rate_gbps``; other ports (storage, front end, uncabled) at most warn.
+HCA expectations apply to runs of two or more nodes only.
 
 A run below a floor fails its check, and the check says by how much. The sweep always reaches
 the sizes the floors name, so a floor is measured where it was defined. A profile with floors
@@ -95,8 +105,8 @@ def _read_path(path: str) -> str:
 
 
 _SECTIONS = {"bandwidth": ("world_size", "nodes", "floors"), "compute": ("min_tflops",),
-             "health": ("gpus_per_node", "pcie_gen", "pcie_width", "nvlink_links", "hca_ports",
-                        "hca_rate_gbps")}
+             "health": ("gpus_per_node", "pcie_gen", "pcie_width", "nvlink_links", "hca_names",
+                        "hca_ports", "hca_rate_gbps")}
 _FLOOR = "{collective, size_bytes (int >= 1), min_busbw_gbps (finite number > 0)}"
 
 
@@ -141,7 +151,11 @@ def _validate(name: str, data: Any) -> None:
             fail(f"bandwidth floor {floor!r}: expected {_FLOOR}, collective one of "
                  f"{', '.join(rules.SWEPT)}")
     for key, value in data.get("health", {}).items():  # what the health check expects
-        if not (_integer(value) and value >= 1):
+        if key == "hca_names":
+            if not (isinstance(value, list) and value and
+                    all(isinstance(v, str) and v for v in value)):
+                fail(f"health.hca_names = {value!r}: expected a list of device-name globs")
+        elif not (_integer(value) and value >= 1):
             fail(f"health.{key} = {value!r}: expected an integer >= 1")
     tflops = data.get("compute", {}).get("min_tflops", {})
     dtypes = rules.GPU_MATMUL_DTYPES  # fp32 is also the CPU's
