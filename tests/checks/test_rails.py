@@ -131,14 +131,21 @@ def test_a_gpu_on_another_numa_nodes_nic_is_named_with_the_fix(gpu_root):
     assert "NCCL_IB_HCA" in reason and "NCCL_CROSS_NIC=0" in reason and "NCCL_TOPO_FILE" in reason
 
 
-def test_a_nearer_nic_nccl_does_not_list_points_at_its_port(gpu_root):
+def test_a_nearer_nic_nccl_does_not_list_points_at_its_port(tmp_path):
+    root = str(make_tree(tmp_path, "gpu-8rail"))
     listed = [f"mlx5_{i}" for i in range(8) if i != 1]
-    obs = [_gpu_obs(gpu_root, i % 8, f"mlx5_{i % 8}", listed) for i in range(16)]
-    obs[1] = _gpu_obs(gpu_root, 1, "mlx5_0", listed)  # its own NIC's port is down
+    obs = [_gpu_obs(root, i % 8, f"mlx5_{i % 8}", listed) for i in range(16)]
+    obs[1] = _gpu_obs(root, 1, "mlx5_0", listed)  # NCCL_IB_HCA leaves its own NIC out
     result = _judge(obs, 8)
     assert [c.rank for c in result.culprits] == [1]
     assert "PHB" in result.culprits[0].reason
-    assert "NCCL does not list mlx5_1: its port is down" in result.culprits[0].reason
+    assert ("NCCL does not list mlx5_1: NCCL_IB_HCA leaves it out (port 1 4: ACTIVE): list it "
+            "for this rail") in result.culprits[0].reason
+    state = next(tmp_path.glob("sys/devices/**/infiniband/mlx5_1/ports/1/state"))
+    state.write_text("1: DOWN\n")  # as the kernel spells a port that went down
+    obs[1] = _gpu_obs(root, 1, "mlx5_0", listed)
+    assert "NCCL does not list mlx5_1: its port is not active (port 1 1: DOWN): the health " \
+        "check names it" in _judge(obs, 8).culprits[0].reason
 
 
 def test_nccl_candidates_are_its_nics_and_the_sites_rails():

@@ -13,8 +13,9 @@ legend): **PIX** at most one PCIe switch between them, **PXB** several switches 
 host bridge, **PHB** through the PCIe host bridge (the CPU), **NODE** between host bridges of
 one NUMA node, **SYS** across the interconnect between NUMA nodes. Every reader takes the
 filesystem ``root`` it reads under, so tests point it at a tree they make
-(``tests/data/topology/``). The health check reads the same tree for other facts; this module
-is the place for locality, to be shared.
+(``tests/data/topology/``). The health check reads the same tree for HCA ports and the
+driver's GPUs (:mod:`ddp_smoke.checks.health.readers.sysfs`, whose port states the rails check
+reuses); this module is the one place for locality, for any check to share.
 """
 from __future__ import annotations
 

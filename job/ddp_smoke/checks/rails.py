@@ -32,6 +32,7 @@ import torch
 from ..coordination import identity, progress, rails as rail_binding
 from ..model import FAIL, PASS, SKIP, CheckResult, Culprit
 from . import _nccl_log as nccl_log, _rails, _topology as topology
+from .health.readers import sysfs as hca_ports
 
 _WORDS = {"PIX": "behind one PCIe switch", "PXB": "across several PCIe switches",
           "PHB": "through the CPU's PCIe host bridge",
@@ -84,11 +85,14 @@ def locate(root: str, nic_name: str | None, gpu_bus: str | None, cores: set[int]
     gpu = topology.gpu(root, gpu_bus) if gpu_bus else None
     cores_numa = topology.numa_of_cpus(root, cores)
     nic = topology.nic(root, nic_name) if nic_name else None
+    ports = (hca_ports.read_ports(root) or {}) if candidates else {}
     placed = {}
     for name, listed in candidates.items():
         got = topology.nic(root, name)
-        if got:
-            placed[name] = {**got, "listed": listed}
+        if got:  # an RDMA device's port states: why NCCL may not list it
+            states = {k.partition("/")[2]: p["state"] for k, p in ports.items()
+                      if k.partition("/")[0] == name}
+            placed[name] = {**got, "listed": listed, "ports": states}
     return {"gpu": gpu and {**gpu, "bus_id": gpu_bus}, "cores_numa": cores_numa,
             "cores": _ranges(cores), "nic": nic and {**nic, "device": nic_name},
             "candidates": placed}
@@ -175,6 +179,16 @@ def _findings(ev, rank: int, o: dict, chain: dict) -> list:
     return [Culprit(c.rank, c.host, c.reason, rail=tag) for c in out]
 
 
+def _why_unlisted(states: dict) -> str:
+    """Why NCCL leaves a rail's NIC out, from its port states (the health check's reader)."""
+    shown = ", ".join(f"port {p} {s}" for p, s in sorted(states.items()))
+    if states and not any("ACTIVE" in (s or "") for s in states.values()):
+        return f"its port is not active ({shown}): the health check names it; reseat or replace"
+    if states:
+        return f"NCCL_IB_HCA leaves it out ({shown}): list it for this rail"
+    return "its port is down or NCCL_IB_HCA leaves it out"
+
+
 def _who(o: dict, rank: int) -> str:
     gpu = o.get("gpu")
     if gpu:
@@ -204,8 +218,7 @@ def _nearer(o: dict, chain: dict) -> str | None:
         fix = ("set NCCL_IB_HCA so that this rank's rail is " + best +
                ", keep NCCL_CROSS_NIC=0, or give NCCL the site's topology file (NCCL_TOPO_FILE)")
         if not c["listed"]:
-            fix = (f"NCCL does not list {best}: its port is down or NCCL_IB_HCA leaves it out "
-                   "(see the health check's HCA ports)")
+            fix = f"NCCL does not list {best}: " + _why_unlisted(c.get("ports") or {})
         return (f"{_who(o, chain['rank'])} sends on {sent} "
                 f"({nic['pci']}, NUMA {_numa(nic['numa_node'])}): {link}, {_WORDS[link]}; "
                 f"{best} ({c['pci']}) is {near}, {_WORDS[near]}: {fix}")
