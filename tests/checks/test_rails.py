@@ -17,7 +17,7 @@ from ddp_smoke.checks import _nccl_log as nccl_log, _pairs, _topology as topolog
 from ddp_smoke.checks import bandwidth, rails
 from ddp_smoke.checks.api import Evidence
 from ddp_smoke.config.launchenv import LaunchEnv
-from ddp_smoke.coordination import rails as binding
+from ddp_smoke.coordination import rails as binding, stragglers
 from ddp_smoke.errors import ConfigError
 from ddp_smoke.model import FAIL, Culprit, CheckResult, Report
 from ddp_smoke.outputs import metrics, page
@@ -254,6 +254,7 @@ def test_a_rail_slow_on_every_node_is_the_rail():
     assert _named(result) == [(None, None, None, 1)]
     assert result.culprits[0].reason.startswith(
         "rail 1 (eth1) slow on all nodes: its leaf switch or the NCCL setting")
+    assert result.culprits[0].rail["ranks"] == [1, 3, 5]
 
 
 def test_a_slow_link_on_one_rail_names_both_ends_on_that_rail():
@@ -273,6 +274,21 @@ def test_dead_rails_are_named_dead_and_left_out_of_the_pairs():
     assert "dead on all nodes" in everywhere.culprits[0].reason
     two = _bandwidth(2, lambda *_: GOOD, dead={(0, 1)} | {(1, 1)})
     assert _named(two) == [(None, None, [1, 3], 1)]  # rail-wide needs a third node to tell
+
+
+def test_the_ranks_of_a_rail_named_as_a_whole_are_not_named_again_as_stragglers():
+    """Rail 1 slow everywhere: its ranks arrive last at every round's barrier; the rail
+    explains it (seen in the two-rail sandbox: rank 5 named a straggler beside the rail)."""
+    wide = Culprit(None, None, "rail 1 (eth1) slow on all nodes",
+                   rail={"index": 1, "device": "eth1", "port": None, "ranks": [1, 3, 5]})
+    result = CheckResult("bandwidth", FAIL, summary="rail 1", culprits=[wide])
+    late = [[0.01 if r == 5 else 0.05] * 100 for r in range(6)]  # rank 5 always last
+    stragglers.attach(result, late, lambda r, why: Culprit(r, f"h{r}", why))
+    assert result.culprits == [wide]
+    alone = CheckResult("bandwidth", FAIL, summary="x", culprits=[
+        Culprit(None, None, "rail 1", rail={"index": 1, "device": "eth1", "port": None})])
+    stragglers.attach(alone, late, lambda r, why: Culprit(r, f"h{r}", why))
+    assert [c.rank for c in alone.culprits] == [None, 5]  # without its ranks: named
 
 
 def test_one_network_keeps_the_node_pairs_of_old():

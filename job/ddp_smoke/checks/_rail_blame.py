@@ -3,7 +3,8 @@
 Input: the pairs measured inside every rail (:mod:`._pairs`), each rail's attribution against
 the one reference of all rails (:func:`.perf.attribute`), and each rank's rail
 (:mod:`._rails`: its device, and whether it was found dead before the process group). Every
-culprit names its rail in ``rail`` (``{"index", "device"}``) besides its rank and host:
+culprit names its rail in ``rail`` (``{"index", "device", "port"}``; a rail named as a whole
+also lists its ``ranks``, whom the waits then do not name again) besides its rank and host:
 
 * a rail dead on a node: that node's rail (the rank on it), with the peers that could not
   reach it; dead on every node (three or more): the rail, no host; between two nodes that
@@ -100,7 +101,8 @@ def _dead_culprits(ev, dead: list[dict]) -> list:
             out.append(_with_rail(ev.culprit(None, (
                 f"{_label(ev, first, index)} dead on all nodes: no rank on it could connect "
                 f"to another ({_PROBE}, before the process group); its leaf switch, its "
-                "cabling or the addresses on it")), _rail(ev, first, index)))
+                "cabling or the addresses on it")),
+                {**_rail(ev, first, index), "ranks": [d["rank"] for d in ds]}))
             continue
         for d in ds:
             if d["why"] == "cut off":
@@ -143,7 +145,7 @@ def _slow_everywhere(ev, rails, busbw, blames, ref) -> dict:
             f"GB/s, {perf.shortfall_pct(values[-1], ref):.0f} % or more below the reference "
             f"{ref:.2f} GB/s of the other rails")),
             {"index": index, "device": _device(ev, ranks[0]) if ranks else None,
-             "port": None})
+             "port": None, "ranks": ranks})
     return out
 
 
