@@ -44,7 +44,7 @@ from tests import k8s_operator as ko
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
-FOLDERS = ("k8s", "k8s/indexed-job", "k8s/trainer-v2", "k8s/operator")
+FOLDERS = ("k8s", "k8s/indexed-job", "k8s/trainer-v2", "k8s/operator", "k8s/node-check")
 CRD_OF = {("kubeflow.org/v1", "PyTorchJob"): "kubeflow.org_pytorchjobs.yaml",
           ("trainer.kubeflow.org/v1alpha1", "TrainJob"): "trainer.kubeflow.org_trainjobs.yaml",
           ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"):

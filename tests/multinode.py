@@ -24,6 +24,16 @@ def torchrun_argv(host: Host, nnodes: int, nproc: int, endpoint: str, run_id: st
             f"--rdzv-conf={rdzv_conf}", "--max-restarts=0", "-m", "ddp_smoke", *worker]
 
 
+def sh(*argv: str) -> None:
+    """A short root command (tc, iptables, ip): it must succeed within 10 s."""
+    subprocess.run(list(argv), check=True, capture_output=True, timeout=10)
+
+
+def in_host(host: Host, *argv: str) -> None:
+    """:func:`sh` inside a host's network namespace (a fault made there)."""
+    sh("ip", "netns", "exec", host.netns, *argv)
+
+
 def node_env() -> dict[str, str]:
     # One thread per rank: six ranks on two cores otherwise spend their time in contention.
     return {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1",

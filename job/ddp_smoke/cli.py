@@ -40,7 +40,8 @@ Report: rank 0 writes REPORT_DIR/report.json (atomically), REPORT_DIR/junit.xml 
   field of report.json is described in the JSON Schema this package ships,
   ddp_smoke/outputs/report.schema.json. Strict JSON (NaN/inf figures are null); secrets
   redacted by name and shape; files made with your umask. Beside it: bad_hosts.txt,
-  suspect_hosts.txt, good_hosts.txt (one host a line); rank 0 prints the drain/exclude/cordon
+  suspect_hosts.txt, good_hosts.txt (one host a line), bad_rails.txt (one bad rail of a host a
+  line: "gpu07 rail 3 mlx5_3"); rank 0 prints the drain/exclude/cordon
   commands for hosts that are not good, and runs the scontrol ones only with --act slurm-drain.
 
 Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by torchrun or
@@ -49,7 +50,8 @@ Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by
   kubectl), DDP_SMOKE_RUN_ID (the run id, when the launcher knows one unique per run: letters,
   digits, . _ -, up to 128), DDP_SMOKE_SECRET (the run's signing secret, 64 hex digits, the same
   on every rank: set by the kit's launchers; one node makes its own; see README "Who can write
-  the verdict"); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends.
+  the verdict"); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends, except that
+  with --rails on gloo each rank's GLOO_SOCKET_IFNAME is its rail (docs/rails.md).
 
 Repeat mode: --repeat N or --duration S runs the checks again and again; each check's result
   then holds every iteration's figures, failures per rank, busbw p50/p99 per size, and says

@@ -33,7 +33,7 @@ from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
 from .coordination import (ending, forensics, hosting, judge, keys, liveness, lost, progress,
-                           reach, records, runtime, signing, stragglers)
+                           rails, reach, records, runtime, signing, stragglers)
 from .coordination.protocol import Coordinator, Run, Stop, error_detail
 from .coordination.store import Connection, look_period, wait_key
 from .errors import ConfigError
@@ -47,6 +47,7 @@ def run(cfg: dict[str, Any]) -> int:
     env = LaunchEnv.from_environ()
     faults = parse_faults(cfg["fault"], cfg["checks"])
     prelaunch.check_run(cfg, env.world_size)  # what `make smoke-local` checked before launch
+    rails.check(cfg, env)  # the rail interface this rank will bind exists on its node
     checks.load_all(cfg["checks"])  # not timed: imports (a cache hit in a forked rank)
     coord_t0 = time.monotonic()
     timeout = float(cfg["timeout"])
@@ -153,6 +154,7 @@ def _join(c: Coordinator, store, faults: list) -> Context:
     rdir = default_report_dir(cfg, env.run_id)  # named after rank 0's id
     c.locate(env, rdir)
     backend = c.agree_backend(store, cfg["backend"], pick, picks)
+    rails.bind(c, store, cfg["rails"], backend)  # gloo: each rank's rail, before the group
     runtime.nccl_log_env(backend, rdir)  # before NCCL's first init: transport check
     if device_error:
         c.abort(store, records.ErrorAbort, type="DeviceError", message=device_error,

@@ -32,7 +32,9 @@ class Culprit:
     ``rank``/``host`` are None when the evidence names no single rank. A link culprit names
     both ends in ``ranks``/``hosts`` (its ``rank`` stays None: neither end is convicted).
     ``where`` is the innermost frame of the kit's code on the culprit's main thread, when the
-    run was aborted and the rank could still say.
+    run was aborted and the rank could still say. ``rail`` names the rail when the evidence
+    is one rail's (``{"index", "device", "port"}``: a node's rail with its rank and host, a
+    rail of every node with neither).
     """
 
     rank: int | None
@@ -41,6 +43,7 @@ class Culprit:
     ranks: list[int] | None = None
     hosts: list[str | None] | None = None
     where: str | None = None
+    rail: dict[str, Any] | None = None
 
 
 @dataclass
@@ -118,6 +121,16 @@ class Report:
                 "nodes": self.nodes, "backend": self.backend,
                 # the --fault spec when faults were injected on purpose (null: none were)
                 "injected": self.config.get("fault"), **body}
+
+
+def rail_label(rail: dict | None) -> str:
+    """A rail as every output names it: ``rail 1 (eth1)``, ``rail 3 (mlx5_3, port 1)``;
+    ``rail 1`` when its device is unknown."""
+    if not isinstance(rail, dict):
+        return "rail ?"
+    device = rail.get("device")
+    port = f", port {rail['port']}" if rail.get("port") is not None else ""
+    return f"rail {rail.get('index', '?')}" + (f" ({device}{port})" if device else "")
 
 
 def finite(data: Any) -> Any:

@@ -45,7 +45,7 @@ def test_parser_details():
     assert _parse("socket-no-libibverbs.log")["devices"] == {"Socket": "[0]eth0:10.177.137.15<0>"}
     assert _parse("plugin-aws-libfabric.log")["plugin"] == "NET/OFI Using aws-ofi-nccl 1.3.0aws"
     assert nccl_log.parse([]) == {"network": None, "devices": {}, "gdr": None,
-                                  "fallback": None, "plugin": None}
+                                  "fallback": None, "plugin": None, "net_channels": {}}
 
 
 @pytest.mark.parametrize("network, expected, ok", [

@@ -57,6 +57,9 @@ WORKER = [
      {}, None, None, ["'fault'", "compute", "environment"]),
     ("profile-unknown", ["--profile", "h900-8gpu"], {}, None, None,
      ["'profile'", "h900-8gpu", "h100-8gpu"]),
+    ("rails-missing-interface", ["--backend", "gloo", "--rails", "nope0"], {}, None, None,
+     ["'rails'", "'nope0'", "no IPv4 address", "interfaces with one: "]),
+    ("rails-repeated", ["--rails", "eth0,eth0"], {}, None, None, ["'rails'", "distinct"]),
     # -- the --config file: every kind of value ----------------------------------------
     ("yaml-timeout-inf", [], {}, "timeout: .inf\n", None, ["'timeout'", "finite"]),
     ("yaml-timeout-nan", [], {}, "timeout: .nan\n", None, ["'timeout'", "finite"]),

@@ -94,7 +94,7 @@ def test_host_lists_and_next_commands():
     hosts = hosts_section(report)
     assert host_lists(hosts) == {"bad_hosts.txt": "node2\n",
                                         "suspect_hosts.txt": "node1\nnode3\nnode4\n",
-                                        "good_hosts.txt": ""}
+                                        "good_hosts.txt": "", "bad_rails.txt": ""}
     lines = next_commands(hosts, "job 42")
     assert lines == [
         'scontrol update NodeName=gpu02 State=DRAIN Reason="ddp-smoke job 42: compute: '

@@ -8,6 +8,15 @@ the prefix, so several sandboxes coexist. There is no default route in a host: n
 private subnet. The filesystem is shared, so a venv or a report directory is at the same path on
 every host.
 
+Rails (``rail_subnets``): each further /24 is another network, a rail of a rail-optimized
+fabric. Every host then has one more interface per rail (``eth1`` on the first, with the
+address ``.10+i`` of that subnet, its bridge-side veth ``<prefix>-r<k>v<i>``), each rail its
+own bridge ``<prefix>-br<k>`` (a leaf switch), and a spine joins them: a namespace
+``<prefix>-spine`` with a leg on every bridge at ``.254``, forwarding between them. Each host
+routes by source address, as a host with one NIC per rail does: traffic from a rail's address
+leaves through that rail, and reaches another rail's addresses through the spine. One rail
+(the default) is the sandbox as it always was: no second bridge, no spine, no rules.
+
 Used by the tests as a context manager (or through :func:`sandbox_fixture`)::
 
     with HostSandbox("dsh", "10.231.1.0/24", 2) as box:
@@ -16,6 +25,7 @@ Used by the tests as a context manager (or through :func:`sandbox_fixture`)::
 and by a person, from the repository root, as root::
 
     python -m tests.sandbox.hosts up 2            # prefix dsh, subnet 10.231.1.0/24
+    python -m tests.sandbox.hosts up 3 --rail-subnet 10.231.2.0/24   # two rails
     python -m tests.sandbox.hosts exec dsh-node1 -- hostname -I
     python -m tests.sandbox.hosts status
     python -m tests.sandbox.hosts down
@@ -48,6 +58,8 @@ FIRST_HOST_OFFSET = 10  # host i (1-based) gets .10+i: .11, .12, …
 IP_TIMEOUT_S = 10  # an `ip` call is instant; a stuck one must not hang a test
 STOP_GRACE_S = 3.0  # daemons need ~2 s to exit on SIGTERM before SIGKILL
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{1,7}$")  # keeps `<prefix>-node99` under 15 chars
+SPINE_OFFSET = 254  # the spine's leg on every rail: .254
+RAIL_TABLE = 100    # host routing table of rail k: 100 + k (source-address rules)
 # What a sandbox runs itself; iptables for the bridge's ACCEPT rule (see _Firewall).
 _ROOT_TOOLS = ("ip", "nsenter", "unshare", "hostname", "iptables")
 
@@ -73,6 +85,11 @@ class Host:
     addr: str
     link: str
     ifname: str = "eth0"
+    rails: tuple = ()  # the further rails' interfaces: (ifname, addr, link) each, rail 1 first
+
+    def rail(self, k: int) -> tuple[str, str, str]:
+        """(interface, address, bridge-side veth) of rail ``k`` (0: eth0)."""
+        return (self.ifname, self.addr, self.link) if k == 0 else tuple(self.rails[k - 1])
 
 
 def _sh(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -254,25 +271,37 @@ class HostSandbox:
         subnet: a private IPv4 /24; the bridge takes .1, host i takes .10+i.
         count: number of hosts to create (0 for a bare bridge to `plug` namespaces into).
         hosts_file: the hosts file to write names into.
+        rail_subnets: one private /24 per further rail (none: one network, as always).
     """
 
     def __init__(self, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET,
-                 count: int = 2, hosts_file: str = "/etc/hosts"):
+                 count: int = 2, hosts_file: str = "/etc/hosts",
+                 rail_subnets: Sequence[str] = ()):
         if not _PREFIX_RE.match(prefix):
             raise SandboxError(f"prefix {prefix!r} must match {_PREFIX_RE.pattern}")
-        self.net = ipaddress.ip_network(subnet)
-        if self.net.prefixlen != 24 or not self.net.is_private:
-            raise SandboxError(f"subnet {subnet!r} must be a private /24")
+        self.nets = [ipaddress.ip_network(n) for n in (subnet, *rail_subnets)]
+        self.net = self.nets[0]
+        for net in self.nets:
+            if net.prefixlen != 24 or not net.is_private:
+                raise SandboxError(f"subnet {net} must be a private /24")
+        if len(set(self.nets)) != len(self.nets) or len(self.nets) > 8:
+            raise SandboxError(f"rail subnets {[str(n) for n in self.nets]}: at most 8, distinct")
         if not 0 <= count <= 200:
             raise SandboxError(f"count {count} must be between 0 and 200")
         self.prefix, self.bridge = prefix, f"{prefix}-br"
+        self.bridges = [self.bridge] + [f"{prefix}-br{k}" for k in range(1, len(self.nets))]
+        self.spine = f"{prefix}-spine" if len(self.nets) > 1 else None
         self.gateway = Host(f"{prefix}-gw", "", str(self.net[1]), self.bridge, self.bridge)
         self.hosts = [Host(f"{prefix}-node{i}", f"{prefix}-node{i}",
-                           str(self.net[FIRST_HOST_OFFSET + i]), f"{prefix}-v{i}")
+                           str(self.net[FIRST_HOST_OFFSET + i]), f"{prefix}-v{i}",
+                           rails=tuple((f"eth{k}", str(net[FIRST_HOST_OFFSET + i]),
+                                        f"{prefix}-r{k}v{i}")
+                                       for k, net in enumerate(self.nets[1:], 1)))
                       for i in range(1, count + 1)]
         self.plugged: list[Host] = []
         self._hosts_file = _HostsFile(hosts_file, prefix)
-        self._firewall = _Firewall(self.bridge, f"ddp-smoke-{prefix}")
+        self._firewalls = [_Firewall(br, f"ddp-smoke-{prefix}" + (f"-{k}" if k else ""))
+                           for k, br in enumerate(self.bridges)]
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self._procs: list[subprocess.Popen] = []
         self._made_netns: list[str] = []
@@ -299,7 +328,10 @@ class HostSandbox:
                 f"{'; '.join(clashes)}. If a previous run of yours left them, run "
                 f"`python -m tests.sandbox.hosts down --prefix {self.prefix}`.")
         try:
-            self._make_bridge()
+            for k in range(len(self.nets)):
+                self._make_bridge(k)
+            if self.spine:
+                self._make_spine()
             for host in self.hosts:
                 self._make_host(host)
             self._write_names()
@@ -334,28 +366,63 @@ class HostSandbox:
         _sh(argv)
         self._undo.append((what, lambda: _undo_ip(undo)))
 
-    def _make_bridge(self) -> None:
-        br = self.bridge
+    def _make_bridge(self, k: int = 0) -> None:
+        """Rail k's bridge; rail 0's holds the gateway address (the root namespace's leg)."""
+        br, firewall = self.bridges[k], self._firewalls[k]
         self._do(f"bridge {br}", ["ip", "link", "add", br, "type", "bridge"],
                  ["ip", "link", "del", br])
-        _sh(["ip", "addr", "add", f"{self.gateway.addr}/24", "dev", br])
+        if k == 0:
+            _sh(["ip", "addr", "add", f"{self.gateway.addr}/24", "dev", br])
         _sh(["ip", "link", "set", br, "up"])
-        if _Firewall.available() and self._firewall.forward_drops():
-            self._firewall.insert()
-            self._undo.append(("iptables rule", self._firewall.delete))
+        if _Firewall.available() and firewall.forward_drops():
+            firewall.insert()
+            self._undo.append((f"iptables rule {firewall.tag}", firewall.delete))
+
+    def _make_spine(self) -> None:
+        """A namespace routing between the rails' bridges: one leg (.254) on each."""
+        self._do(f"netns {self.spine}", ["ip", "netns", "add", self.spine],
+                 ["ip", "netns", "del", self.spine])
+        self._made_netns.append(self.spine)
+        for k, (net, br) in enumerate(zip(self.nets, self.bridges)):
+            leg = f"{self.prefix}-s{k}"
+            self._do(f"link {leg}", ["ip", "link", "add", leg, "type", "veth", "peer", "name",
+                                     f"leg{k}", "netns", self.spine], ["ip", "link", "del", leg])
+            _sh(["ip", "link", "set", leg, "master", br, "up"])
+            _sh(["ip", "-n", self.spine, "addr", "add", f"{net[SPINE_OFFSET]}/24", "dev",
+                 f"leg{k}"])
+            _sh(["ip", "-n", self.spine, "link", "set", f"leg{k}", "up"])
+        # forwarding in the spine's namespace only (/proc/sys/net is per network namespace)
+        _sh(["ip", "netns", "exec", self.spine, "sh", "-c",
+             "echo 1 > /proc/sys/net/ipv4/ip_forward"])
 
     def _make_host(self, host: Host) -> None:
         self._do(f"netns {host.netns}", ["ip", "netns", "add", host.netns],
                  ["ip", "netns", "del", host.netns])
         self._made_netns.append(host.netns)
         self._attach(host)
+        for k in range(1, len(self.nets)):
+            ifname, addr, link = host.rail(k)
+            self._attach(dataclasses.replace(host, addr=addr, link=link, ifname=ifname), k)
+        if self.spine:
+            self._route_by_source(host)
 
-    def _attach(self, host: Host) -> None:
-        """Veth from the bridge into host.netns, addressed, up (loopback too)."""
+    def _route_by_source(self, host: Host) -> None:
+        """Traffic from rail k's address leaves through rail k; other rails via the spine."""
+        ns = ["ip", "-n", host.netns]
+        for k, net in enumerate(self.nets):
+            ifname, addr, _ = host.rail(k)
+            table = str(RAIL_TABLE + k)
+            _sh([*ns, "route", "add", str(net), "dev", ifname, "src", addr, "table", table])
+            _sh([*ns, "route", "add", "default", "via", str(net[SPINE_OFFSET]), "dev", ifname,
+                 "table", table])
+            _sh([*ns, "rule", "add", "from", addr, "table", table])
+
+    def _attach(self, host: Host, rail: int = 0) -> None:
+        """Veth from rail's bridge into host.netns, addressed, up (loopback too)."""
         self._do(f"link {host.link}", ["ip", "link", "add", host.link, "type", "veth", "peer",
                                        "name", host.ifname, "netns", host.netns],
                  ["ip", "link", "del", host.link])
-        _sh(["ip", "link", "set", host.link, "master", self.bridge, "up"])
+        _sh(["ip", "link", "set", host.link, "master", self.bridges[rail], "up"])
         ns = ["ip", "-n", host.netns]
         _sh([*ns, "addr", "add", f"{host.addr}/24", "dev", host.ifname])
         _sh([*ns, "link", "set", host.ifname, "up"])
@@ -374,7 +441,8 @@ class HostSandbox:
         return [n for n in names if n.startswith(f"{self.prefix}-")]
 
     def _my_netns(self) -> list[str]:
-        return sorted(n for n in netns_names() if re.fullmatch(rf"{self.prefix}-node\d+", n))
+        return sorted(n for n in netns_names()
+                      if re.fullmatch(rf"{self.prefix}-(node\d+|spine)", n))
 
     def clashes(self) -> list[str]:
         """Returns what already exists that this sandbox would create or collide with."""
@@ -382,19 +450,19 @@ class HostSandbox:
         found += [f"netns {n}" for n in self._my_netns()]
         for iface in _ip_json("-4", "addr", "show"):
             for a in iface.get("addr_info", []):
-                if ipaddress.ip_address(a["local"]) in self.net:
+                if any(ipaddress.ip_address(a["local"]) in net for net in self.nets):
                     found.append(f"address {a['local']} on {iface['ifname']}")
         for route in _ip_json("-4", "route", "show", "table", "all"):
             dst = route.get("dst", "default")
-            if dst != "default" and "/" in dst and ipaddress.ip_network(dst).overlaps(self.net):
+            if dst != "default" and "/" in dst and any(ipaddress.ip_network(dst).overlaps(net)
+                                                       for net in self.nets):
                 found.append(f"route {dst} via {route.get('dev', '?')}")
         if self._hosts_file.has_block():
             found.append(f"hosts block for {self.prefix} in {self._hosts_file.path}")
         names = [h.name for h in [self.gateway, *self.hosts]]
         found += [f"name {n} in {self._hosts_file.path}"
                   for n in self._hosts_file.names_present(names)]
-        if self._firewall.present():
-            found.append(f"iptables rule tagged {self._firewall.tag}")
+        found += [f"iptables rule tagged {fw.tag}" for fw in self._firewalls if fw.present()]
         return found
 
     def leftovers(self) -> list[str]:
@@ -402,8 +470,7 @@ class HostSandbox:
         left = [f"link {n}" for n in self._my_links()] + [f"netns {n}" for n in self._my_netns()]
         if self._hosts_file.has_block():
             left.append(f"hosts block in {self._hosts_file.path}")
-        if self._firewall.present():
-            left.append(f"iptables rule {self._firewall.tag}")
+        left += [f"iptables rule {fw.tag}" for fw in self._firewalls if fw.present()]
         return left
 
     # -- processes ---------------------------------------------------------------------------
@@ -478,6 +545,7 @@ class HostSandbox:
     def status(self) -> dict:
         """Returns a JSON-able view: hosts, plugged namespaces, leftovers."""
         return {"prefix": self.prefix, "subnet": str(self.net), "bridge": self.bridge,
+                "rail_subnets": [str(n) for n in self.nets[1:]],
                 "hosts": [dataclasses.asdict(h) for h in self.hosts + self.plugged],
                 "existing": self.leftovers()}
 
@@ -502,17 +570,26 @@ def teardown_by_name(prefix: str, hosts_file: str = "/etc/hosts") -> list[str]:
         if proc.returncode != 0 and "Cannot find" not in proc.stderr:
             problems.append(f"{what}: {proc.stderr.strip()}")
     box._hosts_file.remove()
-    if box._firewall.present():
-        box._firewall.delete()
-    return problems + box.leftovers()
+    for firewall in _all_firewalls(prefix):
+        if firewall.present():
+            firewall.delete()
+    return problems + box.leftovers() + [f"iptables rule {fw.tag}"
+                                         for fw in _all_firewalls(prefix) if fw.present()]
+
+
+def _all_firewalls(prefix: str) -> list[_Firewall]:
+    """The ACCEPT rules a sandbox with this prefix may have made, one per possible rail."""
+    return [_Firewall(f"{prefix}-br" + (str(k) if k else ""),
+                      f"ddp-smoke-{prefix}" + (f"-{k}" if k else "")) for k in range(8)]
 
 
 def sandbox_fixture(prefix: str, subnet: str, count: int, scope: str = "module",
-                    needs: Sequence[str] = ()):
+                    needs: Sequence[str] = (), rail_subnets: Sequence[str] = ()):
     """Returns a pytest fixture yielding a started HostSandbox, skipping without root.
 
     Use at module level: ``hosts = sandbox_fixture("dsh", "10.231.1.0/24", 3)``; needs names
-    the programs the module's tests run themselves (``("tc",)``), installed before the start.
+    the programs the module's tests run themselves (``("tc",)``), installed before the start;
+    rail_subnets gives every host a further interface per subnet (see the module docstring).
     """
     import pytest  # only the tests need pytest; the CLI must not
 
@@ -521,7 +598,7 @@ def sandbox_fixture(prefix: str, subnet: str, count: int, scope: str = "module",
         reason = missing_requirements(needs)
         if reason:
             pytest.skip(reason)
-        with HostSandbox(prefix, subnet, count) as box:
+        with HostSandbox(prefix, subnet, count, rail_subnets=rail_subnets) as box:
             yield box
 
     return _sandbox
@@ -534,7 +611,8 @@ def _state_path(prefix: str) -> str:
 
 
 def _cli_up(args) -> int:
-    box = HostSandbox(args.prefix, args.subnet, args.count).up()
+    box = HostSandbox(args.prefix, args.subnet, args.count,
+                      rail_subnets=args.rail_subnet or ()).up()
     with open(_state_path(args.prefix), "w") as f:
         json.dump(box.status(), f)
     for h in box.hosts:
@@ -584,6 +662,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="verb", required=True)
     up = sub.add_parser("up", parents=[common], help="create N hosts (default 2)")
     up.add_argument("count", type=int, nargs="?", default=2)
+    up.add_argument("--rail-subnet", action="append", metavar="SUBNET",
+                    help="a further rail: every host gets one more interface on this /24")
     ex = sub.add_parser("exec", parents=[common], help="run a command in a host: exec HOST -- CMD")
     ex.add_argument("host")
     ex.add_argument("cmd", nargs=argparse.REMAINDER)

@@ -15,6 +15,11 @@ INIT and NET subsystems), in lines such as::
 ``Using network <name>`` is the decision: ``IB`` (InfiniBand and RoCE, NCCL's verbs
 transport), ``Socket`` (TCP), or the name a plugin gives itself. The rest explains it. Real
 excerpts of each kind, with their sources, are in ``tests/data/nccl/``.
+
+The rail a process sends on is in its channel lines: ``via NET/IB/3`` is NIC 3 of the
+``NET/IB : Using [0]mlx5_0:1/IB … [3]mlx5_3:1/IB`` list (``NET/IBext_v8/3`` from a plugin,
+``NET/IB/3(5)/GDRDMA`` through a proxy, ``Ring 00 : … via NET/IB/0`` in older versions). A
+log file holds one process's lines, so every channel line in it is one of its own links.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ _DEVICES = re.compile(r"NCCL INFO NET/(\w+) ?: Using (\[\d+\].+?)\s*$")
 _GDR_ON = re.compile(r"GPU Direct RDMA Enabled for|via NET/\S+/GDRDMA")
 _GDR_OFF = re.compile(r"GPU Direct RDMA Disabled for")
 _NO_VERBS = re.compile(r"(Failed to open libibverbs\S*|NET/IB : No device found\.?)")
+_CHANNEL = re.compile(r"NCCL INFO (?:Channel|Ring) \d+(?:/\d+)? : .*via NET/([A-Za-z]+)\w*/(\d+)")
+_NIC = re.compile(r"\[(\d+)\]([^\s:\[\]]+):(\S+)")
 _PLUGIN = re.compile(r"NCCL INFO (NET/OFI Using aws-ofi-nccl \S+|Plugin Path : \S+|"
                      r"NET/Plugin: Loaded net plugin \S+.*)$")
 
@@ -41,9 +48,11 @@ def parse(lines: Iterable[str]) -> dict:
         ``gdr``: True when GPUDirect RDMA is enabled for some NIC (or a channel uses it), False
         when only "Disabled" lines appear, None when the log does not say;
         ``fallback``: why verbs were not used ("Failed to open libibverbs.so[.1]", …) or None;
-        ``plugin``: the line that names a loaded net plugin, or None.
+        ``plugin``: the line that names a loaded net plugin, or None;
+        ``net_channels``: ``{"IB/3": n}``, how many channel lines go through each NIC.
     """
-    out = {"network": None, "devices": {}, "gdr": None, "fallback": None, "plugin": None}
+    out = {"network": None, "devices": {}, "gdr": None, "fallback": None, "plugin": None,
+           "net_channels": {}}
     gdr_seen = {True: False, False: False}
     for line in lines:
         if "NCCL" not in line:
@@ -52,6 +61,9 @@ def parse(lines: Iterable[str]) -> dict:
             out["network"] = m.group(1)
         if m := _DEVICES.search(line):
             out["devices"].setdefault(m.group(1), m.group(2))
+        if m := _CHANNEL.search(line):
+            key = f"{m.group(1)}/{m.group(2)}"
+            out["net_channels"][key] = out["net_channels"].get(key, 0) + 1
         if m := _NO_VERBS.search(line):
             out["fallback"] = out["fallback"] or m.group(1)
         if m := _PLUGIN.search(line):
@@ -61,6 +73,35 @@ def parse(lines: Iterable[str]) -> dict:
     if gdr_seen[True] or gdr_seen[False]:
         out["gdr"] = gdr_seen[True]
     return out
+
+
+def nics(devices: dict) -> dict:
+    """The NIC lists of ``parse()["devices"]``, by transport and index: ``{"IB": {3:
+    {"device": "mlx5_3", "port": 1, "link_layer": "IB"}}}``; a socket NIC has its
+    ``address`` instead of a port (``[0]eth0:10.0.0.5<0>``)."""
+    out: dict = {}
+    for transport, listed in devices.items():
+        for index, name, rest in _NIC.findall(listed):
+            port, _, layer = rest.partition("/")
+            nic = ({"device": name, "port": int(port), "link_layer": layer or None}
+                   if port.isdigit() else {"device": name, "address": rest.split("<")[0]})
+            out.setdefault(transport, {})[int(index)] = nic
+    return out
+
+
+def sending_nic(facts: dict) -> dict | None:
+    """The NIC most of this process's network channels go through, with ``channels``
+    ({"IB/3": n}); None when no channel crossed a network (one node, or no log)."""
+    counted = facts.get("net_channels") or {}
+    if not counted:
+        return None
+    key = max(sorted(counted), key=counted.get)
+    transport, _, index = key.partition("/")
+    listed = nics(facts.get("devices") or {})
+    table = listed.get(transport) or next(
+        (v for t, v in listed.items() if transport.startswith(t) or t.startswith(transport)), {})
+    nic = table.get(int(index)) or {"device": None}
+    return {**nic, "transport": transport, "index": int(index), "channels": dict(counted)}
 
 
 def matches(network: str | None, expected: str) -> bool:

@@ -20,8 +20,12 @@ one leader of another node per round (sendrecv, busbw = algbw), ``pair_rounds`` 
 round-robin; then each suspect (a node in a slow pair) meets a known-good node. Culprit: a node
 slow with every partner, two known-good ones among them; a link whose two nodes are fast with
 everyone else; else both ends, unresolved. Skipped, with the reason in the figures, when all
-ranks share one node.
-Culprits: the source rank of wrong all_gather / all_to_all data; slow nodes and links.
+ranks share one node. Rails: when a node's ranks send on two or more network devices, the
+pairs are measured inside every rail (the ranks of one local rank), the rails at once, and a
+slow or dead rail is named as that node's rail, a rail slow everywhere as the rail
+(:mod:`ddp_smoke.checks._pairs`, :mod:`ddp_smoke.checks._rail_blame`).
+Culprits: the source rank of wrong all_gather / all_to_all data; slow nodes and links; slow or
+dead rails.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ import torch.distributed as dist
 from ..config import profiles
 from ..coordination import progress
 from ..model import FAIL, PASS, CheckResult
-from . import _pairs, perf
+from . import _pairs, _rails, perf
 from ._timing import Clock
 
 
@@ -50,11 +54,14 @@ def run(ctx) -> dict:
     t = time.monotonic()
     rows = _sweep(ctx, cfg, _sizes(ctx, cfg, profile, max(nodes) + 1), clock)
     sweep_s, t = time.monotonic() - t, time.monotonic()
-    pairs = _pairs.measure(ctx, cfg, nodes, clock)
+    rail = _rails.mine(ctx)  # after the sweep: NCCL's network channels exist by now
+    rails = _rail_layout(ctx, nodes, rail) if max(nodes) else None
+    pairs = _pairs.measure(ctx, cfg, nodes, rails, clock)
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # give the next check the memory of the largest buffers
+        rail = _rails.mine(ctx)  # the pairs' own channels name a NIC the sweep left unnamed
     return {"rows": rows, "pairs": pairs, "nodes": max(nodes) + 1, "profile": profile,
-            "sweep_s": sweep_s, "pairs_s": time.monotonic() - t}
+            "sweep_s": sweep_s, "pairs_s": time.monotonic() - t, "rail": rail}
 
 
 
@@ -73,6 +80,17 @@ def _node_of_each_rank(ctx) -> list[int]:
     progress.all_gather_into(out, key)
     index: dict = {}
     return [index.setdefault(tuple(k), len(index)) for k in out.view(-1, 2).tolist()]
+
+
+def _rail_layout(ctx, nodes: list[int], rail: dict) -> list[dict] | None:
+    """Every rank's local rank, device and dead flag, gathered: the rails to measure, if any."""
+    device = zlib.crc32(rail["device"].encode()) if rail.get("device") else 0
+    key = torch.tensor([ctx.local_rank, device, bool(rail.get("dead"))], dtype=torch.int64,
+                       device=ctx.device)
+    out = torch.empty(3 * ctx.world_size, dtype=torch.int64, device=ctx.device)
+    progress.all_gather_into(out, key)
+    local, devices, dead = zip(*out.view(-1, 3).tolist())
+    return _pairs.layout(nodes, list(local), list(devices), list(dead))
 
 
 # -- the sweep ------------------------------------------------------------------------------
@@ -280,8 +298,9 @@ def _table(rows: list[dict], n: int, avg: dict, figures: dict) -> list[str]:
               f"{r['algbw_gbps']:>8.3f} {r['busbw_gbps']:>8.3f} {r['nwrong']:>6}" for r in rows]
     lines += [f"# Avg bus bandwidth : {c} {v:.3f} GB/s" for c, v in avg.items()]
     pairs = figures["pairs"]
+    on = f" on {len(pairs['rails'])} rails at once" if pairs.get("rails") else ""
     lines.append(f"# pairs: skipped: {pairs['skipped']}" if "skipped" in pairs else
-                 f"# pairs: {len(pairs['results'])} measured among {pairs['nodes']} nodes, "
+                 f"# pairs: {len(pairs['results'])} measured among {pairs['nodes']} nodes{on}, "
                  f"reference {pairs['reference_busbw_gbps']:.2f} GB/s")
     return lines
 

@@ -125,28 +125,33 @@ def round_robin(k: int, rounds: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-def slow_pairs(busbw: dict[tuple[int, int], float], margin: float) -> tuple[float, set]:
+def slow_pairs(busbw: dict[tuple[int, int], float], margin: float,
+               reference: float | None = None) -> tuple[float, set]:
     """``(reference, slow)``: pairs below (1 − margin) × the 90th-percentile pair.
 
     The reference is a high percentile, not the median, so that one bad node, which makes
-    most of its few pairs slow, cannot drag the reference down to its own level.
+    most of its few pairs slow, cannot drag the reference down to its own level. A given
+    ``reference`` is used instead: the rails' common one, so that a rail slow everywhere is
+    slow against the others.
     """
-    reference = percentile(busbw.values(), 90)
+    if reference is None:
+        reference = percentile(busbw.values(), 90)
     return reference, {p for p, v in busbw.items() if v < reference * (1 - margin)}
 
 
 def second_pass(k: int, busbw: dict[tuple[int, int], float], margin: float,
-                rounds: int) -> list[list[tuple[int, int]]]:
+                rounds: int, reference: float | None = None) -> list[list[tuple[int, int]]]:
     """Pair each suspect (a node in a slow pair) with a known-good node it has not met, and
     measure again each slow pair whose two nodes were fine with someone else (a link
     suspect: a real slow link is slow every time, a busy moment is not).
 
     Known-good: every pair it took part in was fine. Suspects that already met one are left
-    alone. At most ``rounds`` rounds, each node in at most one pair per round.
+    alone. At most ``rounds`` rounds, each node in at most one pair per round. ``reference``:
+    as for :func:`slow_pairs`.
     """
     if not busbw:
         return []
-    _, slow = slow_pairs(busbw, margin)
+    _, slow = slow_pairs(busbw, margin, reference)
     suspects = sorted({n for p in slow for n in p})
     flagged = set(suspects)
     seen = {n for p in busbw for n in p}
@@ -174,7 +179,8 @@ def second_pass(k: int, busbw: dict[tuple[int, int], float], margin: float,
     return plan
 
 
-def attribute(busbw: dict[tuple[int, int], float], margin: float) -> dict:
+def attribute(busbw: dict[tuple[int, int], float], margin: float,
+              reference: float | None = None) -> dict:
     """Blame slow pairs on nodes or links, from every pair measured.
 
     A node is healthy once one of its pairs is fine. A node with no fine pair, slow with two
@@ -184,12 +190,13 @@ def attribute(busbw: dict[tuple[int, int], float], margin: float) -> dict:
     nodes is a link (slow only together). Any other slow pair is unresolved.
 
     Returns:
-        ``{"reference", "slow", "nodes", "links", "unresolved"}``: the reference busbw, then
-        lists of pairs (a, b) with a < b, except ``nodes``, a list of node indices.
+        ``{"reference", "slow", "nodes", "links", "unresolved"}``: the reference busbw (the
+        given one, else :func:`slow_pairs`'), then lists of pairs (a, b) with a < b, except
+        ``nodes``, a list of node indices.
     """
     if not busbw:
-        return {"reference": None, "slow": [], "nodes": [], "links": [], "unresolved": []}
-    reference, slow = slow_pairs(busbw, margin)
+        return {"reference": reference, "slow": [], "nodes": [], "links": [], "unresolved": []}
+    reference, slow = slow_pairs(busbw, margin, reference)
     healthy = {n for p in busbw if p not in slow for n in p}
     witnesses: dict[int, set] = {}  # a node with no fine pair -> its healthy partners
     for a, b in slow:

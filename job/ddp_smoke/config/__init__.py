@@ -27,7 +27,7 @@ from .faults import parse_faults
 _NULLABLE = {"report_dir": str, "storage_dir": str, "expect_nodes": int,
              "expect_world_size": int, "fault": str, "profile": str, "duration": float,
              "expect_transport": str,
-             "act": str, "prometheus": str}
+             "act": str, "prometheus": str, "rails": list}
 
 
 def defaults() -> dict[str, Any]:

@@ -76,6 +76,10 @@ def worker_parser(manual: Callable[[], str] | None = None) -> Parser:
     p.add_argument("--expect-transport", metavar="ib|socket|PLUGIN",
                    help="fail a multi-node run whose NCCL used another network (transport "
                         "check; default: the profile's, else any one network on every node)")
+    p.add_argument("--rails", metavar="DEV0,DEV1,…",
+                   help="the site's rails, one network device per rail: local rank i sends on "
+                        "the i-th (modulo their count); gloo: the interface each rank binds; "
+                        "nccl: the NIC NCCL should pick (docs/rails.md; default: one network)")
     p.add_argument("--fault", metavar="RANK:KIND@CHECK",
                    help=f"inject a fault to test alerting (practice: every output says so); "
                         f"KIND one of {', '.join(KINDS)} (slow=F: F times slower, default 4); "
@@ -99,7 +103,8 @@ def parse_config(argv: list[str] | None = None, parser: Parser | None = None) ->
     """Flags and ``--config`` into the effective config; ConfigError on any mistake."""
     args = (parser or worker_parser()).parse_args(argv)
     flags = {k: v for k, v in vars(args).items() if k != "config"}
-    if flags["checks"] is not None:
-        flags["checks"] = [c.strip() for c in flags["checks"].split(",") if c.strip()]
+    for key in ("checks", "rails"):  # comma-separated lists
+        if flags[key] is not None:
+            flags[key] = [c.strip() for c in flags[key].split(",") if c.strip()]
     file_values = load_file(args.config) if args.config else {}
     return resolve(file_values, flags, source=args.config or "config")

@@ -20,7 +20,7 @@ from ..errors import ConfigError
 BACKENDS = ("auto", "gloo", "nccl")
 # The checks in their default order (checks/__init__.py imports each by this name).
 CHECKS = ("environment", "ddp_step", "sampler_epochs", "collectives", "storage", "bandwidth",
-          "transport", "compute", "health")
+          "transport", "rails", "compute", "health")
 ACTS = ("slurm-drain",)  # --act: what rank 0 may do itself after the verdict
 
 GIB = 1 << 30
@@ -107,6 +107,23 @@ class Path:
         return None if v and "\0" not in v else "a non-empty path without NUL bytes"
 
 
+@dataclass(frozen=True)
+class Devices:
+    """Network device names (``eth1``, ``mlx5_0``, ``mlx5_0:1``): 1 to ``most`` distinct, each
+    1-64 characters without whitespace, ``/`` or NUL (what a kernel device name can hold)."""
+
+    most: int
+
+    def problem(self, v: Any) -> str | tuple[Any, str] | None:
+        expected = (f"a list of 1 to {self.most} distinct network device names (eth0, mlx5_0 "
+                    "…: no spaces, '/' or NUL)")
+        bad = [d for d in v if not isinstance(d, str) or not 0 < len(d) <= 64
+               or any(c.isspace() or c in "/\0" for c in d)]
+        if bad:
+            return bad[0], expected
+        return None if 0 < len(v) <= self.most and len(set(v)) == len(v) else expected
+
+
 class Any_:
     """Checked elsewhere (the type alone, or a parser of its own: checks, fault, profile)."""
 
@@ -135,6 +152,7 @@ RULES: dict[str, Any] = {
     "duration": Real(0.0, 7 * DAY_S, lo_open=True),  # with repeat: config._validate
     "act": OneOf(ACTS),
     "prometheus": Path(),
+    "rails": Devices(64),  # a node has at most a few dozen NICs
     # >= 8: with fewer, two epochs may draw the same order by chance (1 in 8! at 8);
     # bounded: every rank posts its shards to the store
     "sampler_epochs.samples": Int(8, 1 << 20),

@@ -31,6 +31,9 @@ probe/<r>               node leader  its reachability probe's address and port (
 probe/listed            node leader  "r," appended once the probe is open: the node leaders
 reach/<r>               node leader  after an abort: the leaders it tried and could not reach
 reach/listed            node leader  "r," appended once its findings are posted
+rail/<r>, /all          every rank   with a ``rails`` setting on gloo: its rail's interface,
+                                     address and probe port (JSON), before the process group
+railreach/<r>, /all     every rank   the rail peers it tried and could not reach (JSON)
 meta                    first rank   the run's shape for the store host (JSON; compare-and-set)
 security/listed         every rank   records that failed their signature check (JSON items)
 woken                   one rank     the first aborting rank, which woke the others (set once)
@@ -53,6 +56,7 @@ ARRIVE, OBS, RESULT, NEXT = "arrive", "obs", "result", "next"
 BEAT, ABORT, FORENSICS, WAITING = "beat", "abort", "forensics", "waiting"
 WRITER, FINAL, BYE, META = "writer", "final", "bye", "meta"
 PROBE, REACH = "probe", "reach"
+RAIL, RAIL_REACH = "rail", "railreach"
 BACKEND, SECURITY, WOKE = "backend", "security", "woken"
 
 # Abort kinds (``kind`` in abort/<r>), and what each means.

@@ -128,12 +128,14 @@ def judge(spent: list[list | None]) -> tuple[dict, list[tuple[int, str]]]:
 def attach(result, spent: list[list | None], culprit) -> None:
     """Add the waits figure to a judged check's result, and its stragglers as culprits
     (``culprit(rank, reason)`` makes one with the rank's host). A skipped check stays skipped.
-    A rank the check's own evidence already names, alone or as an end of a slow link, is not
-    named again: the others waited for it because of what the check found (a throttled link
+    A rank the check's own evidence already names, alone, as an end of a slow link or on a rail
+    named as a whole, is not named again: the others waited for it because of what the check found (a throttled link
     makes its two ends arrive last)."""
     figure, slow = judge(spent)
     result.figures["waits"] = figure
-    named = {r for k in result.culprits for r in [k.rank, *(k.ranks or [])] if r is not None}
+    named = {r for k in result.culprits for r in [k.rank, *(k.ranks or []),
+                                                   *((k.rail or {}).get("ranks") or [])]
+             if r is not None}  # a rail slow on every node: its ranks are what was found
     slow = [(r, reason) for r, reason in slow if r not in named]
     if slow and result.status != "skip":
         result.culprits += [culprit(r, reason) for r, reason in slow]

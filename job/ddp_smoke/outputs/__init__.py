@@ -17,7 +17,8 @@ from ..model import FAIL, Report
 from . import hosts, metrics, page, plot, summary
 from .report import to_json_line, write_report
 
-ARTIFACTS = ("report.json", "junit.xml", plot.FILENAME, page.FILENAME, *hosts.LISTS.values())
+ARTIFACTS = ("report.json", "junit.xml", plot.FILENAME, page.FILENAME, *hosts.LISTS.values(),
+             hosts.RAIL_LIST)
 
 
 def prepare(report_dir: str) -> list[str]:

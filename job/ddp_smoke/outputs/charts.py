@@ -246,23 +246,36 @@ def sec_pairs(report: dict) -> str:
                 names[p[f"node_{side}"]] = str(p.get(f"host_{side}"))
     order = sorted(names)
     pos = {node: i for i, node in enumerate(order)}
-    cells = {}
-    for p in results:
-        a, b, v = p.get("node_a"), p.get("node_b"), _num(p.get("busbw_gbps"))
-        if a in pos and b in pos and v is not None:
-            i, j = sorted((pos[a], pos[b]))
-            cells[(i, j)] = {"busbw": v, "slow": bool(p.get("slow"))}
     ref = _num(pairs.get("reference_busbw_gbps"))
     labels = [names[n] for n in order]
+    # one matrix per rail (a run with rails), else one for the nodes
+    rails = {_d(r).get("index"): _d(r) for r in _l(pairs.get("rails"))}
+    maps = []
+    for rail in sorted({p.get("rail") for p in results}, key=str):
+        cells = {}
+        for p in results:
+            a, b, v = p.get("node_a"), p.get("node_b"), _num(p.get("busbw_gbps"))
+            if p.get("rail") == rail and a in pos and b in pos and v is not None:
+                i, j = sorted((pos[a], pos[b]))
+                cells[(i, j)] = {"busbw": v, "slow": bool(p.get("slow"))}
+        title = "node-pair bandwidth matrix" + ("" if rail is None else f", rail {rail}")
+        chart = heatmap(labels, cells, ref, title)
+        if rail is not None:
+            devices = sorted({str(d) for d in _l(rails.get(rail, {}).get("devices")) if d})
+            chart = (f'<figure><figcaption>rail {e(rail)}'
+                     f'{" (" + e(", ".join(devices)) + ")" if devices else ""}</figcaption>'
+                     f'{chart}</figure>')
+        maps.append(chart)
     key = "".join(f"<li>{e(h)}</li>" for h in labels[:MAX_ROWS])
     slowest = sorted(results, key=lambda p: _num(p.get("busbw_gbps")) or 0)[:10]
-    table = "".join(f'<tr><td>{e(p.get("host_a"))} &lt;-&gt; {e(p.get("host_b"))}</td>'
+    table = "".join(f'<tr><td>{e(p.get("host_a"))} &lt;-&gt; {e(p.get("host_b"))}'
+                    f'{"" if p.get("rail") is None else " rail " + e(p.get("rail"))}</td>'
                     f'<td class="num">{fmt(p.get("busbw_gbps"))}</td>'
                     f'<td>{"slow" if p.get("slow") else ""}</td></tr>' for p in slowest)
-    return (f'<section id="pairs"><h2>Node pairs <small>sendrecv busbw (GB/s), '
+    per = " per rail, the rails at once" if rails else ""
+    return (f'<section id="pairs"><h2>Node pairs{e(per)} <small>sendrecv busbw (GB/s), '
             f'{e(human_bytes(pairs.get("size_bytes")))} per exchange; reference {fmt(ref)} GB/s'
-            f'</small></h2><div class="pairs">'
-            f'{heatmap(labels, cells, ref, "node-pair bandwidth matrix")}'
+            f'</small></h2><div class="pairs">{"".join(maps)}'
             f'<ol class="key">{key}</ol></div><p class="muted">Colour: busbw against the '
             f'reference (green = at it, red = far below); outlined = judged slow; grey = not '
             f'paired.</p><div class="scroll"><table><thead><tr><th>slowest pairs</th>'

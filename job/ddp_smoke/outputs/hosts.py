@@ -7,7 +7,13 @@ The report's ``hosts`` section lists every host that ran a rank, in rank order::
      "k8s_node": "node-a1",          # where the pod recorded NODE_NAME (spec.nodeName)
      "reasons": [{"check": "compute", "rank": 9, "reason": "…"},
                  {"check": "bandwidth", "link": ["gpu03", "gpu07"], "ranks": [2, 8],
-                  "reason": "…"}]}
+                  "reason": "…"},
+                 {"check": "bandwidth", "rank": 11, "rail": {"index": 3, "device": "mlx5_3",
+                  "port": 1}, "reason": "…"}],
+     "rails": [{"index": 3, "device": "mlx5_3", "port": 1, "status": "bad"}]}
+
+``rails`` (only on a host a culprit names by its rail) lists the host's rails at fault: bad
+when a culprit names the rail of this host, suspect when it is an end of a link on that rail.
 
 Each host's status, from the culprits of every check: a culprit naming a host (or a rank, whose host
 the ranks list gives) makes it **bad**; a link culprit, which names two ends (``hosts`` /
@@ -17,8 +23,10 @@ that name no host (a missed floor, a run-level abort) leave every host as it is:
 failed, but no host is to blame.
 
 Rank 0 then writes ``bad_hosts.txt``, ``suspect_hosts.txt`` and ``good_hosts.txt`` beside the
-report (one host name per line, atomically) and, when a host is not good, prints the commands
-an operator would run next, just before the verdict line: drain (``scontrol update … State=DRAIN Reason=…``), re-test
+report (one host name per line, atomically; tools feed them to ``--exclude``) and
+``bad_rails.txt``, one bad rail per line (``gpu07 rail 3 mlx5_3``), and, when a host is not
+good, prints the commands an operator would run next, just before the verdict line: drain
+(``scontrol update … State=DRAIN Reason=…``), re-test
 without the bad nodes (``sbatch --exclude=…``), re-test a suspect link alone, and cordon and
 label the Kubernetes node; each only for the launcher that ran (Slurm lines for ranks that
 recorded a Slurm node, kubectl lines for pods that recorded their node; none on a laptop, none
@@ -45,13 +53,14 @@ import subprocess
 import sys
 import time
 
-from ..model import get_field, injected
+from ..model import get_field, injected, rail_label
 from . import fleet
 from .files import write_atomic
 
 GOOD, SUSPECT, BAD = "good", "suspect", "bad"
 HOST_STATUSES = (GOOD, SUSPECT, BAD)
 LISTS = {BAD: "bad_hosts.txt", SUSPECT: "suspect_hosts.txt", GOOD: "good_hosts.txt"}
+RAIL_LIST = "bad_rails.txt"
 REASON_CHARS = 160      # a Slurm node reason is one line in sinfo -R: keep it readable
 DRAIN_BUDGET_S = 5.0    # slurmctld answers in milliseconds; a stuck one must not hold the exit
 _UNSAFE = re.compile(r"[^A-Za-z0-9 _.,:;=+/@%()<>\[\]{}#~^*|'-]")  # nothing a shell expands
@@ -110,11 +119,29 @@ def hosts_section(report) -> list[dict]:
                 reason = {**reason, "link": named, "ranks": list(get_field(culprit, "ranks") or [])}
             elif get_field(culprit, "rank") is not None:
                 reason = {**reason, "rank": get_field(culprit, "rank")}
+            if get_field(culprit, "rail"):
+                reason = {**reason, "rail": get_field(culprit, "rail")}
             for host in named:
                 _entry(hosts, host)["reasons"].append(reason)
     for entry in hosts.values():
         entry["status"] = _status(entry["reasons"])
+        rails = _rails(entry["reasons"])
+        if rails:
+            entry["rails"] = rails
     return list(hosts.values())
+
+
+def _rails(reasons: list[dict]) -> list[dict]:
+    """The host's rails that reasons name: bad when one names it, suspect as a link end only."""
+    out: dict = {}
+    for r in reasons:
+        rail = r.get("rail")
+        if isinstance(rail, dict):
+            key = rail.get("index")
+            was = out.get(key, {}).get("status")
+            status = BAD if "link" not in r or was == BAD else SUSPECT
+            out[key] = {**rail, "status": status}
+    return [out[k] for k in sorted(out, key=lambda k: (k is None, k))]
 
 
 def _entry(hosts: dict, host: str) -> dict:
@@ -133,9 +160,13 @@ def by_status(hosts: list[dict]) -> dict[str, list[dict]]:
 
 
 def host_lists(hosts: list[dict]) -> dict[str, str]:
-    """The text of bad_hosts.txt, suspect_hosts.txt and good_hosts.txt: one host a line."""
+    """The text of bad_hosts.txt, suspect_hosts.txt and good_hosts.txt (one host a line), and
+    of bad_rails.txt (``host rail N device``, one bad rail a line)."""
     split = by_status(hosts)
-    return {name: "".join(f"{h['host']}\n" for h in split[v]) for v, name in LISTS.items()}
+    out = {name: "".join(f"{h['host']}\n" for h in split[v]) for v, name in LISTS.items()}
+    out[RAIL_LIST] = "".join(f"{h['host']} rail {r.get('index')} {r.get('device') or '-'}\n"
+                             for h in hosts for r in h.get("rails", []) if r["status"] == BAD)
+    return out
 
 
 # -- next steps (pure) ----------------------------------------------------------------------
@@ -213,13 +244,15 @@ def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None,
     if not split[BAD] and not split[SUSPECT]:
         return []
     counts = ", ".join(f"{len(split[v])} {v}" for v in (BAD, SUSPECT, GOOD))
-    lists = ", ".join(LISTS.values())
+    lists = ", ".join([*LISTS.values()] + ([RAIL_LIST] if any(h.get("rails") for h in hosts)
+                                           else []))
     where = (f"practice run: lists ({lists}) left empty in {report_dir}" if injected else
              f"lists ({lists}) in {report_dir}")
     lines = [f"# hosts: {counts}; {where}"]
     for h in split[BAD] + split[SUSPECT]:
         first, more = _lead(h)
-        lines.append(f"#   {h['status']:<7} {h['host']:<20} {first['check']}: "
+        rails = "".join(f" · {rail_label(r)} {r['status']}" for r in h.get("rails", []))
+        lines.append(f"#   {h['status']:<7} {h['host']:<20}{rails} {first['check']}: "
                      f"{first['reason']}{more}")
     if injected:
         return lines + [f"# next steps: none; the failures were injected (--fault {injected}), "

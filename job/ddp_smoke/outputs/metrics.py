@@ -14,7 +14,7 @@ name ending in ``.prom``. Each run replaces the file; series (all gauges)::
     ddp_smoke_host_status{host,status}              1 for the host's status (good, suspect,
                                                     bad; see ddp_smoke.outputs.hosts), 0 for the others
     ddp_smoke_busbw_gbps{collective,size_bytes}     bandwidth sweep, nccl-tests' busbw, GB = 1e9 B
-    ddp_smoke_pair_busbw_gbps{host_a,host_b}        bandwidth node pairs (sendrecv)
+    ddp_smoke_pair_busbw_gbps{host_a,host_b[,rail]} bandwidth node pairs (sendrecv), per rail
     ddp_smoke_tflops{host,gpu,local_rank,dtype}     compute, best block; gpu = the CUDA device
                                                     index, empty for a CPU rank
     ddp_smoke_run_duration_seconds                  the run's wall time
@@ -90,7 +90,8 @@ def _bandwidth(report) -> tuple[list, list]:
     figures = _figures(report, "bandwidth")
     busbw = [({"collective": r["collective"], "size_bytes": r["size_bytes"]}, r["busbw_gbps"])
              for r in figures.get("results", [])]
-    pairs = [({"host_a": p["host_a"], "host_b": p["host_b"]}, p["busbw_gbps"])
+    pairs = [({"host_a": p["host_a"], "host_b": p["host_b"],
+               **({"rail": p["rail"]} if "rail" in p else {})}, p["busbw_gbps"])
              for p in (figures.get("pairs") or {}).get("results", [])]
     return busbw, pairs
 

@@ -29,7 +29,7 @@ import sys
 
 from .. import __version__
 from ..errors import ConfigError, ReportWriteError
-from ..model import finite, injected
+from ..model import finite, injected, rail_label
 from . import history
 from .runs import _d, _l, _num
 from .files import write_atomic
@@ -52,13 +52,14 @@ def _hosts(report: dict) -> list[dict]:
 
 
 def _who(c: dict) -> str:
+    rail = f" · {rail_label(c['rail'])}" if isinstance(c.get("rail"), dict) else ""
     if c.get("rank") is not None:
-        return e(f"rank {c.get('rank')} ({c.get('host')})")
+        return e(f"rank {c.get('rank')} ({c.get('host')}){rail}")
     ranks, hosts = _l(c.get("ranks")), _l(c.get("hosts"))
     if ranks or hosts:
         ends = [f"{h} (rank {r})" for r, h in zip(ranks or [None] * len(hosts), hosts or ranks)]
-        return "link " + " &lt;-&gt; ".join(e(x) for x in ends)
-    return "no single rank"
+        return "link " + " &lt;-&gt; ".join(e(x) for x in ends) + e(rail)
+    return e(f"{rail_label(c['rail'])}, every node") if rail else "no single rank"
 
 
 def _chip(verdict) -> str:
@@ -127,6 +128,8 @@ def sec_hosts(report: dict, hist: dict | None) -> str:
                           for r in _l(h.get("reasons")))
         node = " ".join(f'{k.split("_")[0]} {e(h[k])}' for k in ("slurm_node", "k8s_node")
                         if h.get(k))
+        node += "".join(f'<div>{e(rail_label(r))}: {_chip(r.get("status"))}</div>'
+                        for r in map(_d, _l(h.get("rails"))))
         ranks = _l(h.get("ranks"))
         rank_text = ", ".join(str(r) for r in ranks[:16]) + (" …" if len(ranks) > 16 else "")
         cell = ""
@@ -259,13 +262,19 @@ def sec_identity(report: dict) -> str:
                         for k, v in _d(report.get("timings")).items())
     dl = "".join(f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in facts if v is not None)
     ranks = [_d(r) for r in _l(report.get("ranks"))]
+    chain = {c.get("rank"): c for c in map(_d, _l(_d(check_of(report, "rails")
+                                                       .get("figures")).get("ranks")))}
     rows = []
     for r in ranks[:MAX_ROWS]:
         ident = _d(r.get("identity"))
         gpu = " ".join(str(x) for x in (r.get("gpu_name"), r.get("gpu_bus_id"),
                                         ident.get("gpu_serial")) if x)
+        link = chain.get(r.get("rank"), {})  # the rails check's rank -> NIC chain
+        nic = " ".join(str(x) for x in (link.get("sent_on"), _d(link.get("nic")).get("pci"),
+                                        link.get("link")) if x)
         rows.append(f'<tr><td>{e(r.get("rank"))}</td><td>{e(r.get("local_rank"))}</td>'
                     f'<td>{e(r.get("host"))}</td><td>{e(r.get("device"))}</td><td>{e(gpu)}</td>'
+                    f'<td>{e(nic)}</td>'
                     f'<td>{e(r.get("route_address") or r.get("missing") or "")}</td></tr>')
     more = f'<p class="muted">and {len(ranks) - MAX_ROWS} more ranks in report.json</p>' \
         if len(ranks) > MAX_ROWS else ""
@@ -276,7 +285,8 @@ def sec_identity(report: dict) -> str:
         else ""
     return (f'<section id="identity"><h2>Run</h2><dl>{dl}</dl><p class="muted">timings (s): '
             f'{e(timings)}</p><div class="scroll"><table><thead><tr><th>rank</th><th>local</th>'
-            f'<th>host</th><th>device</th><th>GPU</th><th>address</th></tr></thead><tbody>'
+            f'<th>host</th><th>device</th><th>GPU</th><th>NIC (rail)</th><th>address</th></tr>'
+            f'</thead><tbody>'
             f'{"".join(rows)}</tbody></table></div>{more}{forensics}</section>')
 
 

@@ -4,7 +4,7 @@ last line, whatever else the run prints (a log's tail, a job's last line)."""
 from __future__ import annotations
 
 from ..coordination import stragglers
-from ..model import FAIL, PASS, Report, injected
+from ..model import FAIL, PASS, Report, injected, rail_label
 
 
 def render(report: Report, path: str, before_verdict: list[str] = ()) -> str:
@@ -32,7 +32,9 @@ def render(report: Report, path: str, before_verdict: list[str] = ()) -> str:
         for k in c.culprits:
             who = (f"rank {k.rank} ({k.host})" if k.rank is not None else
                    f"link ranks {k.ranks[0]}-{k.ranks[1]} ({k.hosts[0]} <-> {k.hosts[1]})"
-                   if k.ranks else f"host {k.host}" if k.host else "no single rank")
+                   if k.ranks else f"host {k.host}" if k.host else
+                   "every node" if k.rail else "no single rank")
+            who += f", {rail_label(k.rail)}" if k.rail else ""
             at = f" [{k.where}]" if k.where else ""
             lines.append(f"  {'':<16} culprit: {who}: {k.reason}{at}")
         victims = c.figures.get("victims") if c.status == FAIL else None
