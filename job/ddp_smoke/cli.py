@@ -137,8 +137,8 @@ def _parser() -> argparse.ArgumentParser:
                         "check; default: the profile's, else any one network on every node)")
     p.add_argument("--fault", metavar="RANK:KIND@CHECK",
                    help="inject a fault to test alerting: rank RANK crashes (exits 13), "
-                        "raises, hangs before the check, runs slow (slow=F: F times slower, "
-                        "default 4) or corrupts its contribution at CHECK; several separated "
+                        "raises, hangs before the check, stalls inside its first collective, "
+                        "runs slow (slow=F: F times slower, default 4) or corrupts its contribution at CHECK; several separated "
                         "by commas; @CHECK#I or #I-J: only in those iterations of --repeat. "
                         "The report says the failure was injected")
     p.add_argument("--repeat", metavar="N", type=int,

@@ -32,8 +32,8 @@ from .checks.api import Context, Evidence
 from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
-from .coordination import (ending, forensics, hosting, keys, liveness, lost, progress, reach,
-                           runtime, signing, stragglers)
+from .coordination import (ending, fate, forensics, hosting, keys, liveness, lost, progress,
+                           reach, runtime, signing, stragglers)
 from .coordination.protocol import Coordinator, Stop, error_detail
 from .coordination.store import DEAD_AFTER_S, wait_key
 from .errors import ConfigError
@@ -80,6 +80,8 @@ def run(cfg: dict[str, Any]) -> int:
         c.enter("init", timeout)
         t = time.monotonic()
         ctx = _join(c, store, faults)
+        # its fatal signals' traceback, for the judge; the file goes when empty
+        ending.at_leave(fate.last_words(c.report_dir, env.rank))
         c.timings["rendezvous_s"] = round(time.monotonic() - t, 4)
         for name in cfg["checks"]:  # checks that watch the whole run start watching now
             getattr(checks.load(name), "begin", lambda _: None)(ctx)
@@ -186,6 +188,7 @@ def _run_check(c: Coordinator, ctx: Context, name: str) -> None:
     progress.RECORDER.spent()  # this check's collectives only
     try:
         ctx.faults.at_start()
+        progress.RECORDER.stall = ctx.faults.stalling
         obs = {"ok": True, "data": module.run(ctx)}
     except Exception as e:  # noqa: BLE001 — a check that raises fails with its rank named
         c.abort(store, keys.ERROR, error_detail(e))

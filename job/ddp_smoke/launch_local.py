@@ -38,6 +38,7 @@ from . import outputs
 from .cli import parse_config, say_once
 from .config import prelaunch, report_dir
 from .config.launchenv import run_id as launcher_run_id
+from .coordination import fate
 from .errors import ConfigError
 
 USAGE = ("usage: python -m ddp_smoke.launch_local [--check [--nnodes N]] [--nproc-per-node N] "
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# warning: {nproc} ranks on {cores} CPU core(s): they take turns, so times, "
               "bandwidth and compute figures are lower than this machine can do", flush=True)
     from torch.distributed import run as torchrun
+    fate.watch_workers()  # each worker's signal or exit status, for the culprit's text
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model import Culprit
-from . import reach
+from . import fate, reach
 
 
 @dataclass
@@ -50,6 +50,8 @@ class Snapshot:
         store: ``addr:port`` of the coordination store, for "never connected".
         dead_after_s: heartbeat silence that counts as dead.
         reach: each live node leader's probes of the others (``tried``, ``failed``).
+        issued: each live rank's last collective handed to its backend (Flight Recorder).
+        fates: how each dead rank ended, where a witness saw it (:mod:`.fate`).
     """
 
     stage: str
@@ -66,6 +68,8 @@ class Snapshot:
     store: str = "?"
     dead_after_s: float = 1.5
     reach: dict = field(default_factory=dict)
+    issued: dict = field(default_factory=dict)
+    fates: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -126,7 +130,9 @@ def _raised(s: Snapshot) -> list:
 def _died(s: Snapshot) -> list:
     out = []
     for r in sorted(s.dead):
+        seen = fate.describe(s.fates.get(r) or {}, s.stage)
         out.append(_culprit(s, r, (
+            f"{seen}; no heartbeat for {s.dead_after_s} s" if seen else
             f"no heartbeat for {s.dead_after_s} s during {s.stage}: the process died, or its "
             "node lost the network" if r in s.arrived or r in s.finished
             else f"died before arriving at {s.stage} (no heartbeat for {s.dead_after_s} s)")))
@@ -177,7 +183,8 @@ def _by_progress(s: Snapshot) -> list:
     behind = {r: p for r, p in stuck.items() if p.get("seq", 0) < k}
     if not behind:
         if len(blocked_in) == len(stuck) and len(stuck) == s.world_size:
-            return [Culprit(None, None, f"every rank entered collective #{k} ({what}) in "
+            return _never_issued(s, k, what) or [Culprit(
+                None, None, f"every rank entered collective #{k} ({what}) in "
                                         f"{s.stage} and none left: no rank lagged, the "
                                         "collective itself is stuck (network or backend)")]
         return []
@@ -213,6 +220,22 @@ def _by_progress(s: Snapshot) -> list:
                 f"{p.get('for_s')} s before")))
     out = [c for c in out if c.rank not in victims]
     return _unique(out)
+
+
+def _never_issued(s: Snapshot, k: int, what: str) -> list:
+    """Every rank is inside collective #k by its own count: the ranks whose Flight Recorder
+    shows fewer collectives handed to the backend than the others never really entered it
+    (a call that never reached the backend, a hung communication thread)."""
+    if len(s.issued) < s.world_size:
+        return []
+    top = max(s.issued.values())
+    low = sorted(r for r, n in s.issued.items() if n < top)
+    if not low or len(low) == s.world_size:
+        return []
+    return [_culprit(s, r, f"inside collective #{k} ({what}) by its own count, but never "
+                           f"issued it to the backend: its Flight Recorder ends at collective "
+                           f"{s.issued[r]}, the other ranks' at {top}, inside which they wait")
+            for r in low]
 
 
 def _unfinished(s: Snapshot) -> list:

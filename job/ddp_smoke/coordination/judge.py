@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..model import FAIL, CheckResult
-from . import blame, keys, reach
-from .store import DEAD_AFTER_S, dead_ranks, posted, ranks_with
+from . import blame, fate, keys, reach
+from .store import DEAD_AFTER_S, dead_ranks, posted, ranks_with, reads
 
 FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
 
@@ -23,7 +23,8 @@ def judge_abort(c, store) -> set[int]:
     dead, beats = dead_ranks(store, sorted(connected), terminated, c.silence)
     reasons = {**posted(store, keys.ABORT), **reasons}  # and those posted while we looked
     live = connected - set(dead)
-    found = posted(store, keys.FORENSICS)
+    # every live rank's forensics (its Flight Recorder's last collective is evidence too)
+    found = posted(store, keys.FORENSICS, live, FORENSICS_WAIT_S)
     # every live node leader's probes of the others (reach.py)
     probed = posted(store, keys.REACH, live & set(reach.leaders(store)), reach.WAIT_S)
     arrive = keys.CONNECT if stage == "init" else keys.of(keys.ARRIVE, c.key(stage))
@@ -37,7 +38,8 @@ def judge_abort(c, store) -> set[int]:
         finished=finished,
         dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != keys.STOPPED},
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
-        reach=probed,
+        reach=probed, issued={r: f["issued"] for r, f in found.items() if "issued" in f},
+        fates=_fates(c, store, sorted(dead)),
         store=c.env.store_address, dead_after_s=DEAD_AFTER_S)
     verdict = blame.judge(snap)
     # Each live rank leaves its forensics once it sees the abort, maybe after this judge
@@ -61,6 +63,18 @@ def judge_abort(c, store) -> set[int]:
         name, FAIL, summary=f"stopped at {stage}: {verdict.culprits[0].reason}",
         culprits=verdict.culprits, figures=figures)))
     return live
+
+
+def _fates(c, store, dead: list[int]) -> dict[int, dict]:
+    """How each dead rank ended: its node's word (posted with the forensics the judge has
+    waited for), its launcher's, else its own last words in a shared report folder."""
+    seen, ended = reads(store, keys.FATE, dead), reads(store, keys.EXIT, dead)
+    out = {}
+    for r in dead:
+        got = {**(seen.get(r) or fate.said(c.report_dir, r)), "exit": ended.get(r)}
+        if any(got.values()):
+            out[r] = got
+    return out
 
 
 def first_error(c, store) -> dict:

@@ -30,6 +30,9 @@ probe/<r>               node leader  its reachability probe's address and port (
 probe/listed            node leader  "r," appended once the probe is open: the node leaders
 reach/<r>               node leader  after an abort: the leaders it tried and could not reach
 reach/listed            node leader  "r," appended once its findings are posted
+fate/<r>                a rank       after an abort: how rank r ended, as its node shows it
+                                     (gone, stopped, the OOM killer; first word stands)
+exit/<r>                launcher     rank r's exit status or signal, as its parent saw it
 meta                    first rank   the run's shape for the store host (JSON; compare-and-set)
 security/listed         every rank   records that failed their signature check (JSON items)
 ======================  ===========  ==================================================
@@ -45,6 +48,7 @@ ARRIVE, OBS, RESULT, NEXT = "arrive", "obs", "result", "next"
 BEAT, ABORT, FORENSICS, WAITING = "beat", "abort", "forensics", "waiting"
 WRITER, FINAL, BYE, META = "writer", "final", "bye", "meta"
 PROBE, REACH = "probe", "reach"
+FATE, EXIT = "fate", "exit"
 BACKEND, SECURITY = "backend", "security"
 
 # Abort kinds (``kind`` in abort/<r>), and what each means.

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..model import CheckResult, check_from_dict
-from . import forensics, keys, reach, runtime, signing
+from . import fate, forensics, keys, reach, runtime, signing
 from .store import (DEAD_AFTER_S, POLL_MAX_S, STORE_OPS_PER_S, Silence, listed, reads,
                     try_get)
 
@@ -244,6 +244,7 @@ class Coordinator:
             if self._forensics is not None:
                 return
             self._forensics = {}
+        fate.note(self, store)  # before the forensics: the judge waits for those
         found = forensics.dump(self.report_dir or ".", self.env.rank)
         self._forensics = found
         try:
