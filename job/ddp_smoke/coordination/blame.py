@@ -11,8 +11,10 @@ order; the first kind found names the culprits, every other rank that stopped is
    node lost the network);
 4. never connected to the coordination store;
 4b. reachability (:mod:`ddp_smoke.coordination.reach`): a node no other node can connect to,
-   or a link between two nodes that reach others but not each other — the cause behind ranks
-   that all wait, alive, in the process group's set-up or inside one collective;
+   a link between two nodes that reach others but not each other, or one that carries a
+   connection and not a large payload — the cause behind ranks that all wait, alive, in the
+   process group's set-up or inside one collective; and ahead of 3. when every silent rank
+   is on a node it names (a node cut off stops its heartbeats too);
 5. did not arrive at the check the others were waiting in (process alive);
 6. collective progress (:mod:`ddp_smoke.coordination.progress`): ranks that never *entered* the collective the
    others are blocked in, or are stuck in an older one; for a point-to-point exchange, the
@@ -80,8 +82,9 @@ class Verdict:
 
 def judge(s: Snapshot) -> Verdict:
     """Culprits and victims of an aborted run (pure)."""
-    culprits = (_terminated_first(s) or (_raised(s) + _died(s) + _never(s))
-                or reach.judge(s.reach, s.hosts) or _absent(s)
+    net = reach.judge(s.reach, s.hosts)
+    culprits = (_terminated_first(s) or _silenced_by(net, s)
+                or (_raised(s) + _died(s) + _never(s)) or net or _absent(s)
                 or _by_progress(s) or _unfinished(s) or _comm_only(s)
                 or [Culprit(None, None, "aborted: " + "; ".join(
                     f"rank {r} {a['kind']}" for r, a in sorted(s.aborts.items())) or "unknown")])
@@ -115,6 +118,17 @@ def _terminated_first(s: Snapshot) -> list:
                                     f"ranks) during {s.stage}")]
     return [_culprit(s, r, f"terminated by {a.get('signal', 'a signal')} during "
                            f"{a.get('stage', s.stage)}") for r, a in sorted(term.items())]
+
+
+def _silenced_by(net: list, s: Snapshot) -> list:
+    """The network's culprits, when they explain every silent rank: a node cut off, or one
+    end of a dead link to the store's node, stops heartbeats too. The ranks on the named
+    nodes went silent because their node lost the network, not because they died."""
+    silent = set(s.dead) | {r for r in range(s.world_size) if r not in s.connected}
+    hosts = {c.host for c in net} | {h for c in net for h in (c.hosts or [])}
+    if not net or not silent or any(s.hosts[r] not in hosts for r in silent):
+        return []
+    return net if not _raised(s) else []
 
 
 def _died_at(s: Snapshot, rank: int) -> float:

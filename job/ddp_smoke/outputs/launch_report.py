@@ -145,9 +145,13 @@ def preflight_culprits(nodes: list[str], records: dict[str, dict], launch: dict[
         if record is not None:
             failed = [c for c in record.get("checks", []) if not c.get("ok")
                       and c.get("name") != "joined"]  # the host's wait names the others
-            if failed:
-                reason = "; ".join(f"{c['name']}: {c['detail']}" for c in failed)
+            own = [c for c in failed if "nodes" not in c]
+            if own:
+                reason = "; ".join(f"{c['name']}: {c['detail']}" for c in own)
                 culprits.append(Culprit(None, node, _short(reason)))
+            # the host's comparison of every node's interface MTU names those nodes
+            culprits += [Culprit(None, n, _short(f"{c['name']}: {c['detail']}"))
+                         for c in failed if "nodes" in c for n in c["nodes"]]
             continue
         found[node] = _own_error(node, launch, node_stderr(report_dir, node, "preflight"))
     # Refused means nothing listened there: the host's preflight never came up.
