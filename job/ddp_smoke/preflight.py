@@ -25,11 +25,9 @@ the others then reach exactly the address and port torchrun's store will use, th
 firewalls. Each node says hello there; the host waits until every expected node did
 (``--nodes``) or the timeout, and names the node ranks that never joined (on Kubernetes this is
 the only place a pod that never left Pending shows up). Each hello carries the MTU of the
-interface the node reaches the host by; the host compares them with its own (``mtu``): nodes
-whose MTU differs from the rest are named (jumbo frames on some hosts: a link between them and
-the others passes small packets and drops large ones, and every rank then waits in the first
-large collective). The listener closes before torchrun starts; the clients close first, so no
-TIME_WAIT is left on the host's side of the port.
+node's interface; the host names the nodes whose MTU differs from the rest (``mtu``: such a
+link passes small packets and drops large ones). The listener closes before torchrun starts;
+the clients close first, so no TIME_WAIT is left on the host's side of the port.
 
 Each node writes one JSON record, ``REPORT_DIR/preflight/<node>.json``::
 
@@ -161,42 +159,27 @@ def check_interfaces(environ=os.environ, addresses: dict | None = None) -> tuple
     return True, "; ".join(seen) or "no interface named (NCCL_/GLOO_SOCKET_IFNAME unset)"
 
 
-def interface_mtu(addr: str) -> tuple[str, int] | None:
-    """The interface holding ``addr`` and its MTU (sysfs), or None."""
-    for name, addrs in interface_addresses().items():
-        if addr in addrs:
-            try:
-                with open(f"/sys/class/net/{name}/mtu") as f:
-                    return name, int(f.read())
-            except (OSError, ValueError):
-                return None
-    return None
-
-
-def route_mtu(host: str, port: int) -> tuple[str, int] | None:
-    """The MTU of the interface this node reaches ``host`` by (a UDP connect sends nothing)."""
+def interface_mtu(addr: str) -> int | None:
+    """The MTU of the interface holding ``addr`` (sysfs), or None."""
+    name = next((n for n, a in interface_addresses().items() if addr in a), None)
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(host), port))
-            return interface_mtu(s.getsockname()[0])
-    except OSError:
+        with open(f"/sys/class/net/{name}/mtu") as f:
+            return int(f.read())
+    except (OSError, ValueError):
         return None
 
 
 def compare_mtus(mtus: dict[str, int]) -> tuple[bool, str, list[str]]:
     """Nodes whose MTU differs from most nodes' (all of a tie): ok, the words, the nodes."""
-    if len(set(mtus.values())) < 2:
-        return True, f"{len(mtus)} node(s) alike, MTU {next(iter(mtus.values()), '?')}", []
-    counts = collections.Counter(mtus.values())
-    top = max(counts.values())
-    usual = [m for m, n in counts.items() if n == top]
-    odd = sorted(n for n, m in mtus.items() if len(usual) > 1 or m != usual[0])
-    said = ", ".join(f"{n} {mtus[n]}" for n in odd)
-    rest = ", ".join(f"{n} {m}" for n, m in sorted(mtus.items()) if n not in odd) or "-"
-    return False, (f"interface MTU differs between nodes: {said} (others: {rest}); a link "
-                   "between hosts of different MTU passes small packets and drops large ones "
-                   "(jumbo frames behind a port without them): set one MTU on every node's "
-                   "interface and the switch ports between them"), odd
+    counts = collections.Counter(mtus.values()).most_common()
+    if len(counts) < 2:
+        return True, f"{len(mtus)} node(s) alike, MTU {counts[0][0] if counts else '?'}", []
+    usual = None if counts[0][1] == counts[1][1] else counts[0][0]  # a tie: every node
+    odd = sorted(n for n, m in mtus.items() if m != usual)
+    named = ", ".join(f"{n} {mtus[n]}" for n in odd)
+    return False, (f"interface MTU differs between nodes: {named} (the others: {usual or '-'}); "
+                   "a link between hosts of different MTU passes small packets and drops large "
+                   "ones (jumbo frames behind a port without them): one MTU everywhere"), odd
 
 
 # -- report folder --------------------------------------------------------------------------
@@ -258,14 +241,13 @@ class Listener:
                 words = conn.makefile().readline().split()
                 if len(words) >= 4 and words[0] == HELLO:
                     conn.sendall(f"{HELLO} {self.run_id}\n".encode())
-                    mine = interface_mtu(conn.getsockname()[0])
+                    mine = interface_mtu(conn.getsockname()[0])  # this host's, named later
                     with self.changed:  # by node rank; by name where there is none
                         self.joined[words[2] if words[2] != "-" else words[3]] = words[3]
-                        theirs = [w[4:] for w in words[4:] if w.startswith("mtu=")]
-                        if theirs and theirs[0].isdigit():
-                            self.mtus[words[3]] = int(theirs[0])
+                        self.mtus.update({words[3]: int(w[4:]) for w in words[4:5]
+                                          if w.startswith("mtu=") and w[4:].isdigit()})
                         if mine:
-                            self.mtus.setdefault("", mine[1])  # this host's, named later
+                            self.mtus.setdefault("", mine)
                         self.changed.notify_all()
                     conn.recv(1)  # the client closes first: TIME_WAIT stays on its side
             except OSError:
@@ -298,7 +280,7 @@ def say_hello(host: str, port: int, deadline: float, run_id: str, rank: int | No
                 s.settimeout(_ANSWER_S)
                 mtu = interface_mtu(s.getsockname()[0])
                 s.sendall(f"{HELLO} {run_id or '-'} {rank if rank is not None else '-'} "
-                          f"{node}{f' mtu={mtu[1]}' if mtu else ''}\n".encode())
+                          f"{node}{f' mtu={mtu}' if mtu else ''}\n".encode())
                 try:
                     answer = s.makefile().readline().split()
                 except OSError:
@@ -384,13 +366,12 @@ def run(args: argparse.Namespace, environ=os.environ) -> dict:
         else:
             note("joined", (True, f"{len(joined)} node(s) said hello"))
         mtus = dict(listener.mtus)
-        if "" in mtus:  # this host's own, unless it said hello to itself
-            mtus.setdefault(node, mtus.pop(""))
-            mtus.pop("", None)
-        if len(mtus) > 1:
-            ok, detail, odd = compare_mtus(mtus)
-            note("mtu", (ok, detail))
-            checks[-1]["nodes"] = odd
+        own = mtus.pop("", None)  # the host's own, unless it said hello to itself
+        if own:
+            mtus.setdefault(node, own)
+        ok, detail, odd = compare_mtus(mtus)
+        note("mtu", (ok, detail))
+        checks[-1]["nodes"] = odd
     failed = [c for c in checks if not c["ok"]]
     record = {"node": node, "host": socket.gethostname(), "node_rank": rank, "run_id": run_id,
               "ok": not failed, "version": __version__,
