@@ -30,7 +30,7 @@ WHEELHOUSE ?=
 PY_VERSION ?= 3.12
 
 .PHONY: help venv smoke-local test lint clean sandbox-up sandbox-down slurm-up slurm-try slurm-down \
-        image wheelhouse image-test bench gpu-check
+        image wheelhouse image-test bench gpu-check campaign
 
 help:  ## list the verbs
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -63,6 +63,12 @@ lint: $(VENV)/.test  ## shellcheck the scripts, hadolint the Dockerfile, parse t
 	$(VENV)/bin/shellcheck slurm/*.sbatch docker/*.sh .ci/run job/torch_choice.sh
 	$(VENV)/bin/hadolint docker/Dockerfile
 	$(VENV)/bin/kubectl label --local -f k8s x=y -o name >/dev/null
+
+# The fault campaign (tests/campaign/): real faults x where x stage x launcher x shape, each cell
+# run for real against its exact expected outcome; the table goes to docs/campaign.md.
+campaign: $(VENV)/.test  ## the fault campaign's covering set for real, ~2 h, root (SLICE=kind=sigkill+oom, PART=3/14, CELL=id)
+	$(PY) -m tests.campaign $(if $(SLICE),--slice '$(SLICE)') $(if $(PART),--part $(PART)) \
+	  $(if $(CELL),--cell $(CELL)) || rc=$$?; $(PY) -m tests.campaign --table; exit $${rc:-0}
 
 image:  ## build the worker image (IMAGE=…, BASE_IMAGE=…, WHEELHOUSE=wheelhouse: offline)
 	docker build -f docker/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) \

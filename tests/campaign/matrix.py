@@ -15,6 +15,7 @@ only); :func:`expect` is the one place they are written, each with its reason.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import random
 
@@ -168,26 +169,35 @@ class Cover:
 
 def cover(seed: int = 0) -> Cover:
     """The pairwise covering set: greedy, most newly covered pairs per expected second."""
-    possible = [c for c in all_cells() if impossible(c) is None]
+    why_not = {c: impossible(c) for c in all_cells()}
+    possible = [c for c, why in why_not.items() if why is None]
     wanted = {p for c in possible for p in _pairs(c)}
     names = list(DIMENSIONS)
-    every = {(i, a, j, b) for i, j in itertools.combinations(range(5), 2)
-             for a in DIMENSIONS[names[i]] for b in DIMENSIONS[names[j]]}
-    why = {}
-    for p in sorted(every - wanted):
-        i, a, j, b = p
-        reasons = [impossible(c) for c in all_cells()
-                   if dataclasses.astuple(c)[i] == a and dataclasses.astuple(c)[j] == b]
-        common = set.intersection(*(set(r.split("; ")) for r in reasons))  # the pair's own
-        why[(names[i], a, names[j], b)] = "; ".join(sorted(common or set(reasons)))
+    reasons: dict[tuple, list] = {}  # a pair no possible cell holds -> its cells' reasons
+    for c, why in why_not.items():
+        for p in _pairs(c):
+            if p not in wanted:
+                reasons.setdefault(p, []).append(set(why.split("; ")))
+    why = {(names[i], a, names[j], b): "; ".join(sorted(set.intersection(*rs)
+                                                        or set.union(*rs)))
+           for (i, a, j, b), rs in sorted(reasons.items())}
     rng = random.Random(seed)
     rng.shuffle(possible)
     left, chosen = set(wanted), []
-    pairs_of = {c: _pairs(c) for c in possible}
-    while left:
-        best = max(possible, key=lambda c: sum(p in left for p in pairs_of[c]) / cost_s(c))
-        chosen.append(best)
-        left -= set(pairs_of[best])
+    pairs_of = [_pairs(c) for c in possible]
+    cost = [cost_s(c) for c in possible]
+    # lazy greedy: a cell's gain only falls as pairs get covered, so a stale score is a bound
+    heap = [(-len(p) / t, i) for i, (p, t) in enumerate(zip(pairs_of, cost))]
+    heapq.heapify(heap)
+    while left and heap:
+        _, i = heapq.heappop(heap)
+        score = sum(p in left for p in pairs_of[i]) / cost[i]
+        if heap and score < -heap[0][0]:
+            heapq.heappush(heap, (-score, i))
+            continue
+        if score > 0:
+            chosen.append(possible[i])
+            left -= set(pairs_of[i])
     order = {name: i for i, name in enumerate(LAUNCHERS)}
     chosen.sort(key=lambda c: (order[c.launcher], c.shape, c.kind, c.stage, c.position))
     return Cover(chosen, why, len(wanted))
@@ -207,6 +217,17 @@ def cost_s(c: Cell) -> float:
     if c.kind in SLOW:
         t += 10
     return t
+
+
+def commit_seed() -> str:
+    """CI's seed: ``CAMPAIGN_SEED``, else this checkout's commit (``git rev-parse HEAD``)."""
+    import os
+    import subprocess
+    if os.environ.get("CAMPAIGN_SEED"):
+        return os.environ["CAMPAIGN_SEED"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    got = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True)
+    return got.stdout.strip() or "0"
 
 
 def sample(cells: list[Cell], seed: str, budget_s: float) -> list[Cell]:

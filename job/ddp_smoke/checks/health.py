@@ -198,10 +198,11 @@ def sdc_culprits(ev) -> list:
         ranked = sorted(by_digest.values(), key=len, reverse=True)
         if len(ranked[0]) == len(ranked[1]):  # no majority: every side stays suspect
             ranks = sorted(r for rs in ranked for r in rs)
-            out.append(ev.link_culprit(ranks[0], ranks[1], (
+            out += [ev.culprit(r, (
                 f"silent data corruption: ranks {ranks} of {model} disagree on the seeded "
-                "product with no majority; rerun with more ranks to name one")))
-            out[-1].ranks, out[-1].hosts = ranks, [ev.host(r) for r in ranks]
+                "product and no majority tells which is wrong; each is suspect: run the "
+                "check with one of them beside a known-good device of the same model"))
+                for r in ranks]
             continue
         for rs in ranked[1:]:
             out += [ev.culprit(r, f"silent data corruption: the seeded {model} product "
