@@ -16,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.sandbox import tools
 from tests.sandbox.hosts import Host
 
 CMD_TIMEOUT_S = 10
@@ -29,6 +30,7 @@ class FaultError(RuntimeError):
 
 
 def sh(*argv: str) -> None:
+    tools.ensure("tc", "iptables")  # a no-op once installed
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=CMD_TIMEOUT_S)
     if proc.returncode != 0:
         raise FaultError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip()}")
