@@ -110,6 +110,7 @@ class Launch:
     containers: list = dataclasses.field(default_factory=list)
     env: dict | None = None
     job: str | None = None
+    logs: Path | None = None  # one log per node (torchrun across nodes)
     t0: float = dataclasses.field(default_factory=time.monotonic)
     _store = None
 
@@ -226,7 +227,7 @@ class Launch:
             parts.append(self.out_path.read_text(errors="replace"))
         for c in self.containers:
             parts.append(c.logs())
-        for log in sorted(self.report_dir.parent.glob("logs/*.log")):
+        for log in sorted(self.logs.glob("*.log")) if self.logs else []:
             parts.append(log.read_text(errors="replace"))
         return "\n".join(parts)
 
@@ -253,20 +254,21 @@ def _popen(argv, out: Path, env: dict, cwd=REPO, **kw) -> subprocess.Popen:
                                 stdin=subprocess.DEVNULL, start_new_session=True, **kw)
 
 
-def start(cell, parts: Parts, work: Path, worker: list[str], marker: str,
+def start(cell, parts: Parts, work: Path, reports: Path, worker: list[str], marker: str,
           dup: tuple[int, int] | None) -> Launch:
-    """Start ``cell``'s launcher with the worker's options ``worker`` (no --report-dir)."""
+    """Start ``cell``'s launcher with the worker's options ``worker`` (no --report-dir): its
+    own files (logs, submitit's) in ``work``, the run's report folder under ``reports``."""
     return {"torchrun": _torchrun, "smoke_local": _smoke_local, "slurm": _slurm,
             "image": _image, "submit": _submit}[cell.launcher](
-        cell, parts, work, worker, marker, dup)
+        cell, parts, work, reports, worker, marker, dup)
 
 
 def _env(marker: str, **extra) -> dict:
     return {**node_env(), "DDP_SMOKE_CAMPAIGN": marker, **extra}
 
 
-def _torchrun(cell, parts, work, worker, marker, dup) -> Launch:
-    rd = work / "report"
+def _torchrun(cell, parts, work, reports, worker, marker, dup) -> Launch:
+    rd = reports / "report"
     launch = Launch(cell, marker, rd, out_path=work / "launcher.log")
     if cell.nodes == 1:
         argv = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={cell.per_node}",
@@ -275,8 +277,8 @@ def _torchrun(cell, parts, work, worker, marker, dup) -> Launch:
         return launch
     box = parts.hosts()
     hosts = box.hosts[:cell.nodes]
-    launch.hosts = hosts
-    (work / "logs").mkdir()
+    launch.hosts, launch.logs = hosts, work / "logs"
+    launch.logs.mkdir()
     endpoint = f"{hosts[0].addr}:{29700 + os.getpid() % 200}"
     procs = []
     for i, host in enumerate(hosts):
@@ -325,8 +327,8 @@ class _Group:
             time.sleep(0.1)
 
 
-def _smoke_local(cell, parts, work, worker, marker, dup) -> Launch:
-    rd = work / "report"
+def _smoke_local(cell, parts, work, reports, worker, marker, dup) -> Launch:
+    rd = reports / "report"
     launch = Launch(cell, marker, rd, out_path=work / "launcher.log")
     args = " ".join(worker)
     launch.proc = _popen(["make", "-s", "smoke-local", f"NPROC={cell.per_node}",
@@ -334,10 +336,10 @@ def _smoke_local(cell, parts, work, worker, marker, dup) -> Launch:
     return launch
 
 
-def _slurm(cell, parts, work, worker, marker, dup) -> Launch:
+def _slurm(cell, parts, work, reports, worker, marker, dup) -> Launch:
     cluster = parts.slurm(dup)
     env = cluster.env(**_env(marker), WORKER_PYTHON=sys.executable,
-                      NPROC_PER_NODE=str(cell.per_node), REPORT_ROOT=str(work / "reports"))
+                      NPROC_PER_NODE=str(cell.per_node), REPORT_ROOT=str(reports / "reports"))
     proc = subprocess.run(["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2",
                            f"--nodes={cell.nodes}", f"--output={work}/job.out", str(TEMPLATE),
                            *worker], cwd=work, env=env, capture_output=True, text=True,
@@ -345,7 +347,7 @@ def _slurm(cell, parts, work, worker, marker, dup) -> Launch:
     if proc.returncode != 0:
         raise RuntimeError(f"sbatch: {proc.stderr.strip()}")
     job = proc.stdout.strip().split(";")[0]
-    launch = Launch(cell, marker, work / "reports" / job, out_path=work / "job.out", env=env,
+    launch = Launch(cell, marker, reports / "reports" / job, out_path=work / "job.out", env=env,
                     job=job, hosts=cluster.hosts.hosts[:cell.nodes])
     launch.proc = _SlurmJob(job, env)
     return launch
@@ -374,13 +376,14 @@ class _SlurmJob:
             time.sleep(0.5)
 
 
-def _image(cell, parts, work, worker, marker, dup) -> Launch:
+def _image(cell, parts, work, reports, worker, marker, dup) -> Launch:
     from tests.sandbox.docker import PodNetwork
     engine, image = parts.docker()
     uid = int(engine.docker("image", "inspect", "-f", "{{.Config.User}}", image.tag).stdout)
-    out = work / "reports"
+    out = reports / "reports"
     out.mkdir(exist_ok=True)
-    os.chown(out, uid, uid)
+    with contextlib.suppress(OSError):  # a folder the cell made read-only is already 1777
+        os.chown(out, uid, uid)
     net = PodNetwork(engine, image.tag, PODS_PREFIX, PODS_SUBNET).up()
     names = [f"dcd-node-{chr(97 + i)}" for i in range(cell.nodes)]
     if dup:
@@ -427,8 +430,11 @@ class _Container:
         self.c.engine.docker("kill", self.c.name, check=False)
 
 
-def _submit(cell, parts, work, worker, marker, dup) -> Launch:
+def _submit(cell, parts, work, reports, worker, marker, dup) -> Launch:
     folder = work / "submitit"
+    folder.mkdir()
+    (reports / "report").mkdir(exist_ok=True)
+    (folder / "report").symlink_to(reports / "report")  # submit's report folder: DIR/report
     argv = [str(BIN / "ddp-smoke-submit"), "--folder", str(folder), "--wait-timeout", "240",
             "--procs-per-node", str(cell.per_node)]
     env = _env(marker)

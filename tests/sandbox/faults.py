@@ -22,7 +22,7 @@ from tests.sandbox.hosts import Host
 CMD_TIMEOUT_S = 10
 SLOW_RATE = ["rate", "200mbit", "burst", "64kb", "latency", "500ms"]
 LARGE_BYTES = 1200  # a packet longer than this is dropped by blackhole(): a frame's worth
-MEMORY_HEADROOM_BYTES = 8 << 20  # the OOM cgroup's limit sits this far above the use
+MEMORY_HEADROOM_BYTES = 2 << 20  # the OOM cgroup's limit sits this far above the use
 
 
 class FaultError(RuntimeError):
@@ -226,17 +226,14 @@ class SmallFolder:
 
     def fill(self) -> None:
         """Write until the filesystem refuses (ENOSPC): not one byte left."""
-        with open(self.path / ".filler", "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 20))
-                    f.flush()
-            except OSError:
-                pass
-            with contextlib.suppress(OSError):
-                while True:
-                    f.write(b"\0")
-                    f.flush()
+        fd = os.open(self.path / ".filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for size in (1 << 20, 4096, 1):
+                with contextlib.suppress(OSError):
+                    while os.write(fd, b"\0" * size):
+                        pass
+        finally:
+            os.close(fd)
 
     def read_only(self) -> None:
         sh("mount", "-o", "remount,ro", str(self.path))
