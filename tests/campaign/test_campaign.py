@@ -73,17 +73,6 @@ def test_positions_land_where_they_say():
 
 # -- real cells --------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    from tests.campaign import launchers
-    reason = launchers.missing()
-    if reason:
-        pytest.skip(reason)
-    made = launchers.Parts(tmp_path_factory.mktemp("campaign"))
-    yield made
-    made.close()
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("cell", SAMPLE, ids=[c.id for c in SAMPLE])
 def test_sampled_cell_is_right(cell, parts, tmp_path):

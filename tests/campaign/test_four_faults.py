@@ -37,16 +37,6 @@ CELLS = ([f"{k}.middle.collectives.{launcher}.1x3" for k in ("sigkill", "sigsegv
             "dup_hostname.middle.join.torchrun.3x1", "dup_hostname.last.join.slurm.3x1"])
 
 
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    reason = launchers.missing()
-    if reason:
-        pytest.skip(reason)
-    made = launchers.Parts(tmp_path_factory.mktemp("four"))
-    yield made
-    made.close()
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cell_id", CELLS)
 def test_the_fault_is_named_right(cell_id, parts, tmp_path):
