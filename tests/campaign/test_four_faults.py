@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.campaign import launchers, matrix, runner
+from tests.campaign import matrix, runner
 from tests.launch import REPO
 from tests.multinode import Nodes, torchrun_argv
 from tests.sandbox.hosts import sandbox_fixture
