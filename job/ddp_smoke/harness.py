@@ -55,8 +55,10 @@ def run(cfg: dict[str, Any]) -> int:
     rdir = default_report_dir(cfg, env.run_id)
     # Every rank writes there (forensics, NCCL logs): an unwritable folder is bad input on
     # every rank before any connects. Ranks that may not know the run id test the parent.
-    outputs.check_writable(rdir if env.rank == 0 or cfg["report_dir"] or env.run_id_shared
-                           else os.path.dirname(rdir) or ".")
+    known = env.rank == 0 or cfg["report_dir"] or env.run_id_shared
+    outputs.check_writable(rdir if known else os.path.dirname(rdir) or ".")
+    if known:  # a fatal signal's traceback, for the judge (else once the join names the folder)
+        ending.at_leave(fate.last_words(rdir, env.rank))
     if env.rank == 0:
         prelaunch.hold(rdir, env.run_id)  # one live run per folder
         outputs.prepare(rdir)  # a report left by another run must never read as this run's
@@ -80,8 +82,7 @@ def run(cfg: dict[str, Any]) -> int:
         c.enter("init", timeout)
         t = time.monotonic()
         ctx = _join(c, store, faults)
-        # its fatal signals' traceback, for the judge; the file goes when empty
-        ending.at_leave(fate.last_words(c.report_dir, env.rank))
+        ending.at_leave(fate.last_words(c.report_dir, env.rank))  # the run's folder, now known
         c.timings["rendezvous_s"] = round(time.monotonic() - t, 4)
         for name in cfg["checks"]:  # checks that watch the whole run start watching now
             getattr(checks.load(name), "begin", lambda _: None)(ctx)

@@ -43,18 +43,31 @@ _file = None
 def last_words(report_dir: str, rank: int):
     """This rank's fatal signals leave their traceback in REPORT_DIR/fatal/rank<R>.txt
     (emptied now: a file left by an earlier run in the folder must not speak for this one).
-    Returns what removes the file while it is still empty (run it on the way out: a clean
-    exit does). Never raises."""
+    Called again once the run's folder is known (a rank may learn it from rank 0 at the
+    join), it moves there. Returns what removes the file while it is still empty (a clean
+    exit runs it too). Never raises."""
     global _file
     path = os.path.join(report_dir, FOLDER, f"rank{rank}.txt")
+    if _file is not None and _file.name == path:
+        return _drop_current
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        _file = open(path, "w")  # noqa: SIM115 — held open: faulthandler writes to its fd
-        faulthandler.enable(file=_file, all_threads=False)
+        new = open(path, "w")  # noqa: SIM115 — held open: faulthandler writes to its fd
+        faulthandler.enable(file=new, all_threads=False)
     except OSError:
-        return lambda: None
-    atexit.register(drop_if_empty, path)
-    return lambda: drop_if_empty(path)
+        return _drop_current
+    if _file is not None:
+        _file.close()
+        drop_if_empty(_file.name)
+    else:
+        atexit.register(_drop_current)
+    _file = new
+    return _drop_current
+
+
+def _drop_current() -> None:
+    if _file is not None:
+        drop_if_empty(_file.name)
 
 
 def drop_if_empty(path: str) -> None:
