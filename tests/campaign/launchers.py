@@ -120,13 +120,13 @@ class Launch:
         found = {}
         mark = self.marker.encode()
         for pid, cmd, env in _processes():
-            if env.get(b"DDP_SMOKE_CAMPAIGN") != mark or b"store_host" in cmd:
+            if env.get(b"DDP_SMOKE_CAMPAIGN") != mark:
                 continue
-            if b"torch.distributed.run" in cmd or b"torchrun" in cmd or b"python" not in cmd:
-                continue
-            if b"submitit.core._submit" in cmd:  # one submitit task per rank
+            head = cmd.split(b"\0")[:4]  # the program and its module, not the options
+            if [b"-m", b"submitit.core._submit"] == head[-2:] or \
+                    b"submitit.core._submit" in head:  # one submitit task per rank
                 rank = env.get(b"SUBMITIT_LOCAL_GLOBALID") or env.get(b"SLURM_PROCID")
-            elif b"-m\0ddp_smoke\0" in cmd:  # torchrun's worker (not preflight, verdict …)
+            elif b"ddp_smoke" in head and b"-m" in head:  # torchrun's worker
                 rank = env.get(b"RANK")
             else:
                 continue
@@ -142,9 +142,11 @@ class Launch:
         for pid, cmd, env in _processes():
             if env.get(b"DDP_SMOKE_CAMPAIGN") != mark:
                 continue
-            if b"ddp_smoke.store_host" in cmd and b"--plan" not in cmd:
+            head = cmd.split(b"\0")[:4]
+            if b"ddp_smoke.store_host" in head and b"--plan" not in cmd:
                 return pid
-            if b"torch.distributed.run" in cmd or (b"torchrun" in cmd and b"python" in cmd):
+            if b"torch.distributed.run" in head or any(a.endswith(b"/torchrun") or
+                                                        a == b"torchrun" for a in head[:2]):
                 agents.append((pid, cmd))
         if not agents:
             return None

@@ -22,7 +22,7 @@ from tests.sandbox.hosts import Host
 CMD_TIMEOUT_S = 10
 SLOW_RATE = ["rate", "200mbit", "burst", "64kb", "latency", "500ms"]
 LARGE_BYTES = 1200  # a packet longer than this is dropped by blackhole(): a frame's worth
-MEMORY_HEADROOM_BYTES = 2 << 20  # the OOM cgroup's limit sits this far above the use
+MEMORY_HEADROOM_BYTES = 1 << 20  # the OOM cgroup's limit sits this far above the use
 
 
 class FaultError(RuntimeError):
@@ -122,12 +122,14 @@ class MemoryLimit:
 
     def __enter__(self) -> "MemoryLimit":
         g = self.group.path
+        if not _v2():
+            (g / "memory.move_charge_at_immigrate").write_text("3")
         self.group.add(self.pid)
         if _v2():
             use = int((g / "memory.current").read_text())
             (g / "memory.swap.max").write_text("0")
             (g / "memory.max").write_text(str(use + MEMORY_HEADROOM_BYTES))
-        else:
+        else:  # v1: the process's pages move with it, so the limit bites at its next ones
             use = int((g / "memory.usage_in_bytes").read_text())
             (g / "memory.limit_in_bytes").write_text(str(use + MEMORY_HEADROOM_BYTES))
             with contextlib.suppress(OSError):  # only with swap accounting

@@ -66,7 +66,7 @@ def issued(trace: bytes) -> dict:
                 if not e.get("is_p2p") and str(e.get("pg_id", 0)) == "0"]
     except (ValueError, KeyError, TypeError, AttributeError):
         return {}
-    return {"issued": max(seqs)} if seqs else {}
+    return {"issued": max(seqs, default=0)}  # 0: it never handed one over
 
 
 def dump(report_dir: str, rank: int) -> dict:
