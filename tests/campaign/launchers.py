@@ -60,6 +60,7 @@ class Parts:
         self.work = work
         self._stack = contextlib.ExitStack()
         self._made: dict[str, object] = {}
+        self._dup = None  # the Slurm cluster with two nodes of one hostname, while it is up
 
     def _make(self, key: str, factory):
         if key not in self._made:
@@ -70,12 +71,20 @@ class Parts:
         return self._make("hosts", lambda: HostSandbox(HOSTS_PREFIX, HOSTS_SUBNET, NODES))
 
     def slurm(self, dup: tuple[int, int] | None = None):
+        """The four-node cluster; with ``dup``, one whose node dup[1] has node dup[0]'s
+        hostname (one such cluster at a time: they share a prefix)."""
         from tests.sandbox.slurm import SlurmSandbox
-        prefix, subnet = (DUP_PREFIX, DUP_SUBNET) if dup else (SLURM_PREFIX, SLURM_SUBNET)
-        key = f"slurm{dup}"
-        return self._make(key, lambda: SlurmSandbox(
-            NODES, str(self.work / f"slurm-{prefix}"), prefix=prefix, subnet=subnet,
-            same_hostname=dup))
+        if dup is None:
+            return self._make("slurm", lambda: SlurmSandbox(
+                NODES, str(self.work / "slurm"), prefix=SLURM_PREFIX, subnet=SLURM_SUBNET))
+        if self._dup is not None and self._dup.same_hostname != dup:
+            self._dup.down()
+            self._dup = None
+        if self._dup is None:
+            self._dup = SlurmSandbox(NODES, str(self.work / f"slurm-dup{dup[0]}{dup[1]}"),
+                                     prefix=DUP_PREFIX, subnet=DUP_SUBNET,
+                                     same_hostname=dup).up()
+        return self._dup
 
     def docker(self):
         from tests.sandbox import docker
@@ -85,7 +94,11 @@ class Parts:
         return engine, image
 
     def close(self) -> None:
-        self._stack.close()
+        try:
+            if self._dup is not None:
+                self._dup.down()
+        finally:
+            self._stack.close()
 
 
 @contextlib.contextmanager
