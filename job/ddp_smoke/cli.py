@@ -65,6 +65,7 @@ import ast
 import difflib
 import importlib.util
 import os
+import signal
 import sys
 
 from . import __version__, checks
@@ -231,6 +232,11 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         os.write(2, f"ddp-smoke: error: {e}\n".encode())
         sys.exit(2)
+    # A launcher that stops the others the moment one rank dies may do it while torch loads:
+    # the signal waits, blocked, and is answered once this rank is connected and can say so
+    # (coordination/liveness.py start), not by dying without a word.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1,
+                                              signal.SIGUSR2})
     try:
         from torch.distributed.elastic.multiprocessing.errors import record
 

@@ -215,21 +215,25 @@ def blackhole(a: Host, b: Host, over: int = LARGE_BYTES):
 # -- the report folder -----------------------------------------------------------------------
 
 class SmallFolder:
-    """A tmpfs of ``size`` bytes mounted at ``path``: filled to the last byte, or remounted
+    """A tmpfs of ``size`` bytes mounted at ``path``: filled to the last byte, or turned
     read-only, when told (a full or read-only shared filesystem)."""
 
     def __init__(self, path: Path, size: int = 64 << 20):
-        self.path, self.size = Path(path), size
+        self.path, self.size, self.mounts = Path(path), size, 0
 
     def __enter__(self) -> "SmallFolder":
         self.path.mkdir(parents=True, exist_ok=True)
         sh("mount", "-t", "tmpfs", "-o", f"size={self.size},mode=1777", "tmpfs", str(self.path))
+        self.mounts = 1
         return self
 
     def fill(self) -> None:
-        """Write until the filesystem refuses (ENOSPC): not one byte left."""
+        """Nothing left: the free space taken at once (fallocate), then the last bytes."""
         fd = os.open(self.path / ".filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
+            free = os.statvfs(self.path)
+            with contextlib.suppress(OSError):
+                os.posix_fallocate(fd, 0, free.f_bavail * free.f_frsize)
             for size in (1 << 20, 4096, 1):
                 with contextlib.suppress(OSError):
                     while os.write(fd, b"\0" * size):
@@ -238,11 +242,19 @@ class SmallFolder:
             os.close(fd)
 
     def read_only(self) -> None:
-        sh("mount", "-o", "remount,ro", str(self.path))
+        """Read-only from now on for every new open (EROFS), files already open for writing
+        included in what it holds: a read-only bind of the folder over itself (a remount of
+        the tmpfs itself is refused while any file is open for writing)."""
+        sh("mount", "--bind", str(self.path), str(self.path))
+        self.mounts += 1
+        sh("mount", "-o", "remount,bind,ro", str(self.path))
 
     def __exit__(self, *exc) -> None:
-        for _ in range(50):  # a rank may still hold a file open as it leaves
-            if subprocess.run(["umount", str(self.path)], capture_output=True).returncode == 0:
-                return
-            time.sleep(0.2)
-        subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+        for _ in range(self.mounts):
+            for _ in range(50):  # a rank may still hold a file open as it leaves
+                if subprocess.run(["umount", str(self.path)],
+                                  capture_output=True).returncode == 0:
+                    break
+                time.sleep(0.2)
+            else:
+                subprocess.run(["umount", "-l", str(self.path)], capture_output=True)

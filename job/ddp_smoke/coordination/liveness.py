@@ -128,6 +128,7 @@ def start(c) -> None:
                  Watchdog(c, r)]
     for t in c.threads:
         t.start()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINATING)  # one that came while torch loaded
 
 
 def shut_down(c) -> None:
