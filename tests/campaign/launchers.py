@@ -278,8 +278,16 @@ def start(cell, parts: Parts, work: Path, reports: Path, worker: list[str], mark
         cell, parts, work, reports, worker, marker, dup)
 
 
-def _env(marker: str, **extra) -> dict:
-    return {**node_env(), "DDP_SMOKE_CAMPAIGN": marker, **extra}
+def _env(marker: str, cell=None) -> dict:
+    return {**node_env(), **_worker_env(marker, cell)}
+
+
+def _worker_env(marker: str, cell) -> dict:
+    """The cell's marker; for an OOM cell, glibc's malloc without its dynamic mmap threshold:
+    every large tensor is fresh pages, charged to the cgroup it is in now (glibc otherwise
+    serves them from pages faulted in before the fault's cgroup existed)."""
+    oom = cell is not None and cell.kind == "oom"
+    return {"DDP_SMOKE_CAMPAIGN": marker, **({"MALLOC_MMAP_THRESHOLD_": "131072"} if oom else {})}
 
 
 def _torchrun(cell, parts, work, reports, worker, marker, dup) -> Launch:
@@ -288,7 +296,7 @@ def _torchrun(cell, parts, work, reports, worker, marker, dup) -> Launch:
     if cell.nodes == 1:
         argv = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={cell.per_node}",
                 "-m", "ddp_smoke", "--report-dir", str(rd), *worker]
-        launch.proc = _popen(argv, launch.out_path, _env(marker))
+        launch.proc = _popen(argv, launch.out_path, _env(marker, cell))
         return launch
     box = parts.hosts()
     hosts = box.hosts[:cell.nodes]
@@ -303,7 +311,7 @@ def _torchrun(cell, parts, work, reports, worker, marker, dup) -> Launch:
                              "join_timeout=60,read_timeout=30", ["--report-dir", str(rd),
                                                                  *worker])
         with open(work / "logs" / f"node{i + 1}.log", "wb") as f:
-            procs.append(subprocess.Popen(host_command(shown, argv), env=_env(marker),
+            procs.append(subprocess.Popen(host_command(shown, argv), env=_env(marker, cell),
                                           stdout=f, stderr=subprocess.STDOUT,
                                           start_new_session=True, cwd=REPO))
     launch.proc = _Group(procs)
@@ -347,13 +355,13 @@ def _smoke_local(cell, parts, work, reports, worker, marker, dup) -> Launch:
     launch = Launch(cell, marker, rd, out_path=work / "launcher.log")
     args = " ".join(worker)
     launch.proc = _popen(["make", "-s", "smoke-local", f"NPROC={cell.per_node}",
-                          f"REPORT_DIR={rd}", f"ARGS={args}"], launch.out_path, _env(marker))
+                          f"REPORT_DIR={rd}", f"ARGS={args}"], launch.out_path, _env(marker, cell))
     return launch
 
 
 def _slurm(cell, parts, work, reports, worker, marker, dup) -> Launch:
     cluster = parts.slurm(dup)
-    env = cluster.env(**_env(marker), WORKER_PYTHON=sys.executable,
+    env = cluster.env(**_env(marker, cell), WORKER_PYTHON=sys.executable,
                       NPROC_PER_NODE=str(cell.per_node), REPORT_ROOT=str(reports / "reports"))
     proc = subprocess.run(["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2",
                            f"--nodes={cell.nodes}", f"--output={work}/job.out", str(TEMPLATE),
@@ -417,7 +425,7 @@ def _image(cell, parts, work, reports, worker, marker, dup) -> Launch:
             pod, image.tag, [*args, "--", "--report-dir", "/reports", *worker],
             volumes=[f"{out}:/reports"], env={"GLOO_SOCKET_IFNAME": "eth0",
                                               "DDP_SMOKE_STORE": "auto", "OMP_NUM_THREADS": "1",
-                                              "DDP_SMOKE_CAMPAIGN": marker})))
+                                              **_worker_env(marker, cell)})))
     launch.net = net
     return launch
 
@@ -452,7 +460,7 @@ def _submit(cell, parts, work, reports, worker, marker, dup) -> Launch:
     (folder / "report").symlink_to(reports / "report")  # submit's report folder: DIR/report
     argv = [str(BIN / "ddp-smoke-submit"), "--folder", str(folder), "--wait-timeout", "240",
             "--procs-per-node", str(cell.per_node)]
-    env = _env(marker)
+    env = _env(marker, cell)
     hosts = []
     if cell.nodes > 1:
         cluster = parts.slurm(dup)

@@ -22,7 +22,7 @@ from tests.sandbox.hosts import Host
 CMD_TIMEOUT_S = 10
 SLOW_RATE = ["rate", "200mbit", "burst", "64kb", "latency", "500ms"]
 LARGE_BYTES = 1200  # a packet longer than this is dropped by blackhole(): a frame's worth
-MEMORY_HEADROOM_BYTES = 1 << 20  # the OOM cgroup's limit sits this far above the use
+MEMORY_HEADROOM_BYTES = 256 << 10  # the OOM cgroup's limit sits this far above the use
 
 
 class FaultError(RuntimeError):
@@ -242,9 +242,9 @@ class SmallFolder:
             os.close(fd)
 
     def read_only(self) -> None:
-        """Read-only from now on for every new open (EROFS), files already open for writing
-        included in what it holds: a read-only bind of the folder over itself (a remount of
-        the tmpfs itself is refused while any file is open for writing)."""
+        """Read-only for every new open from now on (EROFS), as a share remounted read-only
+        under a running job: a read-only bind of the folder over itself (the tmpfs itself
+        cannot be remounted while a file is open for writing; those files keep writing)."""
         sh("mount", "--bind", str(self.path), str(self.path))
         self.mounts += 1
         sh("mount", "-o", "remount,bind,ro", str(self.path))
