@@ -87,7 +87,7 @@ def _show(culprits: frozenset) -> str:
     parts = []
     for c in sorted(culprits):
         parts.append({"rank": lambda: f"rank {c[1]}", "link": lambda: f"link {c[1]}-{c[2]}",
-                      "job": lambda: "the job"}[c[0]]())
+                      "host": lambda: f"host {c[1]}", "job": lambda: "the job"}[c[0]]())
     return "{" + ", ".join(parts) + "}"
 
 
@@ -259,10 +259,12 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
             reasons.append(k.get("reason", ""))
             if k.get("ranks"):
                 culprits.add(("link", *sorted(k["ranks"])[:2]))
-            elif k.get("rank") is None:
-                culprits.add(("job",))
-            else:
+            elif k.get("rank") is not None:
                 culprits.add(("rank", k["rank"]))
+            elif k.get("host"):  # a node the launcher named (no rank ever ran there)
+                culprits.add(("host", k["host"]))
+            else:
+                culprits.add(("job",))
     writer = writer or next((w for w in writers if w), "rank 0" if report else None)
     return Got(report.get("verdict", "none"), frozenset(culprits), " | ".join(reasons)
                + (" | " + out[-2000:] if writer == "stderr" else ""), writer, status,
