@@ -242,7 +242,8 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
     lost = sorted((launch.report_dir / "lost").glob("*.json")) \
         if (launch.report_dir / "lost").is_dir() else []
     report_s = None if report_at is None else round(report_at - at, 1)
-    if report is None:
+    by_launcher = bool(report and (report.get("config") or {}).get("launcher"))
+    if report is None or (by_launcher and lost):  # the launcher's report quotes lost/
         if lost:
             last = max(p.stat().st_mtime for p in lost)
             report_s = round(end_s - (time.time() - last), 1)
@@ -265,7 +266,7 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
                 culprits.add(("host", k["host"]))
             else:
                 culprits.add(("job",))
-    writer = writer or next((w for w in writers if w), "rank 0" if report else None)
+    writer = writer or next((w for w in writers if w), "launcher" if by_launcher else "rank 0")
     return Got(report.get("verdict", "none"), frozenset(culprits), " | ".join(reasons)
                + (" | " + out[-2000:] if writer == "stderr" else ""), writer, status,
                report_s, end_s)

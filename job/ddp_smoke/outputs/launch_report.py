@@ -255,7 +255,10 @@ def lost_culprits(records: dict[int, dict]) -> tuple[list[Culprit], list[str]]:
                 for node, ranks in by_node.items()]
     victims = [f"rank {r}{' ' + hosts[r] if r < len(hosts) else ''}: lost the store, left "
                f"its word in lost/{r}.json" for r in sorted(records)]
-    return culprits or [Culprit(None, None, _short(f"every rank {gone}"))], victims
+    store = first.get("store", "?")  # every rank lived to say it lost the store: the store died
+    return culprits or [Culprit(None, None, _short(
+        f"the coordination store at {store} went away during {stages} while every rank was "
+        "alive (each left its word in lost/): its process or its node died"))], victims
 
 
 def build(stage: str, nodes: list[str], culprits: list[Culprit], victims: list[str],
