@@ -113,8 +113,10 @@ class CpuQuota:
 
 
 class MemoryLimit:
-    """A memory cgroup whose limit sits MEMORY_HEADROOM_BYTES above what ``pid`` uses now: its
-    next allocations past that make the kernel's OOM killer kill it (no swap counted)."""
+    """A memory cgroup for ``pid`` whose limit sits MEMORY_HEADROOM_BYTES above what is
+    charged to it: the process's next fresh pages past that make the kernel's OOM killer kill
+    it (no swap counted). Pages it touched before stay charged where they were, so the
+    process must take fresh pages (a large tensor, with glibc's dynamic mmap threshold off)."""
 
     def __init__(self, pid: int, name: str | None = None):
         self.pid = pid
@@ -122,14 +124,12 @@ class MemoryLimit:
 
     def __enter__(self) -> "MemoryLimit":
         g = self.group.path
-        if not _v2():
-            (g / "memory.move_charge_at_immigrate").write_text("3")
         self.group.add(self.pid)
         if _v2():
             use = int((g / "memory.current").read_text())
             (g / "memory.swap.max").write_text("0")
             (g / "memory.max").write_text(str(use + MEMORY_HEADROOM_BYTES))
-        else:  # v1: the process's pages move with it, so the limit bites at its next ones
+        else:  # v1 (charges stay where they were made: this kernel refuses to move them)
             use = int((g / "memory.usage_in_bytes").read_text())
             (g / "memory.limit_in_bytes").write_text(str(use + MEMORY_HEADROOM_BYTES))
             with contextlib.suppress(OSError):  # only with swap accounting
