@@ -19,7 +19,7 @@ Per world size N it measures, in one simulated run:
 * an abort: at one more check the last rank dies (its heartbeat stops) and the middle one
   stalls (alive, never posts); ranks far from 0, so that no search that stops early hides.
   Rank 0's main thread waits in ``gather`` while its watchdog notices the silent heartbeat
-  and aborts ("detect"); then ``judge.judge_abort`` names the culprits ("judge"),
+  and aborts ("detect"); then ``judge.judge_as_a_rank`` names the culprits ("judge"),
   while every other rank goes through the real ``_exit_aborted`` and waits for the report,
   as its watchdog does once it sees the abort (here the rank's main thread stands in for its
   watchdog; its own parked store wait costs the store nothing while it waits). Process exit
@@ -32,7 +32,7 @@ Per world size N it measures, in one simulated run:
 Columns: store calls per check (all ranks), per rank, per rank less the waits that timed out
 (each followed by a look at the abort list: none, unless a watchdog failed to act), rank
 0's median seconds per check, heartbeat + watchdog calls per second, seconds from the
-death to the abort, seconds and store calls of ``judge_abort`` (the culprits named), how many
+death to the abort, seconds and store calls of ``judge_as_a_rank`` (the culprits named), how many
 live ranks' forensics the report lists and how long the writer waited for them after judging
 (at most ``FORENSICS_WAIT_S``), the culprits.
 
@@ -276,7 +276,8 @@ def _abort_scenario(c, out, args, name, seen) -> None:
     wd, n = c.wd_store, c.wd_store.total()  # the watchdog judges, on its own connection
     t = time.monotonic()
     c.leave_forensics(wd)  # as _exit_aborted does, before it judges
-    live = judge.judge_abort(c, wd)
+    c.identities(wd)
+    live = judge.judge_as_a_rank(wd, c.stopped(), c.silence)
     out["judge_s"] = time.monotonic() - t
     out["judge_ops"] = wd.total() - n
     t = time.monotonic()  # then, as finalize does: the live ranks' forensics for the report

@@ -131,7 +131,7 @@ python -m ddp_smoke.launch_local --check --nproc-per-node="${nproc:-${PET_NPROC_
 node="${NODE_NAME:-${HOSTNAME:-$(hostname)}}"
 verdict() {  # verdict STAGE STATUS
     [[ -n "$report_dir" ]] || return 0  # no folder of our own: the worker's default applies
-    python -m ddp_smoke.verdict --launcher --launcher docker --stage "$1" --exit "$2" \
+    python -m ddp_smoke launch-report --launcher docker --stage "$1" --exit "$2" \
         --report-dir "$report_dir" --nodes "$node" || true
 }
 [[ -z "$report_dir" ]] || mkdir -p "$report_dir/launch"

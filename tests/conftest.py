@@ -3,12 +3,54 @@
 Tests that need a real part this machine lacks (root, network namespaces, Slurm, Docker) skip
 with a reason on a user's laptop. CI sets ``DDP_SMOKE_REQUIRE_REAL=1``, which turns every skip
 into a failure: a skipped real-part test is not a passing one.
+
+The suite's budget: the whole suite (``make test``, nothing selected out) must finish within
+BUDGET_S on two cores. Under CI a full run that took longer fails, naming its slowest tests;
+``DDP_SMOKE_RECORD_DURATIONS=1`` keeps the full run's time and slowest tests in
+``tests/durations.json`` (committed: what to share or shorten next when the suite grows).
 """
+import json
 import os
+import time
+from pathlib import Path
 
 import pytest
 
 REQUIRE_REAL = os.environ.get("DDP_SMOKE_REQUIRE_REAL") == "1"
+BUDGET_S = 20 * 60
+DURATIONS = Path(__file__).parent / "durations.json"
+_KEPT = 40  # slowest tests kept in durations.json
+_spent: dict[str, float] = {}  # nodeid -> seconds (setup, call and teardown)
+_started = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    _spent[report.nodeid] = _spent.get(report.nodeid, 0.0) + report.duration
+
+
+def _whole_suite(config) -> bool:
+    """Nothing selected out: the default paths, no -k, no -m, no --deselect, no -x stop."""
+    return (config.args_source == pytest.Config.ArgsSource.TESTPATHS
+            and not config.option.keyword and not config.option.markexpr
+            and not config.getoption("deselect") and not config.option.exitfirst)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _whole_suite(session.config):
+        return
+    took = time.monotonic() - _started
+    slowest = sorted(_spent.items(), key=lambda kv: -kv[1])[:_KEPT]
+    if os.environ.get("DDP_SMOKE_RECORD_DURATIONS") == "1":
+        DURATIONS.write_text(json.dumps(
+            {"budget_s": BUDGET_S, "whole_suite_s": round(took, 1), "tests": len(_spent),
+             "slowest_s": {k: round(v, 1) for k, v in slowest}}, indent=1) + "\n")
+    if REQUIRE_REAL and took > BUDGET_S:
+        lines = "\n".join(f"  {v:7.1f} s  {k}" for k, v in slowest[:15])
+        session.config.get_terminal_writer().line(
+            f"\nsuite budget: the whole suite took {took:.0f} s, over its {BUDGET_S} s "
+            f"(tests/conftest.py); share clusters and images, shorten what the test does not "
+            f"measure. Slowest:\n{lines}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(hookwrapper=True)

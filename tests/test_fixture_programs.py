@@ -423,7 +423,7 @@ def test_the_scan_sees_the_programs_it_must():
     found = {(name, u.program) for name, uses in scan().uses.items() for u in uses}
     assert {("tests.worker.test_diagnosis_network", "iptables"),  # _in(host, "iptables", …)
             ("tests.worker.test_diagnosis_network", "tc"),  # _sh("tc", …)
-            ("tests.outputs.test_triage_hosts", "tc"),
+            ("tests.outputs.test_hosts_real", "tc"),
             ("tests.sandbox.hosts", "ip"), ("tests.sandbox.hosts", "nsenter"),
             ("tests.sandbox.hosts", "hostname"),  # inside host_command's `sh -c`
             ("tests.worker.test_multihost", "python"),  # nodes.start(host, torchrun_argv(…))

@@ -21,6 +21,10 @@ Reading runs (no torch, no launcher; the first word picks the command):
   ddp-smoke history ROOT [--margin F] [--window N] [--min-runs N]
             every run under ROOT: per host and GPU each figure across runs, its trend, and
             the ones degrading (more than history.margin below their own median)
+  ddp-smoke last-line REPORT.json | --dir REPORT_DIR [--run-id ID]
+            the run as one line (a pod's termination message, a job log's last line)
+  ddp-smoke launch-report --stage preflight|run --report-dir DIR --nodes "A B" …
+            the launchers' report when no worker wrote one (the sbatch, the image)
 
 Checks (in default order):
 {checks}
@@ -60,19 +64,17 @@ A rank the others wait for in most collectives of a check is that check's stragg
 """
 from __future__ import annotations
 
-import argparse
 import ast
-import difflib
 import importlib.util
 import os
 import signal
 import sys
 
-from . import __version__, checks
-from .config import load_file, resolve
+from . import __version__, checks, preflight
+from .config.args import Parser, parse_config, worker_parser
 from .config.launchenv import LaunchEnv
-from .errors import ConfigError
-from .outputs import history, page
+from .errors import ConfigError, say_once
+from .outputs import history, last_line, launch_report, page
 
 
 def _manual() -> str:
@@ -86,87 +88,13 @@ def _manual() -> str:
     return __doc__.format(checks="\n".join(lines))
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are ConfigErrors: one line and exit 2, like every other
-    bad input, instead of argparse's usage block."""
-
-    def __init__(self, **kwargs):
-        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-
-    def error(self, message: str):
-        raise ConfigError(message + did_you_mean(message, list(self._option_string_actions)))
-
-
-def did_you_mean(message: str, options: list[str]) -> str:
-    """'; did you mean --checks?' for the first unrecognized --option close to a real one."""
-    if not message.startswith("unrecognized arguments: "):
-        return ""
-    for word in message.split(": ", 1)[1].split():
-        if word.startswith("--"):
-            close = difflib.get_close_matches(word.split("=")[0], options, n=1)
-            if close:
-                return f"; did you mean {close[0]}?"
-    return ""
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m ddp_smoke", description=_manual())
-    p.add_argument("--report-dir", metavar="DIR",
-                   help="where rank 0 writes report.json and junit.xml (default reports/<run id>)")
-    p.add_argument("--config", metavar="FILE.yaml",
-                   help="YAML merged over the defaults; flags win over it")
-    p.add_argument("--checks", metavar="A,B,…", help="checks to run, in order (default: all)")
-    p.add_argument("--timeout", metavar="SECONDS", type=float,
-                   help="bound on every wait: init, arrival, work, gather (default 90)")
-    p.add_argument("--level", choices=("quick", "standard", "long"),
-                   help="how much the performance checks measure: quick (make smoke-local), "
-                        "standard (default), long (full sweep); every level runs every check")
-    p.add_argument("--backend", choices=("auto", "nccl", "gloo"),
-                   help="auto = nccl when CUDA is usable, else gloo (default auto)")
-    p.add_argument("--expect-nodes", metavar="N", type=int,
-                   help="fail unless the ranks span exactly N hosts")
-    p.add_argument("--expect-world-size", metavar="N", type=int,
-                   help="fail unless WORLD_SIZE is N")
-    p.add_argument("--storage-dir", metavar="DIR",
-                   help="directory every node should share (default REPORT_DIR/storage)")
-    p.add_argument("--profile", metavar="NAME|FILE.yaml",
-                   help="pass floors for bandwidth and compute: cpu (default, figures only), "
-                        "a100-8gpu, h100-8gpu, h200-8gpu, b200-8gpu, p5-h100-efa, or a "
-                        "profile file")
-    p.add_argument("--expect-transport", metavar="ib|socket|PLUGIN",
-                   help="fail a multi-node run whose NCCL used another network (transport "
-                        "check; default: the profile's, else any one network on every node)")
-    p.add_argument("--fault", metavar="RANK:KIND@CHECK",
-                   help="inject a fault to test alerting: rank RANK crashes (exits 13), "
-                        "raises, hangs before the check, stalls inside its first collective, "
-                        "runs slow (slow=F: F times slower, default 4) or corrupts its contribution at CHECK; several separated "
-                        "by commas; @CHECK#I or #I-J: only in those iterations of --repeat. "
-                        "The report says the failure was injected")
-    p.add_argument("--repeat", metavar="N", type=int,
-                   help="run the checks N times in one process group; a fault seen in some "
-                        "iterations only is flagged intermittent (default 1)")
-    p.add_argument("--duration", metavar="SECONDS", type=float,
-                   help="instead of --repeat: keep starting iterations for this long")
-    p.add_argument("--act", metavar="slurm-drain",
-                   help="after the report, drain the bad hosts' Slurm nodes with scontrol "
-                        "(default: only print the commands)")
-    p.add_argument("--prometheus", metavar="FILE",
-                   help="also write the verdict and key figures as a node_exporter textfile")
+def _parser() -> Parser:
+    p = worker_parser(manual=_manual)
     p.add_argument("--version", action="version", version=f"ddp-smoke {__version__}")
     return p
 
 
-def parse_config(argv: list[str] | None = None) -> dict:
-    """Flags and ``--config`` into the effective config; ConfigError on any mistake."""
-    args = _parser().parse_args(argv)
-    flags = {k: v for k, v in vars(args).items() if k != "config"}
-    if flags["checks"] is not None:
-        flags["checks"] = [c.strip() for c in flags["checks"].split(",") if c.strip()]
-    file_values = load_file(args.config) if args.config else {}
-    return resolve(file_values, flags, source=args.config or "config")
-
-
-def _render(argv: list[str]) -> str:
+def _render(argv: list[str]) -> int:
     p = Parser(prog="ddp-smoke render",
                description="Rebuild report.html from a report.json (any version, partial too); "
                            "with each host's history when its folder's parent holds other runs.")
@@ -174,10 +102,11 @@ def _render(argv: list[str]) -> str:
     p.add_argument("-o", "--output", metavar="OUT.html",
                    help="where to write the page (default: report.html beside the report)")
     args = p.parse_args(argv)
-    return page.render_file(args.report, args.output)
+    print(page.render_file(args.report, args.output), flush=True)
+    return 0
 
 
-def _history(argv: list[str]) -> str:
+def _history(argv: list[str]) -> int:
     d = history.defaults()
     p = Parser(prog="ddp-smoke history",
                description="Every report.json under ROOT (one folder per run): per host and per "
@@ -193,35 +122,29 @@ def _history(argv: list[str]) -> str:
     p.add_argument("--min-runs", type=int, metavar="N",
                    help=f"earlier runs needed to judge (default {d['min_runs']})")
     args = p.parse_args(argv)
-    return history.run(args.root, args.margin, args.window, args.min_runs)
+    print(history.run(args.root, args.margin, args.window, args.min_runs), flush=True)
+    return 0
 
 
-COMMANDS = {"render": _render, "history": _history}
-
-
-def say_once(line: str) -> None:
-    """Bad flags or config are the same on every rank: only the first local rank of each node
-    says so (one line per node, not one per rank), in one write, so no two lines run
-    together."""
-    local = os.environ.get("LOCAL_RANK", "0")
-    if local == "0" or not local.isdigit():
-        os.write(2, (line.replace("\n", " ") + "\n").encode())
+# The first word picks a command; none of them imports torch (reading runs anywhere, in any
+# pod). Each returns its exit status.
+COMMANDS = {"preflight": preflight.main, "render": _render, "history": _history,
+            "last-line": last_line.main, "launch-report": launch_report.main}
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddp_smoke`` and ``ddp-smoke``: the worker (flags only), or a
-    command named by the first word (``render``, ``history``); exits 0 (pass), 1 (fail) or 2
-    (bad input)."""
+    command named by the first word (:data:`COMMANDS`); exits 0 (pass), 1 (fail) or 2 (bad
+    input)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in COMMANDS:  # no torch, no launcher: reading runs anywhere
+    if argv and argv[0] in COMMANDS:
         try:
-            print(COMMANDS[argv[0]](argv[1:]), flush=True)
+            sys.exit(COMMANDS[argv[0]](argv[1:]))
         except ConfigError as e:
             print(f"ddp-smoke: error: {e}", file=sys.stderr)
             sys.exit(2)
-        sys.exit(0)
     try:
-        cfg = parse_config(argv)  # before importing torch: bad input fails fast
+        cfg = parse_config(argv, _parser())  # before importing torch: bad input fails fast
     except ConfigError as e:
         say_once(f"ddp-smoke: error: {e}")
         sys.exit(2)

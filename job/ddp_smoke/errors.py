@@ -6,6 +6,7 @@ exit status 2, and the harness turns :class:`ReportWriteError` into the report o
 from __future__ import annotations
 
 import errno
+import os
 
 
 class ConfigError(ValueError):
@@ -24,3 +25,12 @@ class ReportWriteError(RuntimeError):
         self.strerror = error.strerror or str(error)
         name = errno.errorcode.get(error.errno, "") if error.errno else ""
         super().__init__(f"cannot write {path}: {self.strerror}" + (f" ({name})" if name else ""))
+
+
+def say_once(line: str) -> None:
+    """Bad flags or config are the same on every rank: only the first local rank of each node
+    says so (one line per node, not one per rank), in one write, so no two lines run
+    together."""
+    local = os.environ.get("LOCAL_RANK", "0")
+    if local == "0" or not local.isdigit():
+        os.write(2, (line.replace("\n", " ") + "\n").encode())

@@ -27,18 +27,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import __version__, checks, outputs
+from . import checks, outputs
 from .checks.api import Context, Evidence
 from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
-from .coordination import (ending, fate, forensics, hosting, keys, liveness, lost, progress,
-                           reach, runtime, signing, stragglers)
+from .coordination import (ending, fate, forensics, hosting, judge, keys, liveness, lost,
+                           progress, reach, runtime, signing, stragglers)
 from .coordination.protocol import Coordinator, Stop, error_detail
 from .coordination.store import DEAD_AFTER_S, wait_key
 from .errors import ConfigError
-from .model import FAIL, SKIP, CheckResult, Culprit, Report, check_from_dict
-from .outputs import repeat
+from .model import FAIL, CheckResult, Culprit, check_from_dict
 
 
 def run(cfg: dict[str, Any]) -> int:
@@ -122,7 +121,7 @@ def _finish(c: Coordinator, store) -> int:
         return 1
     if env.rank != 0:
         verdict = ending.await_report(c, store, timeout + ending.FINAL_WAIT_S)
-        if verdict == "write":  # rank 0 died after the checks: write what it judged
+        if verdict == ending.TAKE_OVER:  # rank 0 died after the checks: write what it judged
             c.abort(store, keys.STOPPED, {"why": "rank 0 stopped before writing the report"})
             c.adopt_results(store)
             if ending.finalize(c, store, aborted=True) is None:
@@ -227,18 +226,14 @@ def _another_iteration(c: Coordinator, store, started: float) -> bool:
     return store.get(key) == b"1"
 
 
-def _publish(c: Coordinator, store, error: dict | None, found: list[dict]) -> str:
-    """The writer's report, from what this rank judged or adopted; returns the verdict."""
-    results = repeat.combine(c.judged, [r.get("host") for r in c.ranks])
-    done = {r.name for r in results}
-    results += [CheckResult(n, SKIP, summary=f"not run: the run stopped at {c.stage}")
-                for n in c.checks if n not in done]
-    report = Report(version=__version__, started_at=c.started_at, backend=c.backend,
-                    world_size=c.env.world_size, ranks=c.ranks, checks=results, config=c.cfg,
-                    timings=c.timings, error=error, forensics=found, run_id=c.env.run_id,
-                    security=signing.section(store))  # the caller's connection: the
-    # main thread's may be blocked in a wait (a store connection serves one call at a time)
-    return outputs.publish(report, c.report_dir, c.env.run_id)
+def _publish(c: Coordinator, store, error: dict | None, found: dict[int, dict]) -> str:
+    """The writer's report, from what this rank judged or adopted; returns the verdict.
+    ``store``: the caller's connection (the main thread's may be blocked in a wait, and a
+    store connection serves one call at a time)."""
+    report = judge.report_of(c.stopped(), started_at=c.started_at, backend=c.backend,
+                             config=c.cfg, timings=c.timings, run_id=c.env.run_id,
+                             error=error, forensics=found, security=signing.section(store))
+    return outputs.publish(report, c.report_dir, c.env.run_id).verdict
 
 
 def _store(env: LaunchEnv, timeout: float, may_host: bool):

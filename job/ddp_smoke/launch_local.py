@@ -35,7 +35,8 @@ import signal
 import sys
 
 from . import outputs
-from .cli import parse_config, say_once
+from .config.args import parse_config
+from .errors import say_once
 from .config import prelaunch, report_dir
 from .config.launchenv import run_id as launcher_run_id
 from .coordination import fate

@@ -88,6 +88,8 @@ class Report:
     # {"signed": bool, "findings": [{"key", "rank", "why", "seen_by", "value"}]}: records in
     # the store that failed their signature check (ddp_smoke.coordination.signing)
     security: dict[str, Any] = field(default_factory=dict)
+    # who wrote it: "rank 0", "rank N (took over from rank 0)", "store host", "launcher …"
+    written_by: str = ""
 
     def __post_init__(self):
         # Copies: the config and the results are the harness's own objects.
@@ -128,6 +130,12 @@ def finite(data: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return [finite(v) for v in data]
     return data
+
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile by nearest rank (q in 0..100), as nccl-tests computes its p95/p99."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, math.ceil(len(ordered) * q / 100) - 1))]
 
 
 def get_field(obj, key: str, default=None):

@@ -37,7 +37,7 @@ Each node writes one JSON record, ``REPORT_DIR/preflight/<node>.json``::
      "joined": {"0": "gpu06", "1": "gpu07"}}              # only on the rendezvous host
 
 and prints one line. Exit status 0 when every check passed, 1 when one failed, 2 for bad
-input. ``python -m ddp_smoke.verdict --launcher`` turns the records into a report.
+input. ``python -m ddp_smoke launch-report`` turns the records into a report.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ import threading
 import time
 
 from . import __version__
-from .cli import Parser
+from .config.args import Parser
 from .errors import ConfigError
 from .outputs.files import write_atomic
 from .outputs.launch_report import error_line

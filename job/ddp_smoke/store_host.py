@@ -17,7 +17,7 @@ It exits when the run is final (the ``final`` key: the report is written), after
 had a moment to read the verdict (LINGER_S, or at once when every live rank said goodbye, or
 the launcher says the run is over). When no rank can write (every heartbeat silent for
 3 x 1.5 s and no ``final``, or the launcher ended with none) it writes the report of last
-resort from the store (:mod:`ddp_smoke.outputs.last_resort`) and exits 1. Bounded by
+resort from the store (:func:`ddp_smoke.coordination.judge.last_resort`) and exits 1. Bounded by
 ``--max-s`` in any case. Exit status: the command's (0 without one), or 1 when it wrote the
 report of last resort, or 2 for bad input (one line).
 """
@@ -34,8 +34,8 @@ import sys
 import threading
 import time
 
-from .coordination import hosting, signing
-from .outputs import last_resort
+from . import outputs
+from .coordination import hosting, judge, keys, signing
 
 MAX_S = 86400.0
 
@@ -107,12 +107,16 @@ def main(argv: list[str] | None = None) -> int:
             over.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    # The reader of the address line (the sbatch, submit) reads that one line and no more:
+    # whatever this process says later (the report of last resort's summary) goes to stderr,
+    # never into a pipe that nobody drains. (COMMAND, started above, keeps the real stdout.)
+    os.dup2(2, 1)
     result: list[int] = []
     watch = hosting.Watch(store)
     watcher = threading.Thread(target=lambda: result.append(
         hosting.serve(
             watch, a.max_s, over,
-            lambda w, why: last_resort.write(w, address, a.report_dir, why))), daemon=True)
+            lambda w, why: write_last_resort(w, address, a.report_dir, why))), daemon=True)
     watcher.start()
     if child is None:
         while watcher.is_alive():
@@ -129,6 +133,26 @@ def main(argv: list[str] | None = None) -> int:
         watcher.join(0.5)
     own = result[0] if result else 1
     return rc if own == 0 else own
+
+
+def write_last_resort(watch: hosting.Watch, address: str, report_dir: str | None, why: str) -> int:
+    """No rank can write the report: judge the run from what the store holds, as a rank
+    would (:func:`ddp_smoke.coordination.judge.last_resort`), publish it as a rank would,
+    and set ``final`` so that a rank still waiting leaves. Returns 1 (the run failed, and no
+    rank said so)."""
+    report = judge.last_resort(watch.store, watch.meta, dict(watch.moved), address, why)
+    try:  # a rank that still lives waits for `final` instead of taking over: no rank number
+        watch.store.compare_set(keys.WRITER, "", str(watch.meta["world_size"]))
+    except (RuntimeError, OSError):
+        pass
+    hosting.say(f"no rank wrote the report ({why}); writing it from the store")
+    verdict = outputs.publish(report, report_dir or watch.meta.get("report_dir") or ".",
+                              report.run_id).verdict
+    try:
+        watch.store.set(keys.FINAL, verdict)  # the ranks still waiting leave now
+    except (RuntimeError, OSError):
+        pass
+    return 1
 
 
 if __name__ == "__main__":

@@ -50,13 +50,13 @@ from pathlib import Path
 from typing import Any
 
 from . import task
-from .cli import Parser, parse_config
+from .config.args import Parser, parse_config
 from .coordination import lost
-from .errors import ConfigError, ReportWriteError
+from .errors import ConfigError
 from .model import Culprit
-from .outputs import launch_report
-from .outputs.report import as_dict, write_report
-from .verdict import from_lost
+from .outputs import launch_report, publish
+from .outputs.last_line import from_lost
+from .outputs.report import as_dict
 
 CLUSTERS = ("slurm", "local")
 IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image from docker/
@@ -266,7 +266,7 @@ def _own_report(path: Path, job_id: str) -> dict | None:
 
 
 def _survivors(report_dir: Path, job_id: str) -> str:
-    """What the ranks that lost the coordination store left (:mod:`ddp_smoke.verdict`)."""
+    """What the ranks that lost the coordination store left (:mod:`ddp_smoke.outputs.last_line`)."""
     records = {r: v for r, v in lost.read(str(report_dir)).items()
                if str(v.get("run_id", "")).startswith(task.run_id_of(job_id, ""))}
     return f"\n{from_lost(records)}" if records else ""
@@ -367,10 +367,9 @@ def _launch_report(job, p: Plan, errors: dict[int, BaseException]) -> dict | Non
     nodes = [str(n) for n in range(int(p.parameters["nodes"]))]
     report = launch_report.build("preflight" if failed else "run", nodes, failed or culprits,
                                  victims, str(p.report_dir), run_id, "submitit", {})
-    try:
-        write_report(report, str(p.report_dir))
-    except ReportWriteError:
-        pass  # the report still travels with the exception
+    # every artifact a run leaves; a report that cannot be written still travels with the
+    # exception
+    publish(report, str(p.report_dir), run_id, print_summary=False)
     return as_dict(report)
 
 

@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from . import preflight
-from .cli import parse_config
+from .config.args import parse_config
 from .coordination import hosting
 
 STORE_WAIT_S = 300.0  # a task waits this long for task 0's store host (nodes start unevenly)

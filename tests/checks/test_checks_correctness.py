@@ -19,6 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddp_smoke.checks import collectives, sampler_epochs, storage
 from ddp_smoke.checks.api import Evidence
+from ddp_smoke.config import rules
 from ddp_smoke.model import FAIL, PASS, SKIP
 from tests import launch
 
@@ -179,7 +180,7 @@ def test_collectives_judge_skip_is_not_failure():
     assert [c["status"] for c in cases] == [PASS, SKIP] and "not supported" in cases[1]["reason"]
 
 
-@pytest.mark.parametrize("dtype", sorted(collectives.EXACT_UP_TO))
+@pytest.mark.parametrize("dtype", sorted(rules.COLLECTIVE_DTYPES))
 @pytest.mark.parametrize("world", [2, 300, 2000])
 def test_values_sum_exactly_in_every_dtype(dtype, world):
     case = collectives.Case(3, "all_reduce_sum", dtype, 4096, 256, max(1, 256 // world))
@@ -187,7 +188,7 @@ def test_values_sum_exactly_in_every_dtype(dtype, world):
     assert not torch.equal(parts[0], parts[1])  # rank-distinct data
     exact = sum(p.to(torch.int64) for p in parts)
     # Even with one element corrupted by +1 the sum stays where the dtype is exact ...
-    assert 0 < exact.max().item() + 1 <= collectives.EXACT_UP_TO[dtype]
+    assert 0 < exact.max().item() + 1 <= rules.COLLECTIVE_DTYPES[dtype]
     # ... so the dtype's own sum, in any order, is the exact one.
     in_dtype = parts[0].clone()
     for p in reversed(parts[1:]):

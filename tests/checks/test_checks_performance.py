@@ -26,6 +26,7 @@ import yaml
 
 from ddp_smoke import config
 from ddp_smoke.checks import perf
+from ddp_smoke.model import percentile
 from ddp_smoke.config import profiles
 from ddp_smoke.outputs import plot
 from ddp_smoke.checks import bandwidth, compute
@@ -90,7 +91,7 @@ def test_matmul_rate_stragglers_and_shortfall():
     assert perf.pace({0: [100.0, 10.0], 1: [90.0, 9.0], 2: [95.0, 9.5]})[1] == pytest.approx(
         90 / 95)
     assert perf.shortfall_pct(402.0, 431.0) == pytest.approx(6.7285, rel=1e-4)
-    assert perf.percentile([5, 1, 4, 2, 3], 90) == 5 and perf.percentile([1, 2], 50) == 1
+    assert percentile([5, 1, 4, 2, 3], 90) == 5 and percentile([1, 2], 50) == 1
 
 
 def test_round_robin_meets_everyone_once_per_round():

@@ -456,7 +456,7 @@ def test_sdc_fault_names_exactly_the_perturbed_rank_every_time(tmp_path):
     assert [[c["rank"] for c in it["culprits"]] for it in check["figures"]["iterations"]] == \
         [[1], [1], [1]]
     assert "silent data corruption" in check["culprits"][0]["reason"]
-    bad = [h for h in run.report["hosts"] if h["verdict"] == "bad"]
+    bad = [h for h in run.report["hosts"] if h["status"] == "bad"]
     assert len(bad) == 1 and (tmp_path / "bad_hosts.txt").read_text().split() == [bad[0]["host"]]
 
 
@@ -474,7 +474,8 @@ def test_clean_cpu_run_skips_health_with_its_reasons_and_costs_little(tmp_path):
 
 def test_health_culprits_reach_the_hosts_drain_lists_and_prometheus(hca_root):
     from ddp_smoke.model import Report
-    from ddp_smoke.outputs import hosts as triage, metrics
+    from ddp_smoke.outputs import metrics
+    from ddp_smoke.outputs.hosts import host_lists, hosts_section
     start = _hca.read_ports(str(hca_root))
     counters(hca_root, "mlx5_0/ports/1", link_downed=2)
     node = {"gpu": {"unavailable": "NVMLError_LibraryNotFound"},
@@ -483,9 +484,9 @@ def test_health_culprits_reach_the_hosts_drain_lists_and_prometheus(hca_root):
     assert [(c.rank, c.host) for c in result.culprits] == [(None, "n2")]  # a port: the node
     ranks = [{"rank": r, "local_rank": 0, "host": h} for r, h in enumerate(["n1", "n2"])]
     report = Report("0", "t", "gloo", 2, ranks, [result], {"timeout": 9, "checks": ["health"]})
-    hosts = {h["host"]: h["verdict"] for h in triage.hosts_section(report)}
+    hosts = {h["host"]: h["status"] for h in hosts_section(report)}
     assert hosts == {"n1": "good", "n2": "bad"}
-    assert triage.host_lists(triage.hosts_section(report))["bad_hosts.txt"].split() == ["n2"]
+    assert host_lists(hosts_section(report))["bad_hosts.txt"].split() == ["n2"]
     text = metrics.render(report, "run", 0.0)
     assert 'ddp_smoke_check_pass{check="health",host="n2"} 0.0' in text
     assert 'ddp_smoke_check_pass{check="health",host="n1"} 1.0' in text

@@ -2,7 +2,7 @@
 import pytest
 
 from ddp_smoke.checks import REGISTRY
-from ddp_smoke.cli import parse_config
+from ddp_smoke.config.args import parse_config
 from ddp_smoke.config import defaults, resolve
 from ddp_smoke.errors import ConfigError
 from ddp_smoke.config.faults import Fault, parse_faults

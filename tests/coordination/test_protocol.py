@@ -145,8 +145,9 @@ def test_the_judge_names_the_rank_whose_heartbeat_stopped(world):
     beating = threading.Thread(target=beat_on)
     beating.start()
     coords[0].abort(coords[0].store, keys.LOST, {"silent": [2]})
+    coords[0].identities(coords[0].store)
     try:
-        live = judge.judge_abort(coords[0], coords[0].store)
+        live = judge.judge_as_a_rank(coords[0].store, coords[0].stopped(), coords[0].silence)
     finally:
         done.set()
         beating.join()
@@ -167,5 +168,5 @@ def test_a_survivor_claims_the_report_when_rank_0_never_writes(world, monkeypatc
         _Left(message)))
     coords = world(3)
     got = _threads(lambda c: ending.await_report(c, c.store, 1.5), coords[1:])
-    assert got[1] == "write" and coords[1].store.get("writer") == b"1"
+    assert got[1] == ending.TAKE_OVER and coords[1].store.get("writer") == b"1"
     assert isinstance(got[2], _Left) and "no rank wrote the report" in str(got[2])

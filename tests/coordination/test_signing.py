@@ -198,7 +198,7 @@ def _failing_report(security: dict) -> Report:
                          {"rank": 1, "host": "node-b", "slurm_node": "node-b"}],
                   checks=[CheckResult("compute", "fail", culprits=[culprit])],
                   config={"timeout": 1.0, "checks": ["compute"], "act": "slurm-drain"},
-                  run_id="r", security=security)
+                  run_id="r", security=security, written_by="rank 0")
 
 
 @pytest.mark.parametrize("security, said", [

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ddp_smoke import verdict
-from ddp_smoke.coordination import signing, hosting, keys, lost
-from ddp_smoke.outputs import last_resort
+from ddp_smoke.coordination import hosting, judge, keys, lost, signing
+from ddp_smoke.outputs import last_line
 from ddp_smoke.model import Report
 from tests.launch import REPO, free_port
 
@@ -77,7 +76,7 @@ def test_last_resort_names_the_ranks_that_went_silent_first(tmp_path):
     meta = hosting.read_meta(store)
     assert meta["report_dir"] == str(tmp_path)
     now = time.monotonic()
-    report = last_resort.build(store, meta, {0: now, 1: now - 0.2, 2: now - 3.0},
+    report = judge.last_resort(store, meta, {0: now, 1: now - 0.2, 2: now - 3.0},
                                "127.0.0.1:1", "test")
     got = report.to_dict()
     worker_fields = {f.name for f in dataclasses.fields(Report)}
@@ -87,14 +86,14 @@ def test_last_resort_names_the_ranks_that_went_silent_first(tmp_path):
     assert checks["environment"]["status"] == "pass"
     step = checks["ddp_step"]
     assert [(c["rank"], c["host"]) for c in step["culprits"]] == [(2, "node2")]
-    assert step["figures"]["writer"] == last_resort.WRITER
+    assert got["written_by"] == judge.STORE_HOST
     assert step["figures"]["silent_first"] == [2]
     assert got["error"]["type"] == "AllRanksLost" and got["error"]["host"] == "node2"
 
 
 def test_first_silent_takes_every_rank_of_a_job_killed_at_once():
-    assert last_resort.first_silent({0: 10.0, 1: 10.2, 2: 14.0}) == [0, 1]
-    assert last_resort.first_silent({}) == []
+    assert judge.first_silent({0: 10.0, 1: 10.2, 2: 14.0}) == [0, 1]
+    assert judge.first_silent({}) == []
 
 
 def test_lost_records_make_a_verdict_naming_the_silent_node(tmp_path):
@@ -104,11 +103,11 @@ def test_lost_records_make_a_verdict_naming_the_silent_node(tmp_path):
                                              "stage": "ddp_step", "store": "gpu-a:29501",
                                              "world_size": 3, "hosts": hosts})
     lost.write(str(tmp_path), 0, {"ddp_smoke_rank": 0, "run_id": "older"})  # not this run's
-    line = verdict.from_folder(str(tmp_path), "r1")
+    line = last_line.from_folder(str(tmp_path), "r1")
     assert line.startswith("ddp-smoke FAIL · run r1 · 3 ranks"), line
     assert "silent: rank 0 gpu-a (node gpu-a)" in line and "during ddp_step" in line, line
     assert "lost the store: rank 1 gpu-b, rank 2 gpu-c" in line, line
-    out = subprocess.run([sys.executable, "-m", "ddp_smoke.verdict", "--dir", str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "ddp_smoke", "last-line", "--dir", str(tmp_path),
                           "--run-id", "nobody"], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.startswith("ddp-smoke: error: "), out.stderr
     lost.clear(str(tmp_path))
@@ -139,4 +138,4 @@ def test_without_a_store_host_a_lost_store_is_one_line_and_a_record(tmp_path):
     lines = [json.loads(x) for x in err.splitlines() if x.startswith('{"ddp_smoke_rank"')]
     assert len(lines) == 1 and lines[0]["ddp_smoke_rank"] == 1, err
     assert lost.read(str(tmp_path), "plain-1").keys() == {1}
-    assert "silent: rank 0" in verdict.from_folder(str(tmp_path), "plain-1")
+    assert "silent: rank 0" in last_line.from_folder(str(tmp_path), "plain-1")

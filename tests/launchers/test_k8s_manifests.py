@@ -540,7 +540,7 @@ def _torchrun_errors(script: str) -> list[str]:
     errors = [f"torchrun needs {f}" for f in flags if f not in script]
     if not re.search(r"^\s*trap '[^']*kill -TERM[^']*' TERM", script, re.M):
         errors.append("sh is PID 1 and ignores SIGTERM: trap it and pass it on to torchrun")
-    if "python3 -m ddp_smoke.verdict" not in script or '"${msg_file}"' not in script:
+    if "python3 -m ddp_smoke last-line" not in script or '"${msg_file}"' not in script:
         errors.append("write the one-line verdict to the termination message file")
     # ("$@": the store host and its options on the pod that hosts it, nothing on the others)
     launches = [ln for ln in script.splitlines()
@@ -707,7 +707,7 @@ def _run_pod(pod: ko.Pod, tmp_path: Path, rc: int = 1):
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
     (bin_dir / "torchrun").chmod(0o755)
-    # The venv's python3 first: the script runs `python3 -m ddp_smoke.verdict`.
+    # The venv's python3 first: the script runs `python3 -m ddp_smoke last-line`.
     env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
            "FAKE_RC": str(rc), "FAKE_OUT": str(tmp_path / f"{pod.name}.json"),
            "DDP_SMOKE_PREFLIGHT": "0",  # about torchrun's argv; preflight has its own test

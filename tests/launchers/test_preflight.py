@@ -107,7 +107,7 @@ def _record(tmp: Path, node: str, ok: bool = True, run_id: str = "7", **extra) -
 
 
 def _launcher(tmp: Path, stage: str, nodes: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "ddp_smoke.verdict", "--launcher", "--stage", stage,
+    return subprocess.run([PY, "-m", "ddp_smoke", "launch-report", "--stage", stage,
                            "--report-dir", str(tmp), "--nodes", nodes, "--run-id", "7", *extra],
                           capture_output=True, text=True, timeout=60)
 
@@ -271,7 +271,7 @@ def test_entrypoint_preflight_failure_is_a_report_naming_this_node(tmp_path):
     assert last.startswith("ddp-smoke: verdict fail · preflight: box1: interfaces: "
                            "GLOO_SOCKET_IFNAME=ib7: no interface ib7"), last
     report = json.loads((tmp_path / "ep1" / "report.json").read_text())
-    assert report["run_id"] == "ep1" and report["config"]["launcher"] == "docker"
+    assert report["run_id"] == "ep1" and report["written_by"] == "docker launcher"
     assert "+ torchrun" not in proc.stderr  # stopped before torchrun
 
 

@@ -98,7 +98,7 @@ def _named_exactly(job, node: str, check: str = "preflight") -> str:
     assert job.report["run_id"] == job.id
     culprits = _culprits(job.report)
     assert set(culprits) == {node}, culprits
-    assert [h["host"] for h in job.report["hosts"] if h["verdict"] == "bad"] == [node]
+    assert [h["host"] for h in job.report["hosts"] if h["status"] == "bad"] == [node]
     last = job.last_line()
     assert last.startswith("ddp-smoke: verdict fail · "), last
     assert f"{check}: {node}: " in last, last

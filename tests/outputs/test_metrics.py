@@ -36,7 +36,7 @@ def test_labels_with_quotes_backslashes_and_newlines_survive_the_parser():
     assert values(got["ddp_smoke_check_pass"], "check", "host") == {
         ("environment", odd): 1, ("environment", "b"): 1, ("compute", odd): 0,
         ("compute", "b"): 1}  # skipped storage proves nothing: absent
-    assert values(got["ddp_smoke_host_verdict"], "host", "verdict") == {
+    assert values(got["ddp_smoke_host_status"], "host", "status") == {
         (odd, "good"): 0, (odd, "suspect"): 0, (odd, "bad"): 1,
         ("b", "good"): 1, ("b", "suspect"): 0, ("b", "bad"): 0}
     assert got["ddp_smoke_info"][0].labels["run_id"] == 'run "1"'
@@ -79,7 +79,7 @@ def test_real_run_writes_a_textfile_prometheus_reads(tmp_path):
     assert values(got["ddp_smoke_tflops"], "host", "gpu", "local_rank", "dtype") == \
         pytest.approx({(host, "", str(r["rank"]), "fp32"): r["matmul"]["fp32"]["tflops"]
                        for r in ranks})
-    assert values(got["ddp_smoke_host_verdict"], "verdict") == {("good",): 1, ("suspect",): 0,
+    assert values(got["ddp_smoke_host_status"], "status") == {("good",): 1, ("suspect",): 0,
                                                                 ("bad",): 0}
     assert got["ddp_smoke_run_duration_seconds"][0].value == report["timings"]["total_s"]
     # The textfile collector reads every *.prom there: nothing but the file itself.

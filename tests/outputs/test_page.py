@@ -230,8 +230,9 @@ def test_publish_writes_the_page_beside_the_report_and_prepare_clears_it(tmp_pat
                     world_size=2, ranks=[{"rank": r, "local_rank": r, "host": "vm"}
                                          for r in range(2)],
                     checks=[CheckResult("ddp_step", FAIL, culprits=[Culprit(1, "vm", HOSTILE)])],
-                    config={"checks": ["ddp_step"], "timeout": 10}, run_id="r1")
-    assert outputs.publish(report, str(tmp_path), "r1") == FAIL
+                    config={"checks": ["ddp_step"], "timeout": 10}, run_id="r1",
+                    written_by="rank 0")
+    assert outputs.publish(report, str(tmp_path), "r1").verdict == FAIL
     text = (tmp_path / "report.html").read_text()
     assert '<span id="verdict">FAIL</span>' in text and "&lt;script&gt;" in text
     assert str(tmp_path / "report.html") in outputs.prepare(str(tmp_path))

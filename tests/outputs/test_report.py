@@ -18,7 +18,8 @@ def _report(*statuses, error=None):
     ranks = [{"rank": 0, "local_rank": 0, "host": "node1"},
              {"rank": 1, "local_rank": 0, "host": "node2"}]
     return Report("0", "2026-11-30T12:00:00+00:00", "gloo", 2, ranks, checks,
-                  {"timeout": 9, "checks": []}, {"total_s": 1.0}, error, run_id="run-1")
+                  {"timeout": 9, "checks": []}, {"total_s": 1.0}, error, run_id="run-1",
+                  written_by="rank 0")
 
 
 def test_verdict_passes_only_when_every_check_passes_or_skips():

@@ -34,7 +34,7 @@ def _aborted() -> dict:
     link = Culprit(None, None, "link 0-1: 12 % of the median", ranks=[0, 1],
                    hosts=["node1", "node2"])
     hung = Culprit(1, "node2", "never entered all_reduce #3", where="in _measure, compute.py:50")
-    figures = {"busbw_gbps": 1.5, "victims": [{"rank": 0, "host": "node1",
+    figures = {"victims": [{"rank": 0, "host": "node1",
                                                "state": "blocked in all_reduce #3"}],
                "arrived": [0, 1], "finished": [], "dead": [], "progress": {"0": {"seq": 3}},
                "aborts": [{"kind": "timeout", "at": 1.0, "stage": "compute"}]}
@@ -51,14 +51,14 @@ def _aborted() -> dict:
                "stage": "compute"},
         forensics=[{"rank": 1, "host": "node2", "where": "in _measure, compute.py:50",
                     "stacks": "r/stacks/rank1.txt", "flight_recorder_error": "RuntimeError: x"}],
-        run_id="local-5f1c09ab")
+        run_id="local-5f1c09ab", written_by="rank 1 (took over from rank 0)")
     return json.loads(to_json(report))
 
 
 def _passed() -> dict:
     report = Report("0.1.0", "2026-11-30T23:22:51+00:00", "nccl", 2, copy.deepcopy(RANKS[:2]),
                     [CheckResult("environment", PASS, summary="ok", notes=["rank=0 …"])], {},
-                    {"total_s": 2.0}, run_id="job-1")
+                    {"total_s": 2.0}, run_id="job-1", written_by="rank 0")
     return json.loads(to_json(report))
 
 
@@ -92,8 +92,8 @@ def test_the_checks_it_names_are_the_registered_ones():
     (lambda r: r.update(extra=1), "Additional properties are not allowed ('extra'"),
     (lambda r: r["timings"].update(load_s=1.0), "timings: Additional properties"),
     (lambda r: r["error"].pop("stage"), "error"),
-    (lambda r: r["hosts"][0].update(verdict="good"), "hosts/0"),
-    (lambda r: r["hosts"][0].update(verdict="bad"), "hosts/0"),
+    (lambda r: r["hosts"][0].update(status="good"), "hosts/0"),
+    (lambda r: r["hosts"][0].update(status="bad"), "hosts/0"),
     (lambda r: r.update(started_at="yesterday"), "started_at"),
 ], ids=["no verdict", "bad verdict", "bad status", "link culprit convicts a rank",
         "culprit without where", "rank culprit with hosts", "unknown key", "unknown timing",
@@ -106,9 +106,25 @@ def test_a_report_that_breaks_the_contract_is_refused(breaks, where):
     assert any(p.startswith(where) or where in p for p in found), found
 
 
-def test_figures_stay_free_form_but_victims_keep_their_shape():
+def test_a_figure_no_schema_names_is_refused_and_victims_keep_their_shape():
+    """Issue 31: the schema is the one description, figures included: a writer that emits a
+    key the schema does not name fails every test that leaves a report (tests/conftest.py)."""
     report = _aborted()
     report["checks"][1]["figures"]["anything_new_gbps"] = [1, None, {"x": "y"}]
-    assert report_schema.problems(report) == []
+    assert any("anything_new_gbps" in p for p in report_schema.problems(report))
+    report = _aborted()
     report["checks"][1]["figures"]["victims"][0].pop("state")
     assert report_schema.problems(report)
+
+
+def test_every_check_and_the_harness_have_their_figures_named():
+    schema = report_schema.validator().schema
+    named = {k.removeprefix("figures_") for k in schema["$defs"] if k.startswith("figures_")}
+    assert named == set(checks.REGISTRY) | {"launch", "preflight"}
+    assert set(schema["$defs"]["check"]["properties"]["name"]["enum"]) == named
+
+
+def test_the_config_keys_the_schema_names_are_defaults_yamls():
+    from ddp_smoke import config
+    schema = report_schema.validator().schema
+    assert schema["properties"]["config"]["propertyNames"]["enum"] == sorted(config.defaults())

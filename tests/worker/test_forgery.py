@@ -3,7 +3,7 @@ second process (tests/forger.py) that connects to the run's store and forges rec
 ranks' names. No culprit is taken from them, and the report carries a security finding for
 each kind read. Ranks of another secret or build stop at once with a one-line error.
 
---act slurm-drain with a forger beside a real Slurm job: tests/test_triage_slurm.py.
+--act slurm-drain with a forger beside a real Slurm job: tests/launchers/test_hosts_slurm.py.
 """
 from __future__ import annotations
 

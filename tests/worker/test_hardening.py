@@ -35,7 +35,8 @@ def _report(**kw) -> Report:
     base = dict(version="t", started_at="2026-11-30T12:00:00+00:00", backend="gloo",
                 world_size=1, ranks=[{"rank": 0, "local_rank": 0, "host": "h"}],
                 checks=[CheckResult("environment", PASS)], config={"timeout": 1.0},
-                timings={"total_s": 1.0}, run_id="run-1")  # a report as the kit writes one
+                timings={"total_s": 1.0}, run_id="run-1",
+                written_by="rank 0")  # a report as the kit writes one
     return Report(**{**base, **kw})
 
 

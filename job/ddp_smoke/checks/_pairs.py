@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..coordination import progress as comm
+from ..coordination import progress
 from . import perf
 
 _SKIP = "all ranks are on one node: link pairs need leaders on >= 2 nodes"
@@ -51,7 +51,7 @@ def _rounds(ctx, cfg, rounds, pass_number, leaders, me, size, clock) -> list[dic
             time_s = _exchange(ctx, leaders[peer], size, cfg["pair_iters"], clock)
             out.append({"pass": pass_number, "round": number, "node": me, "peer_node": peer,
                         "time_us": time_s * 1e6})
-        comm.barrier()  # rounds never overlap: each leader talks to one partner at a time
+        progress.barrier()  # rounds never overlap: each leader talks to one partner at a time
     return out
 
 
@@ -68,7 +68,7 @@ def _exchange(ctx, peer: int, size_bytes: int, iters: int, clock) -> float:
     token = torch.zeros(2, dtype=torch.float32, device=ctx.device)
 
     def swap(out, into):
-        comm.sendrecv(out, into, peer)
+        progress.sendrecv(out, into, peer)
 
     swap(send, recv)  # the first exchange opens the connection
     times = []
@@ -89,7 +89,7 @@ def _first_pass_table(ctx, planned: list[tuple[int, int]], size: int,
     times = torch.zeros(max(1, len(planned)), dtype=torch.float64, device=ctx.device)
     for m in mine:
         times[slot[tuple(sorted((m["node"], m["peer_node"])))]] = m["time_us"]
-    comm.all_reduce(times, op=dist.ReduceOp.MAX)  # MAX copies a value: bit-identical everywhere
+    progress.all_reduce(times, op=dist.ReduceOp.MAX)  # MAX copies a value: bit-identical everywhere
     table = times.tolist()
     return {p: perf.algbw_gbps(size, table[i] / 1e6) for p, i in slot.items() if table[i] > 0}
 

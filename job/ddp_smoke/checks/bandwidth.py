@@ -34,13 +34,11 @@ import torch
 import torch.distributed as dist
 
 from ..config import profiles
-from ..coordination import progress as comm
+from ..coordination import progress
 from ..model import FAIL, PASS, CheckResult
 from . import _pairs, perf
 from ._timing import Clock
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SWEPT = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
 
 def run(ctx) -> dict:
@@ -72,7 +70,7 @@ def _node_of_each_rank(ctx) -> list[int]:
     host = zlib.crc32(socket.gethostname().encode())
     key = torch.tensor([ctx.env.group_rank, host], dtype=torch.int64, device=ctx.device)
     out = torch.empty(2 * ctx.world_size, dtype=torch.int64, device=ctx.device)
-    comm.all_gather_into(out, key)
+    progress.all_gather_into(out, key)
     index: dict = {}
     return [index.setdefault(tuple(k), len(index)) for k in out.view(-1, 2).tolist()]
 
@@ -80,10 +78,10 @@ def _node_of_each_rank(ctx) -> list[int]:
 # -- the sweep ------------------------------------------------------------------------------
 
 def _sweep(ctx, cfg: dict, sizes: list[int], clock: Clock) -> list[dict]:
-    dtype = DTYPES[cfg["dtype"]]
+    dtype = getattr(torch, cfg["dtype"])
     warm = torch.ones(1, device=ctx.device)
-    comm.all_reduce(warm)  # the first collective sets up connections: keep it out of the sweep
-    comm.barrier()
+    progress.all_reduce(warm)  # the first collective sets up connections: keep it out of the sweep
+    progress.barrier()
     typesize = torch.empty(0, dtype=dtype).element_size()
     rows = []
     for collective in cfg["collectives"]:
@@ -108,7 +106,7 @@ def _measure(ctx, cfg: dict, collective: str, size_bytes: int, count: int, pool,
     op = _operation(collective, inp, out)
 
     def once() -> float:
-        comm.barrier()  # every iteration starts together, as in all_reduce_bench
+        progress.barrier()  # every iteration starts together, as in all_reduce_bench
         return clock(op)
 
     # The first run is on known data and checked; it also warms this size up (buffers,
@@ -117,7 +115,7 @@ def _measure(ctx, cfg: dict, collective: str, size_bytes: int, count: int, pool,
     warm = [once() for _ in range(cfg["warmup_iters"])]
     warm_s = max(warm) if warm else first_s
     agreed = torch.tensor([warm_s], dtype=torch.float64, device=ctx.device)
-    comm.all_reduce(agreed, op=dist.ReduceOp.MAX)  # one iteration count on every rank
+    progress.all_reduce(agreed, op=dist.ReduceOp.MAX)  # one iteration count on every rank
     iters = perf.timed_iterations(agreed.item(), cfg["time_per_size_s"], cfg["min_iters"],
                                   cfg["iters"])
     times = [once() for _ in range(iters)]
@@ -137,11 +135,11 @@ def _lengths(collective: str, count: int, n: int) -> tuple[int, int | None]:
 
 
 def _operation(collective: str, inp, out):
-    return {"all_reduce": lambda: comm.all_reduce(inp),
-            "broadcast": lambda: comm.broadcast(inp, 0),
-            "all_gather": lambda: comm.all_gather_into(out, inp),
-            "reduce_scatter": lambda: comm.reduce_scatter_into(out, inp),
-            "all_to_all": lambda: comm.all_to_all_single(out, inp)}[collective]
+    return {"all_reduce": lambda: progress.all_reduce(inp),
+            "broadcast": lambda: progress.broadcast(inp, 0),
+            "all_gather": lambda: progress.all_gather_into(out, inp),
+            "reduce_scatter": lambda: progress.reduce_scatter_into(out, inp),
+            "all_to_all": lambda: progress.all_to_all_single(out, inp)}[collective]
 
 
 def _verify(ctx, collective: str, inp, out, op, clock: Clock) -> tuple[int, list[int], float]:
@@ -154,7 +152,7 @@ def _verify(ctx, collective: str, inp, out, op, clock: Clock) -> tuple[int, list
     n, rank = ctx.world_size, ctx.rank
     inp.fill_(rank + 1)
     ctx.faults.corrupt(inp)  # a `corrupt` rank's contribution is wrong by one element
-    comm.barrier()
+    progress.barrier()
     first_s = clock.measure(op)
     if collective in ("all_gather", "all_to_all"):
         expected = torch.arange(1, n + 1, device=out.device, dtype=out.dtype).view(n, 1)

@@ -26,14 +26,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..coordination import progress as comm
+from ..config import rules
+from ..coordination import progress
 from ..model import FAIL, PASS, SKIP, CheckResult
 
 OPS = ("all_reduce_sum", "all_reduce_max", "all_gather", "reduce_scatter", "broadcast",
        "all_to_all", "send_recv")
-# Largest integer each dtype holds exactly (and all below it): what an exact sum may reach.
-EXACT_UP_TO = {"float32": 2**24, "float64": 2**53, "bfloat16": 2**8, "float16": 2**11,
-               "int32": 2**31 - 1, "int64": 2**62}
 _MAX_VALUE = 2**20      # values stay readable in the report, whatever the dtype allows
 _MASK31 = 2**31 - 1     # hash lanes: products of two 31-bit values stay inside int64
 _MIX = (0x9E3779B1 & _MASK31, 48_271, 69_621)  # odd multipliers of the data hash
@@ -68,7 +66,7 @@ def plan(dtypes: list[str], sizes_bytes: list[int], world: int) -> list[Case]:
 def values(seed: int, case: Case, rank: int, world: int, start: int, count: int,
            device="cpu") -> torch.Tensor:
     """Rank ``rank``'s contribution to ``case`` at elements ``start..start+count-1``."""
-    limit = EXACT_UP_TO[case.dtype] // 2  # half: room for a corrupted +1 and the sum
+    limit = rules.COLLECTIVE_DTYPES[case.dtype] // 2  # half: room for a corrupted +1 and the sum
     cap = max(1, min(_MAX_VALUE, limit // world))
     high = (1 << ((cap + 1).bit_length() - 1)) - 1  # the largest 2**k - 1 <= cap: a mask
     stride = -(-world // limit) if world > limit else 1  # ≤ limit ranks feed each element
@@ -140,7 +138,7 @@ def _all_reduce(run: _Runner, case: Case) -> _Plan:
     is_sum = case.op == "all_reduce_sum"
     red = dist.ReduceOp.SUM if is_sum else dist.ReduceOp.MAX
     want = run.total(case, 0, case.count, torch.add if is_sum else torch.maximum)
-    return _Plan(sent, x, lambda: comm.all_reduce(x, op=red), want)
+    return _Plan(sent, x, lambda: progress.all_reduce(x, op=red), want)
 
 
 def _all_gather(run: _Runner, case: Case) -> _Plan:
@@ -148,7 +146,7 @@ def _all_gather(run: _Runner, case: Case) -> _Plan:
     x, sent = run.contribute(case, 0, b)
     out = run.empty(case, case.count)
     want = torch.cat([run.gen(case, r, 0, b) for r in range(run.world)])
-    return _Plan(sent, out, lambda: comm.all_gather_into(out, x), want,
+    return _Plan(sent, out, lambda: progress.all_gather_into(out, x), want,
                  [(r, r * b, r * b + b) for r in range(run.world)])
 
 
@@ -156,13 +154,13 @@ def _reduce_scatter(run: _Runner, case: Case) -> _Plan:
     b = case.block
     x, sent = run.contribute(case, 0, case.count)
     out = run.empty(case, b)
-    return _Plan(sent, out, lambda: comm.reduce_scatter_into(out, x), run.total(case, run.me * b, b, torch.add))
+    return _Plan(sent, out, lambda: progress.reduce_scatter_into(out, x), run.total(case, run.me * b, b, torch.add))
 
 
 def _broadcast(run: _Runner, case: Case) -> _Plan:
     root, n = run.world - 1, case.count  # the last rank: a root other than 0 when world > 1
     x, sent = run.contribute(case, 0, n) if run.me == root else (run.empty(case, n), None)
-    return _Plan(sent, x, lambda: comm.broadcast(x, src=root), run.gen(case, root, 0, n),
+    return _Plan(sent, x, lambda: progress.broadcast(x, src=root), run.gen(case, root, 0, n),
                  [(root, 0, n)])
 
 
@@ -171,7 +169,7 @@ def _all_to_all(run: _Runner, case: Case) -> _Plan:
     x, sent = run.contribute(case, 0, case.count)
     out = run.empty(case, case.count)
     want = torch.cat([run.gen(case, r, run.me * b, b) for r in range(run.world)])
-    return _Plan(sent, out, lambda: comm.all_to_all_single(out, x), want,
+    return _Plan(sent, out, lambda: progress.all_to_all_single(out, x), want,
                  [(r, r * b, r * b + b) for r in range(run.world)])
 
 
@@ -181,7 +179,7 @@ def _send_recv(run: _Runner, case: Case) -> _Plan:
     out = run.empty(case, n)
 
     def ring():
-        comm.sendrecv(x, out, right, left)
+        progress.sendrecv(x, out, right, left)
     return _Plan(sent, out, ring, run.gen(case, left, 0, n), [(left, 0, n)])
 
 
@@ -229,7 +227,7 @@ def run(ctx) -> dict:
     runner = _Runner(ctx, opts["seed"])
     rows = [_run_case(runner, case) for case in cases]
     t = time.perf_counter()
-    comm.barrier()
+    progress.barrier()
     return {"cases": [c.__dict__ for c in cases], "rows": rows,
             "barrier_s": round(time.perf_counter() - t, 6)}
 

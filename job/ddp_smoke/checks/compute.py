@@ -65,15 +65,11 @@ import time
 
 import torch
 
-from ..config import profiles
-from ..errors import ConfigError
+from ..config import profiles, rules
 from ..model import FAIL, PASS, CheckResult, Culprit
 from . import perf
 from ._timing import Clock
 
-# name -> (dtype, float32 matmul precision): "high" lets fp32 products use TF32 tensor cores
-GPU_DTYPES = {"bf16": (torch.bfloat16, "high"), "fp16": (torch.float16, "high"),
-              "tf32": (torch.float32, "high"), "fp32": (torch.float32, "highest")}
 _HBM_BYTES = 1 << 30  # 1 GiB: many times any GPU's L2 cache, so the copy streams from HBM
 _HBM_REPEATS = 10
 
@@ -84,12 +80,10 @@ def run(ctx) -> dict:
     profile = profiles.load(profiles.selected(ctx.config))
     clock = Clock(ctx.device, ctx.faults, cpu_time=True)
     if ctx.device.type == "cuda":
-        bad = [d for d in cfg["dtypes_gpu"] if d not in GPU_DTYPES]
-        if bad or not cfg["dtypes_gpu"]:
-            raise ConfigError(f"key 'compute.dtypes_gpu' = {cfg['dtypes_gpu']!r}: expected one "
-                              f"or more of {', '.join(GPU_DTYPES)}")
-        n = cfg["matrix_size_gpu"]
-        matmul = {d: _matmul(n, *GPU_DTYPES[d], ctx, cfg, clock) for d in cfg["dtypes_gpu"]}
+        n = cfg["matrix_size_gpu"]  # dtypes_gpu: names of rules.GPU_MATMUL_DTYPES (checked)
+        matmul = {d: _matmul(n, getattr(torch, rules.GPU_MATMUL_DTYPES[d][0]),
+                             rules.GPU_MATMUL_DTYPES[d][1], ctx, cfg, clock)
+                  for d in cfg["dtypes_gpu"]}
         hbm = _hbm_gbps(ctx.device, clock) if cfg["hbm"] else None
         name = torch.cuda.get_device_name(ctx.device)
         torch.cuda.empty_cache()

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ..coordination import progress as comm
+from ..coordination import progress
 from ..model import FAIL, PASS, CheckResult
 
 SEED, LR, BATCH = 17, 0.1, 2
@@ -37,7 +37,7 @@ def _model() -> nn.Linear:
 def run(ctx) -> dict:
     """Train one step on this rank's shard; return shard, loss and post-step parameters."""
     model = _model().to(ctx.device)
-    with comm.tracked("ddp_broadcast_parameters"):
+    with progress.tracked("ddp_broadcast_parameters"):
         ddp = DistributedDataParallel(model, device_ids=[ctx.device.index]
                                       if ctx.device.type == "cuda" else None)
     data = TensorDataset(torch.tensor(FEATURES), torch.tensor(TARGETS))
@@ -45,7 +45,7 @@ def run(ctx) -> dict:
     x, y = next(iter(DataLoader(data, batch_size=BATCH, sampler=sampler)))
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
     loss = F.mse_loss(ddp(x.to(ctx.device)), y.to(ctx.device))
-    with comm.tracked("ddp_gradient_all_reduce"):
+    with progress.tracked("ddp_gradient_all_reduce"):
         loss.backward()
         if loss.is_cuda:
             torch.cuda.synchronize(ctx.device)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 import statistics
 
+from ..model import percentile
+
 GB = 1e9  # bytes; nccl-tests' and the field's unit for GB/s
 
 # collective -> (busbw factor as a function of n, S counts the whole array)
@@ -103,11 +105,6 @@ def stragglers(blocks: dict[int, list[float]], margin: float) -> tuple[dict, lis
     got = pace(blocks)
     return got, sorted(r for r, p in got.items() if p < 1 - margin)
 
-
-def percentile(values, q: float) -> float:
-    """The q-th percentile by nearest rank (q in 0..100), as nccl-tests computes its p95/p99."""
-    ordered = sorted(values)
-    return ordered[max(0, min(len(ordered) - 1, math.ceil(len(ordered) * q / 100) - 1))]
 
 
 # -- node pairs ---------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from ..coordination import ending, progress as comm
+from ..coordination import ending, progress
 from ..model import FAIL, PASS, CheckResult
 
 FORMAT = "ddp-smoke-storage/1"
@@ -308,7 +308,7 @@ def run(ctx) -> dict:
     try:
         refused = _make_folder(folder, ctx.env.run_id) if ctx.rank == 0 else None
         made = torch.tensor([refused is None], dtype=torch.int32, device=ctx.device)
-        comm.broadcast(made, 0)  # the folder exists (or was refused) before anyone writes
+        progress.broadcast(made, 0)  # the folder exists (or was refused) before anyone writes
         if not made.item():  # every rank leaves here: no further collectives on any
             return {**obs, "refused": refused}
         return _round_trip(ctx, opts, folder, obs)
@@ -331,7 +331,7 @@ def _round_trip(ctx, opts: dict, folder: str, obs: dict) -> dict:
             obs["save"] = (_save_checkpoint(ctx, folder, dfd, opts) if dfd is not None else
                            {"error": obs["write"]["error"], "save_s": 0.0,
                             "checkpoint_bytes": 0})
-        comm.barrier()  # every file and the checkpoint are on disk before anyone reads
+        progress.barrier()  # every file and the checkpoint are on disk before anyone reads
         if ctx.rank == 0:
             t = time.perf_counter()
             obs["files"] = [verify(os.path.join(folder, f"rank{r}.bin"), ctx.env.run_id, r,
@@ -340,7 +340,7 @@ def _round_trip(ctx, opts: dict, folder: str, obs: dict) -> dict:
                             for r in range(ctx.world_size)]
             obs["read_all_s"] = round(time.perf_counter() - t, 6)
         obs["load"] = _load_checkpoint(folder, dfd, opts)
-        comm.barrier()  # rank 0 has read every file before anyone deletes its own
+        progress.barrier()  # rank 0 has read every file before anyone deletes its own
     finally:
         if dfd is not None:
             os.close(dfd)

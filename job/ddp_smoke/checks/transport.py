@@ -24,7 +24,7 @@ import os
 import torch
 
 from ..config import profiles
-from ..coordination import progress as comm
+from ..coordination import progress
 from ..model import FAIL, PASS, SKIP, CheckResult
 from . import _nccl_log as nccl_log
 
@@ -41,7 +41,7 @@ def run(ctx) -> dict:
         return {"skipped": f"backend {ctx.backend}: NCCL is not used"}
     # NCCL chooses its network when the first communicator is created; make sure it exists
     # even when this check runs alone.
-    comm.all_reduce(torch.ones(1, device=ctx.device))  # settles the stream itself
+    progress.all_reduce(torch.ones(1, device=ctx.device))  # settles the stream itself
     pattern = os.environ.get("NCCL_DEBUG_FILE", "")
     facts, files = nccl_log.read_own_log(pattern) if pattern else (nccl_log.parse([]), [])
     return {**facts, "log_files": files, "nccl_debug": os.environ.get("NCCL_DEBUG"),

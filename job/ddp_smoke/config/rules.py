@@ -26,11 +26,18 @@ ACTS = ("slurm-drain",)  # --act: what rank 0 may do itself after the verdict
 GIB = 1 << 30
 DAY_S = 86400.0
 
-# Names the checks accept (the checks' own tables are held equal to these by tests).
-COLLECTIVE_DTYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64")
+# The names the checks accept, with what each check needs to know of them: the one table
+# (the checks map a name to its torch dtype with getattr(torch, name)).
+# collectives: dtype -> the largest integer it holds exactly (and all below it): what an exact
+# sum may reach.
+COLLECTIVE_DTYPES = {"float32": 2**24, "float64": 2**53, "bfloat16": 2**8, "float16": 2**11,
+                     "int32": 2**31 - 1, "int64": 2**62}
 SWEPT = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 BANDWIDTH_DTYPES = ("float32", "bfloat16", "float16")
-GPU_MATMUL_DTYPES = ("bf16", "fp16", "tf32", "fp32")
+# compute on a GPU: name -> (torch dtype, float32 matmul precision); "high" lets fp32 products
+# use TF32 tensor cores
+GPU_MATMUL_DTYPES = {"bf16": ("bfloat16", "high"), "fp16": ("float16", "high"),
+                     "tf32": ("float32", "high"), "fp32": ("float32", "highest")}
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ class Snapshot:
         dead: ranks whose heartbeat stopped, terminated ones excluded.
         aborts: each aborting rank's first reason (``kind``: error, timeout, terminated;
             ``at``: wall time; ``signal``, ``type``, ``message``, ``comm``, ``waiting_for``).
-        progress: each rank's last published collective progress (``comm.progress()``,
+        progress: each rank's last published collective progress (``progress.progress()``,
             plus its ``stage``).
         where: innermost frame of the kit's code on each live rank's main thread.
         store: ``addr:port`` of the coordination store, for "never connected".
@@ -75,12 +75,12 @@ class Snapshot:
 
 
 @dataclass
-class Verdict:
+class Blame:
     culprits: list
     victims: list  # [{"rank", "host", "state"}]
 
 
-def judge(s: Snapshot) -> Verdict:
+def judge(s: Snapshot) -> Blame:
     """Culprits and victims of an aborted run (pure)."""
     net = reach.judge(s.reach, s.hosts)
     culprits = (_terminated_first(s) or _silenced_by(net, s)
@@ -92,7 +92,7 @@ def judge(s: Snapshot) -> Verdict:
     first = _first_event(s, culprits)
     victims = [{"rank": r, "host": s.hosts[r], "state": _state(s, r, first)}
                for r in range(s.world_size) if r not in named and r in s.connected]
-    return Verdict(culprits, victims)
+    return Blame(culprits, victims)
 
 
 # -- the kinds of evidence, in order ----------------------------------------------------------

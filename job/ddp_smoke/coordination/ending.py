@@ -14,11 +14,12 @@ import time
 from typing import Callable
 
 from . import keys, lost, progress, runtime
-from .judge import FORENSICS_WAIT_S, first_error, forensics_of, judge_abort
+from .judge import FORENSICS_WAIT_S, first_error, judge_as_a_rank
 from .store import DEAD_AFTER_S, beat_of, look_period, next_waiting, posted, try_get, wait_key
 
 FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
 TAKEOVER_S = 3 * DEAD_AFTER_S  # rank 0 silent this long, before writing: a survivor writes
+TAKE_OVER = "take over"  # what await_report returns to the rank that must write the report
 _AT_LEAVE: list[Callable[[], None]] = []
 
 
@@ -38,14 +39,15 @@ def finalize(c, store, aborted: bool) -> str | None:
     except Exception:  # noqa: BLE001 — the store is gone; write what this rank knows
         pass
     found, error = {}, None
+    c.identities(store)
     if aborted:
-        live = judge_abort(c, store)
+        stopped = c.stopped()
+        live = judge_as_a_rank(store, stopped, c.silence)
         # the report lists every live rank's forensics: the last ones may still come
         found = posted(store, keys.FORENSICS, live, FORENSICS_WAIT_S)
-        error = first_error(c, store)
+        error = first_error(store, stopped)
     c.timings["total_s"] = round(time.monotonic() - c.t0, 4)
-    c.identities(store)
-    verdict = c.publish(c, store, error, forensics_of(c, found))  # this thread's connection
+    verdict = c.publish(c, store, error, found)  # this thread's connection
     try:  # always, so that the other ranks leave now; a lost report is no pass
         store.set(keys.FINAL, verdict)
     except Exception:  # noqa: BLE001
@@ -62,7 +64,7 @@ def exit_aborted(c, store) -> None:
     """
     try:
         c.leave_forensics(store)
-        if c.env.rank == 0 or await_report(c, store, FINAL_WAIT_S) == "write":
+        if c.env.rank == 0 or await_report(c, store, FINAL_WAIT_S) == TAKE_OVER:
             c.adopt_results(store)
             if finalize(c, store, aborted=True) is not None:
                 leave(None, code=1)
@@ -73,8 +75,8 @@ def exit_aborted(c, store) -> None:
 
 
 def await_report(c, store, timeout_s: float) -> str | None:
-    """Wait for the report's verdict; return it, or ``"write"`` when this rank must write
-    the report itself.
+    """Wait for the report's verdict; return it, or :data:`TAKE_OVER` when this rank must
+    write the report itself.
 
     Rank 0 writes, and claims the ``writer`` key when it starts. A rank that has not claimed
     it and whose heartbeat stopped for TAKEOVER_S is gone: the lowest rank still waiting
@@ -108,7 +110,7 @@ def await_report(c, store, timeout_s: float) -> str | None:
             if watch == me:
                 claimed = store.compare_set(keys.WRITER, "", str(me)).decode()
                 if claimed == str(me):
-                    return "write"
+                    return TAKE_OVER
                 watch = int(claimed)
     leave(f"run aborted at {c.stage}, and no rank wrote the report within {timeout_s} s of "
           f"rank {watch}'s last heartbeat", code=1)

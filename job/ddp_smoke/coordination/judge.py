@@ -1,102 +1,253 @@
-"""The writer's judgement of an aborted run: the store's evidence, read in a few calls, then
-:mod:`.blame` names the culprits of the stage where the run stopped."""
+"""Judging a run that stopped, from the store: the one path every writer of an aborted run's
+report takes — rank 0, the lowest survivor that took over from it, and the store host when no
+rank is left (its report of last resort). Each writer says what it knows besides the store
+(:class:`Stopped`: the stage, the results judged so far, who writes) and which ranks it found
+dead; the evidence is read here in a few calls, :mod:`.blame` names the culprits, and
+:func:`report_of` makes the report every writer hands to :func:`ddp_smoke.outputs.publish`.
+"""
 from __future__ import annotations
 
-from ..model import FAIL, CheckResult
-from . import blame, fate, keys, reach
-from .store import DEAD_AFTER_S, dead_ranks, posted, ranks_with, reads
+import json
+import time
+from dataclasses import dataclass, field
+
+from .. import __version__
+from ..model import FAIL, SKIP, CheckResult, Report, check_from_dict
+from . import blame, fate, keys, reach, repeat, signing
+from .store import DEAD_AFTER_S, Silence, dead_ranks, posted, ranks_with, reads, try_get
 
 FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
+STORE_HOST = "store host"  # the writer when no rank could write
 
 
-def judge_abort(c, store) -> set[int]:
-    """Append the failed stage's result to ``c.judged``; return the ranks found alive.
+@dataclass
+class Stopped:
+    """What the report's writer knows of a stopped run besides the store.
 
-    A few store calls per kind of key, not one per rank: 4,096 ranks are judged in a fraction
-    of a second after a watched abort (bench/coordination_scale.py).
+    Attributes:
+        stage: the check (or ``init``/``finish``) where the run stopped.
+        iteration: the pass over the checks it stopped in (repeat mode; else 0).
+        world_size, checks, timeout_s: the run's shape and its per-phase deadline.
+        ranks: every rank's identity record (:func:`identities`).
+        judged: the results judged so far, ``(iteration, result)`` in order; the stopped
+            stage's result is appended here.
+        store_address: where the ranks' coordination store was (for "never connected").
+        report_dir: the run's report folder, where the ranks' last words are.
+        writer: who writes the report: ``rank 0``, ``rank N`` (took over), or STORE_HOST.
     """
-    stage, world = c.stage, range(c.env.world_size)
-    ids = c.identities(store)
-    connected = {r for r, i in enumerate(ids) if "missing" not in i}  # genuine records
+
+    stage: str
+    iteration: int
+    world_size: int
+    checks: list[str]
+    timeout_s: float
+    ranks: list[dict]
+    judged: list[tuple[int, CheckResult]] = field(default_factory=list)
+    store_address: str = "?"
+    writer: str = "rank 0"
+    report_dir: str = ""  # where the ranks' last words are (coordination/fate.py)
+
+    def host(self, rank: int) -> str | None:
+        return self.ranks[rank].get("host") if 0 <= rank < len(self.ranks) else None
+
+    def key(self, stage: str) -> str:
+        return keys.stage(stage, self.iteration)
+
+
+def identities(store, world_size: int) -> list[dict]:
+    """Every rank's identity record, in one read; a rank that never posted one says so."""
+    got = reads(store, keys.RANK, range(world_size))
+    return [got.get(r) or {"rank": r, "local_rank": None, "host": None,
+                           "missing": "never connected to the store"}
+            for r in range(world_size)]
+
+
+def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
+                figures: dict | None = None) -> set[int]:
+    """Append the stopped stage's result to ``s.judged``; return the ranks found alive.
+
+    ``dead``: the ranks the writer found dead (its own looks at the heartbeats); ``beats``:
+    every rank's last heartbeat (stage and collective progress); ``figures``: the writer's own
+    figures for the result. A few store calls per kind of key, not one per rank: 4,096 ranks
+    are judged in a fraction of a second (bench/coordination_scale.py).
+    """
+    world = range(s.world_size)
+    connected = {r for r, i in enumerate(s.ranks) if "missing" not in i}  # genuine records
+    live = connected - dead
     reasons = posted(store, keys.ABORT)
-    terminated = {r for r, a in reasons.items() if a["kind"] == keys.TERMINATED}
-    dead, beats = dead_ranks(store, sorted(connected), terminated, c.silence)
-    reasons = {**posted(store, keys.ABORT), **reasons}  # and those posted while we looked
-    live = connected - set(dead)
     # every live rank's forensics (its Flight Recorder's last collective is evidence too)
     found = posted(store, keys.FORENSICS, live, FORENSICS_WAIT_S)
     # every live node leader's probes of the others (reach.py)
     probed = posted(store, keys.REACH, live & set(reach.leaders(store)), reach.WAIT_S)
-    arrive = keys.CONNECT if stage == "init" else keys.of(keys.ARRIVE, c.key(stage))
+    arrive = keys.CONNECT if s.stage == "init" else keys.of(keys.ARRIVE, s.key(s.stage))
     # A rank that posted its observation arrived first: only the others' arrivals are read
     # (each record read is checked against the run's secret; 4,096 of them cost ~10 ms)
-    finished = ranks_with(store, keys.of(keys.OBS, c.key(stage)), world)
+    finished = ranks_with(store, keys.of(keys.OBS, s.key(s.stage)), world)
     snap = blame.Snapshot(
-        stage=stage, world_size=c.env.world_size, timeout_s=float(c.cfg["timeout"]),
-        hosts=[i.get("host") for i in ids], connected=connected,
+        stage=s.stage, world_size=s.world_size, timeout_s=s.timeout_s,
+        hosts=[i.get("host") for i in s.ranks], connected=connected,
         arrived=finished | ranks_with(store, arrive, [r for r in world if r not in finished]),
-        finished=finished,
-        dead=set(dead), aborts={r: a for r, a in reasons.items() if a["kind"] != keys.STOPPED},
+        finished=finished, dead=dead,
+        aborts={r: a for r, a in reasons.items() if a["kind"] != keys.STOPPED},
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
         reach=probed, issued={r: f["issued"] for r, f in found.items() if "issued" in f},
-        fates=_fates(c, store, sorted(dead)),
-        store=c.env.store_address, dead_after_s=DEAD_AFTER_S)
-    verdict = blame.judge(snap)
+        fates=_fates(store, s, sorted(dead)), store=s.store_address, dead_after_s=DEAD_AFTER_S)
+    blamed = blame.judge(snap)
     # Each live rank leaves its forensics once it sees the abort, maybe after this judge
     # began: a culprit's innermost frame is worth a short wait.
-    unsaid = {k.rank for k in verdict.culprits if k.rank in live and k.where is None}
+    unsaid = {k.rank for k in blamed.culprits if k.rank in live and k.where is None}
     if unsaid - set(found):
         found = posted(store, keys.FORENSICS, unsaid, FORENSICS_WAIT_S)
-        for k in verdict.culprits:
+        for k in blamed.culprits:
             k.where = k.where or found.get(k.rank, {}).get("where")
-    figures = {"arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
-               "dead": sorted(dead), "victims": verdict.victims,
-               "progress": {str(r): p for r, p in sorted(beats.items())},
-               "unreached": {str(r): p["failed"] for r, p in sorted(probed.items())
-                             if p.get("failed")},
-               "aborts": [reasons[r] for r in sorted(reasons)],
-               "writer": f"rank {c.env.rank}"}  # rank 0, or the survivor that took over
-    judged = {k.name for it, k in c.judged if it == c.iteration}
+    done = {k.name for it, k in s.judged if it == s.iteration}
     # Outside a check (process-group init, between checks) the run itself failed: "launch".
-    name = stage if stage in c.checks and stage not in judged else "launch"
-    c.judged.append((c.iteration, CheckResult(
-        name, FAIL, summary=f"stopped at {stage}: {verdict.culprits[0].reason}",
-        culprits=verdict.culprits, figures=figures)))
+    name = s.stage if s.stage in s.checks and s.stage not in done else "launch"
+    s.judged.append((s.iteration, CheckResult(
+        name, FAIL, summary=f"stopped at {s.stage}: {blamed.culprits[0].reason}",
+        culprits=blamed.culprits,
+        figures={"arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
+                 "dead": sorted(dead), "victims": blamed.victims,
+                 "progress": {str(r): p for r, p in sorted(beats.items())},
+                 "unreached": {str(r): p["failed"] for r, p in sorted(probed.items())
+                               if p.get("failed")},
+                 "aborts": [reasons[r] for r in sorted(reasons)], **(figures or {})})))
     return live
 
 
-def _fates(c, store, dead: list[int]) -> dict[int, dict]:
+def _fates(store, s: Stopped, dead: list[int]) -> dict[int, dict]:
     """How each dead rank ended: its node's word (posted with the forensics the judge has
     waited for), its launcher's, else its own last words in a shared report folder."""
     seen, ended = reads(store, keys.FATE, dead), reads(store, keys.EXIT, dead)
     out = {}
     for r in dead:
-        got = {**(seen.get(r) or fate.said(c.report_dir, r)), "exit": ended.get(r)}
+        got = {**(seen.get(r) or (fate.said(s.report_dir, r) if s.report_dir else {})),
+               "exit": ended.get(r)}
         if any(got.values()):
             out[r] = got
     return out
 
 
-def first_error(c, store) -> dict:
+def judge_as_a_rank(store, s: Stopped, silence: Silence) -> set[int]:
+    """A rank writes (rank 0, or the survivor that took over): the dead are the ranks whose
+    heartbeat it saw stop (``silence``: every look its watchdog took, and more now until each
+    rank is silent or seen moving); a rank that announced its termination is not dead, it is
+    leaving. Appends the stopped stage's result; returns the ranks found alive."""
+    connected = [r for r, i in enumerate(s.ranks) if "missing" not in i]
+    terminated = {r for r, a in posted(store, keys.ABORT).items()
+                  if a["kind"] == keys.TERMINATED}
+    dead, beats = dead_ranks(store, connected, terminated, silence)
+    return judge_abort(store, s, set(dead), beats)
+
+
+def first_error(store, s: Stopped) -> dict:
     """The report's headline error: the culprit's, never a victim's. A rank blocked by a dead
     peer raises too ("Connection reset by peer"), often first; :func:`judge_abort` has just
     named who stopped the run (the last judged result): its error, else its reason, leads. With
     no rank named: the first rank that raised, else the stage the run stopped at."""
     errors = {r: e for r, e in sorted(posted(store, keys.ABORT).items())
               if e.get("kind") == keys.ERROR}
-    culprits = [k for k in c.judged[-1][1].culprits if k.rank is not None] if c.judged else []
+    culprits = [k for k in s.judged[-1][1].culprits if k.rank is not None] if s.judged else []
     named = [k.rank for k in culprits]
     for r in [r for r in named if r in errors] or ([] if named else list(errors)):
         e = errors[r]
-        return {"rank": r, "host": c.host(r), "type": e.get("type"),
+        return {"rank": r, "host": s.host(r), "type": e.get("type"),
                 "message": e.get("message"), "stage": e["stage"]}
     if culprits:
         return {"rank": culprits[0].rank, "host": culprits[0].host, "type": "Culprit",
-                "message": culprits[0].reason, "stage": c.stage}
+                "message": culprits[0].reason, "stage": s.stage}
     return {"rank": None, "host": None, "type": "Aborted",
-            "message": f"run aborted at {c.stage}", "stage": c.stage}
+            "message": f"run aborted at {s.stage}", "stage": s.stage}
 
 
-def forensics_of(c, found: dict[int, dict]) -> list[dict]:
-    """The report's forensics list: each rank's, with its host."""
-    return [{"rank": r, "host": c.host(r), **f} for r, f in sorted(found.items())]
+def report_of(s: Stopped, *, started_at: str, backend: str, config: dict, timings: dict,
+              run_id: str, error: dict | None = None, forensics: dict | None = None,
+              security: dict | None = None) -> Report:
+    """The report of a run from what its writer judged: repeat mode's iterations folded, every
+    selected check the run did not reach as skip, each rank's forensics with its host."""
+    results = repeat.combine(s.judged, [r.get("host") for r in s.ranks])
+    done = {r.name for r in results}
+    results += [CheckResult(n, SKIP, summary=f"not run: the run stopped at {s.stage}")
+                for n in s.checks if n not in done]
+    return Report(version=__version__, started_at=started_at, backend=backend,
+                  world_size=s.world_size, ranks=s.ranks, checks=results, config=config,
+                  timings=timings, error=error, run_id=run_id, written_by=s.writer,
+                  forensics=[{"rank": r, "host": s.host(r), **f}
+                             for r, f in sorted((forensics or {}).items())],
+                  security=security or {})
+
+
+# -- the store host's report of last resort ---------------------------------------------------
+
+def first_silent(silent_at: dict[int, float]) -> list[int]:
+    """The ranks whose heartbeats stopped first: within DEAD_AFTER_S of the earliest (one
+    beat lost to the look period); a whole job killed at once names every rank."""
+    if not silent_at:
+        return []
+    first = min(silent_at.values())
+    return sorted(r for r, t in silent_at.items() if t <= first + DEAD_AFTER_S)
+
+
+def last_resort(store, meta: dict, silent_at: dict[int, float], address: str, why: str) -> Report:
+    """The store host's report when no rank could write one, judged from what the store holds.
+
+    ``meta``: the run's shape every rank posted (:func:`.hosting.post_meta`); ``silent_at``:
+    each rank that beat, and when (``time.monotonic()`` of the store host) its heartbeat last
+    moved; ``why``: why no rank wrote."""
+    now = time.monotonic()
+    world = int(meta["world_size"])
+    cfg = meta.get("config") or {}
+    checks = list(cfg.get("checks") or [])
+    iteration = _iteration(store, checks)
+    beats = reads(store, keys.BEAT, range(world))
+    gone = first_silent(silent_at)
+    stage = _stage(store, checks, iteration, world) or next(
+        (beats[r]["stage"] for r in gone if beats.get(r, {}).get("stage")), "init")
+    s = Stopped(stage=stage, iteration=iteration, world_size=world, checks=checks,
+                timeout_s=float(cfg.get("timeout") or 0), ranks=identities(store, world),
+                judged=[(it, check_from_dict(json.loads(g))) for it in range(iteration + 1)
+                        for name in checks
+                        if (g := try_get(store, keys.of(keys.RESULT, keys.stage(name, it))))],
+                store_address=address, writer=STORE_HOST,
+                report_dir=str(meta.get("report_dir") or ""))
+    first_t = min(silent_at.values(), default=now)
+    judge_abort(store, s, set(gone), beats, {
+        "why": why, "silent_first": gone,
+        "silent_after_s": {str(r): round(t - first_t, 3) for r, t in sorted(silent_at.items())},
+        "all_silent_for_s": round(now - max(silent_at.values()), 3) if silent_at else None})
+    first = gone[0] if gone else None
+    posted_at = float(meta.get("posted_at") or time.time())
+    return report_of(
+        s, started_at=str(meta.get("started_at") or ""), backend=_backend(store, cfg, world),
+        config=cfg, timings={"total_s": round(time.time() - posted_at, 4)},
+        run_id=(try_get(store, keys.RUN_ID) or b"").decode() or str(meta.get("run_id") or ""),
+        error={"rank": first, "host": s.host(first) if first is not None else None,
+               "type": "AllRanksLost", "stage": stage,
+               "message": f"every rank went silent at {stage} ({why}); the store host wrote "
+                          "this report from the store"},
+        forensics=posted(store, keys.FORENSICS), security=signing.section(store))
+
+
+def _iteration(store, checks: list[str]) -> int:
+    """The last iteration any rank arrived at (repeat mode; 0 otherwise)."""
+    it = 0
+    while checks and try_get(
+            store, keys.every(keys.of(keys.ARRIVE, keys.stage(checks[0], it + 1)))) is not None:
+        it += 1
+    return it
+
+
+def _stage(store, checks: list[str], iteration: int, world: int) -> str | None:
+    """The last check any rank arrived at: a heartbeat's stage may be a beat old, and a run
+    that dies fast dies between two beats."""
+    arrived = [n for n in checks
+               if ranks_with(store, keys.of(keys.ARRIVE, keys.stage(n, iteration)), range(world))]
+    return arrived[-1] if arrived else None
+
+
+def _backend(store, cfg: dict, world: int) -> str:
+    asked = cfg.get("backend") or "auto"
+    if asked != "auto":
+        return asked
+    nccl = try_get(store, keys.BACKEND)  # rank 0's count of the ranks that can run NCCL
+    return "nccl" if nccl is not None and int(nccl) == world else "gloo"

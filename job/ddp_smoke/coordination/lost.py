@@ -4,7 +4,7 @@ A rank that loses the store can tell nobody through it. It prints its one JSON l
 (the harness's ``_give_up``) and also writes it as ``REPORT_DIR/lost/<rank>.json``: on a
 cluster the report folder is shared, so the launcher (the sbatch's last line, ``submit``),
 which may live on when the store's node did not, reads every survivor's word from one place
-and names the node that went silent (:func:`ddp_smoke.verdict.from_folder`). No torch here:
+and names the node that went silent (:func:`ddp_smoke.outputs.last_line.from_folder`). No torch here:
 the verdict reads these files in any pod or on a login node.
 """
 from __future__ import annotations

@@ -19,9 +19,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..model import CheckResult, check_from_dict
-from . import fate, forensics, keys, reach, runtime, signing
-from .store import (DEAD_AFTER_S, POLL_MAX_S, STORE_OPS_PER_S, Silence, listed, reads,
-                    try_get)
+from . import fate, forensics, judge, keys, reach, runtime, signing
+from .store import DEAD_AFTER_S, POLL_MAX_S, STORE_OPS_PER_S, Silence, listed, try_get
 
 GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watchdog acts first
 # Messages of backend errors seen by a rank whose peer vanished: the rank is a victim.
@@ -207,13 +206,20 @@ class Coordinator:
 
     def identities(self, store) -> list[dict]:
         """Every rank's identity record; a rank that never posted one says so."""
-        if len(self.ranks) == self.env.world_size:
-            return self.ranks
-        got = reads(store, keys.RANK, range(self.env.world_size))
-        self.ranks = [got.get(r) or {"rank": r, "local_rank": None, "host": None,
-                                        "missing": "never connected to the store"}
-                      for r in range(self.env.world_size)]
+        if len(self.ranks) != self.env.world_size:
+            self.ranks = judge.identities(store, self.env.world_size)
         return self.ranks
+
+    def stopped(self) -> judge.Stopped:
+        """What this rank knows of the run, for judging it (:mod:`.judge`); the stopped
+        stage's result is appended to this rank's ``judged``."""
+        me = self.env.rank
+        return judge.Stopped(
+            stage=self.stage, iteration=self.iteration, world_size=self.env.world_size,
+            checks=self.checks, timeout_s=float(self.cfg["timeout"]), ranks=self.ranks,
+            judged=self.judged, store_address=self.env.store_address,
+            writer="rank 0" if me == 0 else f"rank {me} (took over from rank 0)",
+            report_dir=self.report_dir)
 
     def agree_backend(self, store, requested: str, pick: str, picks: list) -> str:
         """Every rank runs the backend all agree on; with ``auto``, a node without usable CUDA

@@ -1,4 +1,6 @@
-"""Everything rank 0 leaves beside a run, written by one :func:`publish` in one order.
+"""Everything a run leaves beside its report, written by one :func:`publish` in one order,
+whoever writes: rank 0, the survivor that took over, the store host (the report of last resort),
+a launcher whose workers never ran (:mod:`.launch_report`), submit.
 
 ``ARTIFACTS`` lists every file a run writes in its report folder; :func:`prepare` removes them
 all before the run starts, so nothing an earlier run left (a ``bad_hosts.txt`` an operator
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NamedTuple
 
 from ..errors import ConfigError, ReportWriteError
 from ..model import FAIL, Report
@@ -52,11 +55,17 @@ def check_writable(report_dir: str) -> None:
         raise ConfigError(f"--report-dir {report_dir}: not writable ({e.strerror})") from None
 
 
-def publish(report: Report, report_dir: str, run_id: str) -> str:
+class Published(NamedTuple):
+    verdict: str  # what the ranks still waiting are told: ``fail`` when the report was lost
+    path: str     # report.json's path, or "(not written: why)"
+
+
+def publish(report: Report, report_dir: str, run_id: str,
+            print_summary: bool = True) -> Published:
     """Write every output of a finished run, in this order: report.json and junit.xml, the
-    plot, the page (report.html), the human summary, the host lists and next steps (and ``--act``), the Prometheus
-    file. Returns the verdict the other ranks are told: ``fail`` when the report was lost
-    (it then goes to stderr as one JSON line). Never raises."""
+    plot, the page (report.html), the human summary (unless ``print_summary`` is False: a
+    launcher that prints its own last line), the host lists and next steps (and ``--act``), the Prometheus
+    file. A report that cannot be written goes to stderr as one JSON line. Never raises."""
     lost, png = False, None
     try:
         path = write_report(report, report_dir)
@@ -66,7 +75,8 @@ def publish(report: Report, report_dir: str, run_id: str) -> str:
         path, lost = f"(not written: {e})", True
         print(f"ddp-smoke: error: {e}; the report follows as one JSON line", file=sys.stderr)
         print(to_json_line(report), file=sys.stderr)
-    summary.print_report(report, path)
+    if print_summary:
+        summary.print_report(report, path)
     hosts.finish(report, report_dir, run_id)
     prom = metrics.write(report, run_id)  # --prometheus FILE, when set
     # where the optional files went, or why they are absent: a missing file asks a question
@@ -77,4 +87,4 @@ def publish(report: Report, report_dir: str, run_id: str) -> str:
         said.append(f"# prometheus textfile: {prom}")
     if said:
         print("\n".join(said), flush=True)
-    return FAIL if lost else report.verdict
+    return Published(FAIL if lost else report.verdict, path)

@@ -2,14 +2,14 @@
 
 The report's ``hosts`` section lists every host that ran a rank, in rank order::
 
-    {"host": "gpu07", "verdict": "good" | "suspect" | "bad", "ranks": [8, 9, …],
+    {"host": "gpu07", "status": "good" | "suspect" | "bad", "ranks": [8, 9, …],
      "slurm_node": "gpu07",          # where the rank recorded SLURMD_NODENAME
      "k8s_node": "node-a1",          # where the pod recorded NODE_NAME (spec.nodeName)
      "reasons": [{"check": "compute", "rank": 9, "reason": "…"},
                  {"check": "bandwidth", "link": ["gpu03", "gpu07"], "ranks": [2, 8],
                   "reason": "…"}]}
 
-Verdicts, from the culprits of every check: a culprit naming a host (or a rank, whose host
+Each host's status, from the culprits of every check: a culprit naming a host (or a rank, whose host
 the ranks list gives) makes it **bad**; a link culprit, which names two ends (``hosts`` /
 ``ranks``), makes both ends **suspect**, since a cable, a switch port or either NIC may be at
 fault, unless other evidence makes one of them bad; a host nobody names is **good**. Culprits
@@ -41,7 +41,7 @@ from ..model import get_field
 from .files import write_atomic
 
 GOOD, SUSPECT, BAD = "good", "suspect", "bad"
-VERDICTS = (GOOD, SUSPECT, BAD)
+HOST_STATUSES = (GOOD, SUSPECT, BAD)
 LISTS = {BAD: "bad_hosts.txt", SUSPECT: "suspect_hosts.txt", GOOD: "good_hosts.txt"}
 REASON_CHARS = 160      # a Slurm node reason is one line in sinfo -R: keep it readable
 DRAIN_BUDGET_S = 5.0    # slurmctld answers in milliseconds; a stuck one must not hold the exit
@@ -104,28 +104,28 @@ def hosts_section(report) -> list[dict]:
             for host in named:
                 _entry(hosts, host)["reasons"].append(reason)
     for entry in hosts.values():
-        entry["verdict"] = _verdict(entry["reasons"])
+        entry["status"] = _status(entry["reasons"])
     return list(hosts.values())
 
 
 def _entry(hosts: dict, host: str) -> dict:
-    return hosts.setdefault(host, {"host": host, "verdict": GOOD, "ranks": [], "reasons": []})
+    return hosts.setdefault(host, {"host": host, "status": GOOD, "ranks": [], "reasons": []})
 
 
-def _verdict(reasons: list[dict]) -> str:
+def _status(reasons: list[dict]) -> str:
     if any("link" not in r for r in reasons):
         return BAD
     return SUSPECT if reasons else GOOD
 
 
-def by_verdict(hosts: list[dict]) -> dict[str, list[dict]]:
-    """The hosts section split by verdict, each list in the section's order."""
-    return {v: [h for h in hosts if h["verdict"] == v] for v in VERDICTS}
+def by_status(hosts: list[dict]) -> dict[str, list[dict]]:
+    """The hosts section split by status, each list in the section's order."""
+    return {v: [h for h in hosts if h["status"] == v] for v in HOST_STATUSES}
 
 
 def host_lists(hosts: list[dict]) -> dict[str, str]:
     """The text of bad_hosts.txt, suspect_hosts.txt and good_hosts.txt: one host a line."""
-    split = by_verdict(hosts)
+    split = by_status(hosts)
     return {name: "".join(f"{h['host']}\n" for h in split[v]) for v, name in LISTS.items()}
 
 
@@ -161,7 +161,7 @@ def next_commands(hosts: list[dict], run_id: str) -> list[str]:
     Slurm lines use the Slurm node name each rank recorded, Kubernetes lines the node name a
     pod recorded; both fall back to the host name.
     """
-    split = by_verdict(hosts)
+    split = by_status(hosts)
     lines = []
     # Only the launcher's own commands: Slurm lines for hosts whose ranks ran in a Slurm job
     # (SLURMD_NODENAME), kubectl lines for pods (NODE_NAME). A laptop gets neither.
@@ -200,7 +200,7 @@ def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None,
     """What rank 0 prints after the verdict when a host is not good (nothing otherwise).
     ``injected``: the run's ``--fault``; its failures were made on purpose, so no command that
     takes a host out of service is printed for them."""
-    split = by_verdict(hosts)
+    split = by_status(hosts)
     if not split[BAD] and not split[SUSPECT]:
         return []
     counts = ", ".join(f"{len(split[v])} {v}" for v in (BAD, SUSPECT, GOOD))
@@ -208,7 +208,7 @@ def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None,
     lines = [f"# hosts: {counts}; lists ({lists}) in {report_dir}"]
     for h in split[BAD] + split[SUSPECT]:
         first, more = _lead(h)
-        lines.append(f"#   {h['verdict']:<7} {h['host']:<20} {first['check']}: "
+        lines.append(f"#   {h['status']:<7} {h['host']:<20} {first['check']}: "
                      f"{first['reason']}{more}")
     if injected:
         return lines + [f"# next steps: none; the failures were injected (--fault {injected}), "
@@ -234,7 +234,7 @@ def drain(hosts: list[dict], run_id: str, environ=os.environ) -> list[str]:
     side by side under one deadline, DRAIN_BUDGET_S: the other ranks are waiting for rank 0's
     verdict meanwhile (10 s at most after an abort), and must not be told rank 0 is gone.
     """
-    bad = by_verdict(hosts)[BAD]
+    bad = by_status(hosts)[BAD]
     if not bad:
         return []
     if not environ.get("SLURM_JOB_ID"):

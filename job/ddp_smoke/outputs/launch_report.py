@@ -8,9 +8,9 @@ verdict fail, one failed check ``preflight`` or ``launch``, one culprit per node
 make it, ``rank`` null, ``host`` the launcher's node name, ``reason`` one line, never a
 stack), then prints the job log's last line, which always names a verdict and its culprits.
 
-    python -m ddp_smoke.verdict --launcher --stage preflight --report-dir DIR --nodes "a b c" \\
+    python -m ddp_smoke launch-report --stage preflight --report-dir DIR --nodes "a b c" \\
         [--launch-log FILE] [--exit N]
-    python -m ddp_smoke.verdict --launcher --stage run --report-dir DIR --nodes "a b c" …
+    python -m ddp_smoke launch-report --stage run --report-dir DIR --nodes "a b c" …
 
 Files read, all under the report folder ``DIR`` (the sbatch and the image's entrypoint put
 them there): ``preflight/<node>.json`` (records of this run id only), ``launch/<node>.<stage>.err``
@@ -28,15 +28,12 @@ import glob
 import json
 import os
 import re
-import sys
 from datetime import datetime, timezone
 
 from .. import __version__
 from ..coordination import lost
-from ..errors import ReportWriteError
 from ..model import FAIL, CheckResult, Culprit, Report
-from . import hosts, page
-from .report import write_report
+from . import publish
 
 STAGES = ("preflight", "run")
 CHECK = {"preflight": "preflight", "run": "launch"}
@@ -279,8 +276,8 @@ def build(stage: str, nodes: list[str], culprits: list[Culprit], victims: list[s
     return Report(version=__version__,
                   started_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   backend="none", world_size=0, ranks=[], checks=[check],
-                  config={"launcher": launcher, "report_dir": report_dir, "stage": stage},
-                  run_id=run_id)
+                  config={"report_dir": report_dir}, run_id=run_id,
+                  written_by=f"{launcher} launcher")
 
 
 def own_report(report_dir: str, run_id: str) -> dict | None:
@@ -320,8 +317,8 @@ def last_line(verdict: str, detail: str, exit_code: int | None, path: str) -> st
 
 
 def main(argv: list[str]) -> int:
-    """``python -m ddp_smoke.verdict --launcher …`` (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m ddp_smoke.verdict --launcher")
+    """``python -m ddp_smoke launch-report …`` (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m ddp_smoke launch-report")
     p.add_argument("--stage", choices=STAGES, required=True)
     p.add_argument("--report-dir", required=True)
     p.add_argument("--nodes", required=True, help="the nodes launched, space-separated")
@@ -364,16 +361,7 @@ def main(argv: list[str]) -> int:
             return 0
     report = build(a.stage, nodes, culprits, victims, a.report_dir, a.run_id, a.launcher,
                    records, summary)
-    try:
-        written = write_report(report, a.report_dir)
-        page.write(report, a.report_dir)  # report.html, as beside the worker's reports
-    except (ReportWriteError, OSError) as e:  # the line below still names the nodes
-        written = f"(not written: {e})"
-    hosts.finish(report, a.report_dir, a.run_id)  # host lists and next steps, as the worker's
-    detail = culprit_text(report.to_dict())
-    print(last_line(report.verdict, detail, a.exit_code, written), flush=True)
+    written = publish(report, a.report_dir, a.run_id, print_summary=False).path
+    print(last_line(report.verdict, culprit_text(report.to_dict()), a.exit_code, written),
+          flush=True)
     return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

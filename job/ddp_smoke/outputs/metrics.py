@@ -11,7 +11,7 @@ name ending in ``.prom``. Each run replaces the file; series (all gauges)::
     ddp_smoke_check_pass{check,host}                1 the check passed on this host, 0 it
                                                     failed there (named by it, or a failure
                                                     that names no host); skipped checks absent
-    ddp_smoke_host_verdict{host,verdict}            1 for the host's verdict (good, suspect,
+    ddp_smoke_host_status{host,status}              1 for the host's status (good, suspect,
                                                     bad; see ddp_smoke.outputs.hosts), 0 for the others
     ddp_smoke_busbw_gbps{collective,size_bytes}     bandwidth sweep, nccl-tests' busbw, GB = 1e9 B
     ddp_smoke_pair_busbw_gbps{host_a,host_b}        bandwidth node pairs (sendrecv)
@@ -30,7 +30,7 @@ import sys
 import time
 
 from ..model import get_field
-from .hosts import VERDICTS, culprit_hosts, hosts_section
+from .hosts import HOST_STATUSES, culprit_hosts, hosts_section
 from .files import write_atomic
 
 _HELP = {
@@ -39,7 +39,7 @@ _HELP = {
     "world_size": "Ranks in the last ddp-smoke run.",
     "nodes": "Hosts in the last ddp-smoke run.",
     "check_pass": "1 when the check passed on the host, 0 when it failed there.",
-    "host_verdict": "1 for the host's verdict in the last run (good, suspect or bad), else 0.",
+    "host_status": "1 for the host's status in the last run (good, suspect or bad), else 0.",
     "busbw_gbps": "Bus bandwidth of a collective at a message size, GB/s (1e9 B/s), nccl-tests "
                   "definition.",
     "pair_busbw_gbps": "Bandwidth between two hosts' leader ranks (sendrecv), GB/s (1e9 B/s).",
@@ -118,8 +118,8 @@ def render(report, run_id: str, now_s: float) -> str:
         "world_size": [({}, d["world_size"])],
         "nodes": [({}, d["nodes"])],
         "check_pass": _check_pass(d, hosts),
-        "host_verdict": [({"host": h["host"], "verdict": v}, h["verdict"] == v)
-                         for h in hosts for v in VERDICTS],
+        "host_status": [({"host": h["host"], "status": v}, h["status"] == v)
+                        for h in hosts for v in HOST_STATUSES],
         "busbw_gbps": busbw,
         "pair_busbw_gbps": pairs,
         "tflops": _tflops(d),

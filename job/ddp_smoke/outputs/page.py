@@ -114,9 +114,9 @@ def sec_hosts(report: dict, hist: dict | None) -> str:
     hosts = _hosts(report)
     past = {h["entity"]: h for h in (hist or {}).get("hosts", [])}
     order = {"bad": 0, "suspect": 1}
-    ranked = sorted(hosts, key=lambda h: order.get(h.get("verdict"), 2))
-    shown = [h for h in ranked if h.get("verdict") != "good"] + \
-        [h for h in ranked if h.get("verdict") == "good"][:MAX_ROWS]
+    ranked = sorted(hosts, key=lambda h: order.get(h.get("status"), 2))
+    shown = [h for h in ranked if h.get("status") != "good"] + \
+        [h for h in ranked if h.get("status") == "good"][:MAX_ROWS]
     rows = []
     for h in shown:
         reasons = "".join(f'<li>{e(_d(r).get("check"))}: {e(_d(r).get("reason"))}</li>'
@@ -131,16 +131,16 @@ def sec_hosts(report: dict, hist: dict | None) -> str:
             cell = "<td>" + (_history_cell(p) if p else '<span class="muted">none</span>') \
                 + "</td>"
         rows.append(f'<tr><td><b>{e(h.get("host"))}</b><div class="muted">{node}</div></td>'
-                    f'<td>{_chip(h.get("verdict"))}</td><td>{e(rank_text)}</td>'
+                    f'<td>{_chip(h.get("status"))}</td><td>{e(rank_text)}</td>'
                     f'<td><ul class="plain">{reasons}</ul></td>{cell}</tr>')
     more = len(hosts) - len(shown)
     tail = f'<p class="muted">and {more} more good hosts (report.json, good_hosts.txt)</p>' \
         if more > 0 else ""
-    counts = ", ".join(f"{sum(h.get('verdict') == v for h in hosts)} {v}"
+    counts = ", ".join(f"{sum(h.get('status') == v for h in hosts)} {v}"
                        for v in ("bad", "suspect", "good"))
     head = "<th>history</th>" if hist is not None else ""
     return (f'<section id="hosts"><h2>Hosts <small>{e(counts)}</small></h2><div class="scroll">'
-            f'<table><thead><tr><th>host</th><th>verdict</th><th>ranks</th><th>reasons</th>'
+            f'<table><thead><tr><th>host</th><th>status</th><th>ranks</th><th>reasons</th>'
             f'{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>{tail}</section>')
 
 

@@ -281,7 +281,7 @@ class Index:
             [(rel, f["kind"], f["entity"], f["label"], f["host"], f["figure"], f["unit"],
               f["value"]) for f in figures(report)])
         self.db.executemany("INSERT INTO hosts VALUES (?,?,?)",
-                            [(rel, str(_d(h).get("host")), str(_d(h).get("verdict")))
+                            [(rel, str(_d(h).get("host")), str(_d(h).get("status") or _d(h).get("verdict")))
                              for h in _l(report.get("hosts")) if _d(h).get("host")])
 
     # queries -------------------------------------------------------------------------------

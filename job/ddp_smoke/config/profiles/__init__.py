@@ -36,6 +36,8 @@ check: a gate without data is not a pass.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import math
 from importlib import resources
 from typing import Any
@@ -43,7 +45,7 @@ from typing import Any
 import yaml
 
 from ...errors import ConfigError
-from .. import rules as limits
+from .. import rules
 
 DEFAULT = "cpu"
 _TOP = {"description": str, "device_name": str, "bandwidth": dict, "compute": dict,
@@ -62,7 +64,13 @@ def selected(config: dict[str, Any]) -> str:
 
 
 def load(name: str) -> dict[str, Any]:
-    """Read and validate a profile; ConfigError (one line) on any mistake."""
+    """Read and validate a profile; ConfigError (one line) on any mistake. Read once per
+    process (every check and the pre-launch checks ask for it): a copy each time."""
+    return copy.deepcopy(_load(name))
+
+
+@functools.lru_cache(maxsize=8)
+def _load(name: str) -> dict[str, Any]:
     if name.endswith(".yaml"):
         text = _read_path(name)
     elif name in names():
@@ -127,16 +135,16 @@ def _validate(name: str, data: Any) -> None:
     for floor in floors + multi_floors:
         if (not isinstance(floor, dict) or set(floor) != {"collective", "size_bytes",
                                                           "min_busbw_gbps"}
-                or floor["collective"] not in limits.SWEPT
+                or floor["collective"] not in rules.SWEPT
                 or not (_integer(floor["size_bytes"]) and floor["size_bytes"] >= 1)
                 or not _positive(floor["min_busbw_gbps"])):
             fail(f"bandwidth floor {floor!r}: expected {_FLOOR}, collective one of "
-                 f"{', '.join(limits.SWEPT)}")
+                 f"{', '.join(rules.SWEPT)}")
     for key, value in data.get("health", {}).items():  # what the health check expects
         if not (_integer(value) and value >= 1):
             fail(f"health.{key} = {value!r}: expected an integer >= 1")
     tflops = data.get("compute", {}).get("min_tflops", {})
-    dtypes = limits.GPU_MATMUL_DTYPES  # fp32 is also the CPU's
+    dtypes = rules.GPU_MATMUL_DTYPES  # fp32 is also the CPU's
     if (not isinstance(tflops, dict) or not all(k in dtypes for k in tflops)
             or not all(_positive(v) for v in tflops.values())):
         fail(f"compute.min_tflops = {tflops!r}: must map dtype ({', '.join(dtypes)}) -> "

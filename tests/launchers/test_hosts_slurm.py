@@ -57,7 +57,7 @@ def test_act_slurm_drain_drains_exactly_the_bad_node_with_the_reason(cluster, sl
         bad = ranks[1]["slurm_node"]
         good = ranks[0]["slurm_node"]
         assert bad == slow_second_node
-        assert [h["verdict"] for h in job.report["hosts"]] == ["good", "bad"]
+        assert [h["status"] for h in job.report["hosts"]] == ["good", "bad"]
         assert f"--act slurm-drain: {bad} drained" in job.output, job.output[-4000:]
         state = _node(cluster, bad)
         print(f"\n{bad}: State={state['State']} Reason={state['Reason']}")
@@ -116,7 +116,7 @@ def test_act_slurm_drain_drains_nothing_in_a_run_whose_store_held_a_forged_recor
         assert job.rc != 0 and job.report is not None, job.output[-4000:]
         culprits = {k["rank"] for c in job.report["checks"] for k in c["culprits"]}
         assert culprits == {1}, job.report["checks"]
-        assert [h["verdict"] for h in job.report["hosts"]] == ["good", "bad"]
+        assert [h["status"] for h in job.report["hosts"]] == ["good", "bad"]
         findings = job.report["security"]["findings"]
         print(f"\nforged {forger.done}; findings {findings}")
         assert {(f["key"], f["rank"]) for f in findings} >= {("abort/listed", 0)}, findings

@@ -4,7 +4,7 @@ Kubernetes keeps at most 4096 bytes of a container's termination message (``kube
 pod``, the job's events); its fallback, the log's tail, cuts the one-line JSON report in the
 middle. The manifests in ``k8s/`` therefore write this line to ``/dev/termination-log``::
 
-    python3 -m ddp_smoke.verdict REPORT_DIR/report.json > /dev/termination-log
+    python3 -m ddp_smoke last-line REPORT_DIR/report.json > /dev/termination-log
 
 Example: ``ddp-smoke FAIL · run ddp-smoke-1b2c · 16 ranks on 2 nodes · failed: bandwidth
 (rank 8 gpu-b: slow pair …)``. Reads only the JSON file: no torch, quick in any pod.
@@ -12,14 +12,14 @@ Exit status 0 when it could read the report, 2 (with a one-line error) when not.
 
 A launcher that may find no report (the sbatch's last line, ``submit``) asks for the folder::
 
-    python3 -m ddp_smoke.verdict --dir REPORT_DIR [--run-id ID]
+    python3 -m ddp_smoke last-line --dir REPORT_DIR [--run-id ID]
 
 which prints the report's line when there is one (of run ID, when given); else, when ranks
 that lost the coordination store left their word in ``REPORT_DIR/lost/`` (see
 :mod:`ddp_smoke.coordination.lost`), a FAIL line built from those files naming the ranks and
 nodes that went silent; exit 2 when neither is there.
 
-``python -m ddp_smoke.verdict --launcher …`` is the launchers' side (the sbatch, the image's
+``python -m ddp_smoke launch-report …`` is the launchers' side (the sbatch, the image's
 entrypoint): it writes the report when the worker never started and prints the job log's last
 line; see :mod:`ddp_smoke.outputs.launch_report`.
 """
@@ -30,8 +30,7 @@ import os
 import sys
 from typing import Any
 
-from .coordination import lost
-from .outputs import launch_report
+from ..coordination import lost
 
 MAX_CHARS = 1024  # well inside the kubelet's 4096-byte limit, whole words never needed
 
@@ -99,11 +98,9 @@ def from_folder(report_dir: str, run_id: str | None = None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ddp_smoke.verdict REPORT.json``: print the line; 2 when unreadable.
+    """``ddp-smoke last-line REPORT.json``: print the line; 2 when unreadable.
     ``--dir REPORT_DIR [--run-id ID]``: the folder's line (see above); 2 when none."""
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["--launcher"]:  # a launcher's verdict when no worker wrote one
-        return launch_report.main(args[1:])
     if args[:1] == ["--dir"] and len(args) in (2, 4) and (len(args) == 2
                                                          or args[2] == "--run-id"):
         got = from_folder(args[1], args[3] if len(args) == 4 else None)
@@ -114,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(got)
         return 0
     if len(args) != 1:
-        print("ddp-smoke: error: usage: python -m ddp_smoke.verdict REPORT.json | --dir REPORT_DIR "
+        print("ddp-smoke: error: usage: ddp-smoke last-line REPORT.json | --dir REPORT_DIR "
               "[--run-id ID]", file=sys.stderr)
         return 2
     try:
@@ -125,7 +122,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(line(report))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_smoke.outputs import repeat
+from ddp_smoke.coordination import repeat
 from ddp_smoke.model import FAIL, PASS, CheckResult, Culprit
 from tests.launch import torchrun
 
@@ -84,7 +84,7 @@ def test_a_single_iteration_is_left_as_it_was():
     (["--fault", "1:corrupt@environment#3-2"], "iterations are 1-based"),
 ])
 def test_bad_repeat_options_are_one_line_errors(argv, words):
-    from ddp_smoke.cli import parse_config
+    from ddp_smoke.config.args import parse_config
     from ddp_smoke.errors import ConfigError
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         parse_config(argv)

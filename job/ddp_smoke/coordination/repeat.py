@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..checks.perf import percentile
+from ..model import percentile
 from ..model import FAIL, PASS, SKIP, CheckResult, Culprit
 
 

@@ -90,7 +90,7 @@ def test_throttled_node_is_the_one_bad_host(box, shaping, tmp_path):
     log = nodes.log(hosts[0].name)
     tail = log[log.find("verdict: "):]
     print(f"wall {nodes.elapsed():.1f} s; rank 0 printed:\n{tail}")
-    verdicts = {h["host"]: h["verdict"] for h in report["hosts"]}
+    verdicts = {h["host"]: h["status"] for h in report["hosts"]}
     assert verdicts == {hosts[0].name: "good", slow.name: "bad", hosts[2].name: "good"}, \
         json.dumps(report["checks"], indent=1)[-4000:]
     [entry] = [h for h in report["hosts"] if h["host"] == slow.name]
@@ -105,8 +105,8 @@ def test_throttled_node_is_the_one_bad_host(box, shaping, tmp_path):
     assert "sbatch " not in log and "kubectl " not in log and "scontrol " not in log
 
     got = {f.name: f.samples for f in text_string_to_metric_families(textfile.read_text())}
-    bad = {s.labels["host"]: s.value for s in got["ddp_smoke_host_verdict"]
-           if s.labels["verdict"] == "bad"}
+    bad = {s.labels["host"]: s.value for s in got["ddp_smoke_host_status"]
+           if s.labels["status"] == "bad"}
     assert bad == {hosts[0].name: 0, slow.name: 1, hosts[2].name: 0}
     pairs = {(s.labels["host_a"], s.labels["host_b"]): s.value
              for s in got["ddp_smoke_pair_busbw_gbps"]}
@@ -129,7 +129,7 @@ def test_throttled_link_makes_both_ends_suspect(box, shaping, tmp_path):
     [link] = bandwidth["culprits"]
     assert link["rank"] is None and f"link {a.name} (rank 0) <-> {b.name} (rank 2)" in \
         link["reason"], bandwidth["culprits"]
-    verdicts = {h["host"]: h["verdict"] for h in report["hosts"]}
+    verdicts = {h["host"]: h["status"] for h in report["hosts"]}
     print(f"\nlink culprit: {link}\nverdicts: {verdicts}")
     if "hosts" not in link:  # before issue 12: nobody to blame by name
         assert verdicts == {a.name: "good", good.name: "good", b.name: "good"}
