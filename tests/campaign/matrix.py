@@ -308,13 +308,16 @@ def _store_node_survives(c: Cell) -> bool:
     return not (c.launcher == "torchrun" and c.nodes > 1)
 
 
+TOOK_OVER = "rank 1 (took over from rank 0)"
+
+
 def _writer_after(c: Cell, gone: int) -> frozenset:
     if gone != 0:
         return frozenset({"rank 0"})
     if c.nodes > 1 and c.launcher in ("image", "slurm"):
         # node 2's agent may stop rank 1 first: its rendezvous store was node 1's agent
-        return frozenset({"rank 1", "store host"})
-    return frozenset({"rank 1"})
+        return frozenset({TOOK_OVER, "store host"})
+    return frozenset({TOOK_OVER})
 
 
 def _link(c: Cell) -> tuple:
@@ -341,7 +344,7 @@ def expect(c: Cell) -> Expect:
         return Expect(FAIL, me, ("terminated by SIGTERM",))
     if k == "sigstop":
         if r == 0 and not _store_node_survives(c):
-            return Expect(FAIL, me, ("no heartbeat",), frozenset({"rank 1"}), why=(
+            return Expect(FAIL, me, ("no heartbeat",), frozenset({TOOK_OVER}), why=(
                 "node 1's agent sees its worker alive: the store stays"))
         return Expect(FAIL, me, ("stopped",) if c.per_node > 1 else ("no heartbeat",),
                       _writer_after(c, r))

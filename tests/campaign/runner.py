@@ -251,11 +251,10 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
                        f"{len(lost)} lost records")
         verdict = BAD_INPUT if "ddp-smoke: error:" in out else "none"
         return Got(verdict, frozenset(), out[-4000:], None, status, None, end_s)
-    culprits, reasons, writers = set(), [], []
+    culprits, reasons = set(), []
     for check in report.get("checks", []):
         if check.get("status") != "fail":
             continue
-        writers.append((check.get("figures") or {}).get("writer"))
         for k in check.get("culprits", []):
             reasons.append(k.get("reason", ""))
             if k.get("ranks"):
@@ -266,7 +265,7 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
                 culprits.add(("host", k["host"]))
             else:
                 culprits.add(("job",))
-    writer = writer or next((w for w in writers if w), "launcher" if by_launcher else "rank 0")
+    writer = writer or report.get("written_by") or ("launcher" if by_launcher else "rank 0")
     return Got(report.get("verdict", "none"), frozenset(culprits), " | ".join(reasons)
                + (" | " + out[-2000:] if writer == "stderr" else ""), writer, status,
                report_s, end_s)
