@@ -331,9 +331,9 @@ def expect(c: Cell) -> Expect:
     me = frozenset({("rank", r)})
     if k in ("sigkill", "sigsegv", "sigabrt", "oom", "exit"):
         if r == 0 and not _store_node_survives(c):
-            return Expect(LOST, words=("lost the coordination store",), why=(
-                "plain torchrun across nodes: node 1's agent holds the store and leaves with "
-                "its only worker"))
+            return Expect(LOST, words=("lost the coordination store",), writers=frozenset(),
+                          why="plain torchrun across nodes: node 1's agent holds the store "
+                              "and leaves with its only worker")
         local = c.per_node > 1  # a live rank on the dead rank's node reads that node's word
         words = {"sigkill": ("SIGKILL",) if c.launcher == "smoke_local" else ("died",),
                  "sigsegv": ("SIGSEGV",), "sigabrt": ("SIGABRT",),
@@ -359,8 +359,10 @@ def expect(c: Cell) -> Expect:
     if k in ("slow_link", "slow_node"):
         if STAGES.index(s) > STAGES.index("bandwidth"):
             return Expect(PASS, why="no check after it measures a link")
-        return Expect(FAIL, frozenset({_link(c)}) if k == "slow_link" else
-                      frozenset({("rank", c.node * c.per_node)}), ("slow",))
+        if k == "slow_link":
+            return Expect(FAIL, frozenset({_link(c)}), ("below the reference",))
+        return Expect(FAIL, frozenset({("rank", c.node * c.per_node)}),
+                      ("slow with every partner",))
     if k in ("dead_link", "blackhole"):
         touches_store = 0 in (c.node, c.peer_node)
         carried = LARGE if k == "blackhole" else COLLECTIVE

@@ -247,8 +247,9 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
         if lost:
             last = max(p.stat().st_mtime for p in lost)
             report_s = round(end_s - (time.time() - last), 1)
-            return Got(LOST, frozenset(), out[-4000:], None, status, report_s, end_s,
-                       f"{len(lost)} lost records")
+            said = " | ".join(p.read_text(errors="replace")[:400] for p in lost)
+            return Got(LOST, frozenset(), f"{said} | {out[-2000:]}", None, status, report_s,
+                       end_s, f"{len(lost)} lost records")
         verdict = BAD_INPUT if "ddp-smoke: error:" in out else "none"
         return Got(verdict, frozenset(), out[-4000:], None, status, None, end_s)
     culprits, reasons = set(), []

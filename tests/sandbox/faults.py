@@ -199,9 +199,10 @@ def cut_link(a: Host, b: Host):
 
 
 def cut_node(host: Host, subnet: str):
-    """The node loses its network: nothing in or out on the subnet (a pulled cable)."""
-    return _rules([(host, ["INPUT", "-s", subnet, "-j", "DROP"]),
-                   (host, ["OUTPUT", "-d", subnet, "-j", "DROP"])])
+    """The node loses its network: nothing in or out on the subnet (a pulled cable); it
+    still reaches itself (its own address goes over loopback, never on the wire)."""
+    return _rules([(host, ["INPUT", "!", "-i", "lo", "-s", subnet, "-j", "DROP"]),
+                   (host, ["OUTPUT", "!", "-o", "lo", "-d", subnet, "-j", "DROP"])])
 
 
 def blackhole(a: Host, b: Host, over: int = LARGE_BYTES):
