@@ -62,7 +62,8 @@ def choose(args) -> list:
 def describe(e: matrix.Expect) -> str:
     who = ", ".join(sorted(" ".join(map(str, c)) for c in e.culprits)) or "-"
     words = "; ".join(e.words)
-    return f"{e.verdict} {{{who}}}" + (f" '{words}'" if words else "")
+    return (f"{e.verdict} {{{who}}}" + (f" '{words}'" if words else "")
+            + (f", {e.lost} in lost/" if e.lost else ""))
 
 
 def record(row) -> dict:

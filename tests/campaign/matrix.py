@@ -276,7 +276,7 @@ class Expect:
             store is gone: no report, every rank's own word in ``lost/``).
         culprits: the exact set: ``("rank", r)``, ``("link", a, b)`` (a < b), ``("job",)``.
         words: each must appear in the culprits' reasons (bad input, lost: in the output).
-        writers: who may have written the report (the ``writer`` figure; ``stderr`` when the
+        writers: who may have written the report (its ``written_by``; ``stderr`` when the
             folder took no report and it went to stderr as one JSON line).
         why: why this is right, where it is not obvious.
     """
@@ -286,6 +286,7 @@ class Expect:
     words: tuple = ()
     writers: frozenset = frozenset({"rank 0"})
     why: str = ""
+    lost: int = 0  # lost: how many ranks left their word in lost/ (every one still alive)
 
     def exits(self, launcher: str) -> set:
         """The launcher's exit statuses for this verdict (``make`` reports the kit's status
@@ -331,7 +332,7 @@ def expect(c: Cell) -> Expect:
     me = frozenset({("rank", r)})
     if k in ("sigkill", "sigsegv", "sigabrt", "oom", "exit"):
         if r == 0 and not _store_node_survives(c):
-            return Expect(LOST, words=("lost the coordination store",), writers=frozenset(),
+            return Expect(LOST, writers=frozenset(), lost=c.world - 1,
                           why="plain torchrun across nodes: node 1's agent holds the store "
                               "and leaves with its only worker")
         local = c.per_node > 1  # a live rank on the dead rank's node reads that node's word
@@ -373,7 +374,7 @@ def expect(c: Cell) -> Expect:
     if k == "dead_node":
         return Expect(FAIL, frozenset({("rank", c.node * c.per_node)}), ("cut off",))
     if k == "store_killed":
-        return Expect(LOST, words=("lost the coordination store",), writers=frozenset())
+        return Expect(LOST, writers=frozenset(), lost=c.world)
     if k in FOLDER:
         said = "No space left" if k == "disk_full" else "Read-only"
         if s == "join":

@@ -49,6 +49,7 @@ class Got:
     report_s: float | None  # fault to report (or the last lost record)
     end_s: float            # fault to the launcher's end
     note: str = ""
+    lost: int = 0           # ranks that left their word in lost/
 
 
 @dataclasses.dataclass
@@ -68,6 +69,8 @@ class Row:
         if g.culprits != e.culprits:
             out.append(f"culprits {_show(g.culprits)}, expected {_show(e.culprits)}")
         out += [f"no {w!r}" for w in e.words if w not in g.text]
+        if e.verdict == LOST and g.lost != e.lost:
+            out.append(f"{g.lost} ranks left their word in lost/, expected {e.lost}")
         if e.writers and g.writer not in e.writers:
             out.append(f"written by {g.writer}, expected {'/'.join(sorted(e.writers))}")
         if g.status not in e.exits(self.cell.launcher):
@@ -249,7 +252,7 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
             report_s = round(end_s - (time.time() - last), 1)
             said = " | ".join(p.read_text(errors="replace")[:400] for p in lost)
             return Got(LOST, frozenset(), f"{said} | {out[-2000:]}", None, status, report_s,
-                       end_s, f"{len(lost)} lost records")
+                       end_s, f"{len(lost)} lost records", len(lost))
         verdict = BAD_INPUT if "ddp-smoke: error:" in out else "none"
         return Got(verdict, frozenset(), out[-4000:], None, status, None, end_s)
     culprits, reasons = set(), []
