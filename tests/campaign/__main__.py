@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -76,7 +77,7 @@ def record(row) -> dict:
             "reasons": g.text[:600], "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
-def run(cells: list, work: Path) -> int:
+def run(cells: list, work: Path, stop_after_s: float | None = None) -> int:
     from tests.campaign import launchers, runner  # torch and the sandboxes: not for --list
     reason = launchers.missing()
     if reason:
@@ -84,9 +85,16 @@ def run(cells: list, work: Path) -> int:
         return 2
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     parts = launchers.Parts(work)
+    # a SIGTERM (a timeout around a slice) still takes the sandboxes down
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     wrong, t0 = 0, time.monotonic()
     try:
         for i, cell in enumerate(cells):
+            if stop_after_s and time.monotonic() - t0 + matrix.cost_s(cell) > stop_after_s:
+                print(f"campaign: stopped before {len(cells) - i} cell(s): --stop-after "
+                      f"{stop_after_s:g} s", flush=True)
+                cells = cells[:i]
+                break
             row = runner.run(cell, parts, work / f"{i:03d}-{cell.id}")
             rec = record(row)
             with open(RESULTS, "a") as f:
@@ -181,6 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="print the cells; run nothing")
     ap.add_argument("--table", action="store_true", help=f"write {TABLE.relative_to(REPO)}")
     ap.add_argument("--work", default="/tmp/ddp-smoke-campaign", help="cells' folders")
+    ap.add_argument("--stop-after", type=float, metavar="SECONDS",
+                    help="start no cell that would end past this (a slice under a time limit)")
     args = ap.parse_args(argv)
     if args.table:
         text = table()
@@ -200,7 +210,7 @@ def main(argv=None) -> int:
         print(f"{len(cells)} cells, expected {sum(map(matrix.cost_s, cells)) / 60:.1f} min")
         return 0
     work = Path(args.work) / time.strftime("%Y%m%d-%H%M%S")
-    return run(cells, work)
+    return run(cells, work, args.stop_after)
 
 
 if __name__ == "__main__":
