@@ -415,8 +415,8 @@ def _image(cell, parts, work, reports, worker, marker, dup) -> Launch:
     pods = [net.add_pod(n, a, etc_hosts=dict(zip(names, addrs))) for n, a in zip(names, addrs)]
     launch = Launch(cell, marker, out, hosts=[net._box.plugged[i] for i in range(cell.nodes)])
     for pod in pods:
-        if cell.nodes == 1:
-            args = [f"--nproc-per-node={cell.per_node}"]
+        if cell.nodes == 1:  # the entrypoint's store host comes with --standalone
+            args = ["--standalone", f"--nproc-per-node={cell.per_node}"]
         else:
             args = [f"--nnodes={cell.nodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint={addrs[0]}:29500", f"--rdzv-id={marker}",
