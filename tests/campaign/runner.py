@@ -166,7 +166,12 @@ def _strike(cell: Cell, launch, parts, undo: contextlib.ExitStack, folder) -> fl
         _network(cell, launch, undo)  # in place before any rank connects
         return None
     end = time.monotonic() + matrix.STRIKE_WAIT_S
-    key = f"rank/{cell.rank}" if cell.stage == "join" else f"arrive/{cell.stage}/0/all"
+    # A lasting fault (a folder, the network, a quota) is in place from the stage's start: at
+    # the first arrival there, before any rank's work in it. A sudden one strikes inside the
+    # stage: once every rank has arrived and the work begins.
+    lasting = k in matrix.FOLDER or network or k == "slow_rank"
+    key = (f"rank/{cell.rank}" if cell.stage == "join" else
+           f"arrive/{cell.stage}/0/{cell.rank}" if lasting else f"arrive/{cell.stage}/0/all")
     pid = None
     while True:
         if time.monotonic() > end or not launch.running():
@@ -245,6 +250,8 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
     lost = sorted((launch.report_dir / "lost").glob("*.json")) \
         if (launch.report_dir / "lost").is_dir() else []
     report_s = None if report_at is None else round(report_at - at, 1)
+    if writer == "stderr":  # the folder took no report: the error line before it says why
+        reasons_out = out.split(_JSON_LINE, 1)[0].rstrip().splitlines()[-1:]
     by_launcher = bool(report and (report.get("config") or {}).get("launcher"))
     if report is None or (by_launcher and lost):  # the launcher's report quotes lost/
         if lost:
@@ -270,9 +277,8 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
             else:
                 culprits.add(("job",))
     writer = writer or report.get("written_by") or ("launcher" if by_launcher else "rank 0")
-    return Got(report.get("verdict", "none"), frozenset(culprits), " | ".join(reasons)
-               + (" | " + out[-2000:] if writer == "stderr" else ""), writer, status,
-               report_s, end_s)
+    return Got(report.get("verdict", "none"), frozenset(culprits), " | ".join(
+        reasons + (reasons_out if writer == "stderr" else [])), writer, status, report_s, end_s)
 
 
 def _status(cell: Cell, launch, out: str) -> int | None:
