@@ -250,8 +250,9 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
     lost = sorted((launch.report_dir / "lost").glob("*.json")) \
         if (launch.report_dir / "lost").is_dir() else []
     report_s = None if report_at is None else round(report_at - at, 1)
-    if writer == "stderr":  # the folder took no report: the error line before it says why
-        reasons_out = out.split(_JSON_LINE, 1)[0].rstrip().splitlines()[-1:]
+    said = []  # the folder took no report: the error line before its JSON line says why
+    if writer == "stderr":
+        said = out.split(_JSON_LINE, 1)[0].rstrip().splitlines()[-1:]
     by_launcher = bool(report and (report.get("config") or {}).get("launcher"))
     if report is None or (by_launcher and lost):  # the launcher's report quotes lost/
         if lost:
@@ -278,7 +279,7 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
                 culprits.add(("job",))
     writer = writer or report.get("written_by") or ("launcher" if by_launcher else "rank 0")
     return Got(report.get("verdict", "none"), frozenset(culprits), " | ".join(
-        reasons + (reasons_out if writer == "stderr" else [])), writer, status, report_s, end_s)
+        reasons + said), writer, status, report_s, end_s)
 
 
 def _status(cell: Cell, launch, out: str) -> int | None:
