@@ -54,6 +54,10 @@ def choose(args) -> list:
         cells = matrix.select(cells, args.slice)
     if args.part:
         cells = parts_of(cells, args.part)
+    if args.missing or args.wrong:  # no row yet, or a wrong latest row
+        rows = latest_rows()
+        cells = [c for c in cells if (args.missing and c.id not in rows)
+                 or (args.wrong and c.id in rows and not rows[c.id]["ok"])]
     for c in cells:
         if matrix.impossible(c):
             raise ValueError(f"{c.id}: {matrix.impossible(c)}")
@@ -110,13 +114,19 @@ def run(cells: list, work: Path, stop_after_s: float | None = None) -> int:
     return 1 if wrong else 0
 
 
-def table(path: Path = TABLE) -> str:
-    """docs/campaign.md: every covering cell's latest row, the counts, the impossible pairs."""
+def latest_rows() -> dict[str, dict]:
+    """Each cell's latest row in RESULTS."""
     latest = {}
     if RESULTS.exists():
         for line in RESULTS.read_text().splitlines():
             rec = json.loads(line)
             latest[rec["cell"]] = rec
+    return latest
+
+
+def table(path: Path = TABLE) -> str:
+    """docs/campaign.md: every covering cell's latest row, the counts, the impossible pairs."""
+    latest = latest_rows()
     cov = matrix.cover()
     rows = [latest.get(c.id) for c in cov.cells]
     ran = [r for r in rows if r]
@@ -186,6 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sample", metavar="SEED", help="CI's sample seeded by SEED (a commit)")
     ap.add_argument("--budget", type=float, default=300.0, help="the sample's seconds (300)")
     ap.add_argument("--repeat", type=int, default=1, help="run each cell N times")
+    ap.add_argument("--missing", action="store_true", help="only cells with no row yet")
+    ap.add_argument("--wrong", action="store_true", help="only cells whose latest row is wrong")
     ap.add_argument("--list", action="store_true", help="print the cells; run nothing")
     ap.add_argument("--table", action="store_true", help=f"write {TABLE.relative_to(REPO)}")
     ap.add_argument("--work", default="/tmp/ddp-smoke-campaign", help="cells' folders")

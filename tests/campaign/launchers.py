@@ -320,19 +320,21 @@ def _torchrun(cell, parts, work, reports, worker, marker, dup) -> Launch:
 
 class _Group:
     """Several node launchers as one: like srun --kill-on-bad-exit, once one fails the
-    others get SIGTERM, then SIGKILL 5 s later; the status is node 1's."""
+    others get SIGTERM, then SIGKILL 5 s later; the status is the first failed node's."""
 
     def __init__(self, procs):
-        self.procs, self.pid, self.failed_at = procs, procs[0].pid, None
+        self.procs, self.pid, self.failed_at, self.first = procs, procs[0].pid, None, None
 
     def poll(self):
         codes = [p.poll() for p in self.procs]
         if self.failed_at is None and any(c not in (None, 0) for c in codes):
             self.failed_at = time.monotonic()
+            self.first = next(c for c in codes if c not in (None, 0))
             self._signal(signal.SIGTERM)
         elif self.failed_at and time.monotonic() - self.failed_at > 5:
             self._signal(signal.SIGKILL)
-        return None if any(c is None for c in codes) else codes[0]
+        # like srun: the status of the first node that failed (the others were stopped)
+        return None if any(c is None for c in codes) else (self.first or codes[0])
 
     def _signal(self, sig):
         for p in self.procs:

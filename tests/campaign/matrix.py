@@ -63,8 +63,9 @@ SLOW = ("slow_rank", "slow_link", "slow_node")
 # Checks that last milliseconds on CPU whatever the configuration: an outside strike cannot be
 # aimed into them (it lands before or after).
 QUICK = ("environment", "ddp_step", "transport")
-# Checks that issue world collectives (a stall has somewhere to stall).
-COLLECTIVE = ("ddp_step", "collectives", "storage", "bandwidth", "transport")
+# Checks that issue world collectives (a stall has somewhere to stall). Not transport: on
+# gloo (every cell here runs on CPUs) it reads no NCCL log and issues nothing.
+COLLECTIVE = ("ddp_step", "collectives", "storage", "bandwidth")
 # Checks that move messages well above one frame between nodes.
 LARGE = ("collectives", "bandwidth")
 CHECKS = STAGES[1:]

@@ -224,7 +224,9 @@ def _wait_end(launch, at: float) -> float | None:
     while time.monotonic() < end:
         if seen is None and report.exists():
             seen = time.monotonic()
-        if not launch.running():
+        # the launcher's end, and its workers' (a killed launcher leaves them orphaned: they
+        # still have their word to leave)
+        if not launch.running() and not launch.workers():
             break
         time.sleep(0.2)
     if seen is None and report.exists():
