@@ -197,11 +197,18 @@ def _by_progress(s: Snapshot) -> list:
     behind = {r: p for r, p in stuck.items() if p.get("seq", 0) < k}
     if not behind:
         if len(blocked_in) == len(stuck) and len(stuck) == s.world_size:
-            return _never_issued(s, k, what) or [Culprit(
+            return _never_issued(s, blocked_in, k, what) or [Culprit(
                 None, None, f"every rank entered collective #{k} ({what}) in "
                                         f"{s.stage} and none left: no rank lagged, the "
                                         "collective itself is stuck (network or backend)")]
         return []
+    for seq in sorted({p["seq"] for p in behind.values() if p.get("inside")}):
+        # ranks inside one older collective: one that never issued it holds the others there
+        held = [r for r, p in behind.items() if p.get("inside") and p["seq"] == seq
+                and p.get("peer") is None]
+        low = _never_issued(s, held, seq, _describe(behind[held[0]])) if held else []
+        if low:
+            return low
     out, victims = [], set()
     for r, p in behind.items():
         if r in victims:
@@ -236,16 +243,16 @@ def _by_progress(s: Snapshot) -> list:
     return _unique(out)
 
 
-def _never_issued(s: Snapshot, k: int, what: str) -> list:
-    """Every rank is inside collective #k by its own count: the ranks whose Flight Recorder
+def _never_issued(s: Snapshot, ranks, k: int, what: str) -> list:
+    """``ranks`` are inside collective #k by their own count: those whose Flight Recorder
     shows fewer collectives handed to the backend than the others never really entered it
-    (a call that never reached the backend, a hung communication thread)."""
-    if len(s.issued) < s.world_size:
+    (a call that never reached the backend, a hung communication thread); the others wait
+    for them. Nothing when a rank's recorder is unknown, or all agree."""
+    got = {r: s.issued[r] for r in ranks if r in s.issued}
+    if len(got) < max(2, len(ranks)):
         return []
-    top = max(s.issued.values())
-    low = sorted(r for r, n in s.issued.items() if n < top)
-    if not low or len(low) == s.world_size:
-        return []
+    top = max(got.values())
+    low = sorted(r for r, n in got.items() if n < top)
     return [_culprit(s, r, f"inside collective #{k} ({what}) by its own count, but never "
                            f"issued it to the backend: its Flight Recorder ends at collective "
                            f"{s.issued[r]}, the other ranks' at {top}, inside which they wait")
