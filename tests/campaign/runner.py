@@ -139,7 +139,7 @@ def run(cell: Cell, parts: launchers.Parts, work: Path) -> Row:
         else:
             note = ""
         at = struck or time.monotonic()
-        report_at = _wait_end(launch, at)
+        report_at = _wait_end(launch, at, expect.ends)
         end_s = time.monotonic() - at
         got = _read(cell, launch, at, report_at, end_s)
         got.note = note or got.note
@@ -216,9 +216,10 @@ def _network(cell: Cell, launch, undo: contextlib.ExitStack) -> None:
         undo.enter_context(made[cell.kind]())
 
 
-def _wait_end(launch, at: float) -> float | None:
-    """Wait for the launcher to end by itself (END_BOUND_S at most); when the report
-    appeared (monotonic), or None."""
+def _wait_end(launch, at: float, ends: bool = True) -> float | None:
+    """Wait for the launcher to end by itself (END_BOUND_S at most; for one expected not to,
+    until its workers are gone and the report is there); when the report appeared
+    (monotonic), or None."""
     report, seen = launch.report_dir / "report.json", None
     end = at + matrix.END_BOUND_S
     while time.monotonic() < end:
@@ -226,7 +227,7 @@ def _wait_end(launch, at: float) -> float | None:
             seen = time.monotonic()
         # the launcher's end, and its workers' (a killed launcher leaves them orphaned: they
         # still have their word to leave)
-        if not launch.running() and not launch.workers():
+        if not launch.workers() and (not launch.running() or (not ends and seen)):
             break
         time.sleep(0.2)
     if seen is None and report.exists():
