@@ -143,8 +143,10 @@ def run(cell: Cell, parts: launchers.Parts, work: Path) -> Row:
         end_s = time.monotonic() - at
         got = _read(cell, launch, at, report_at, end_s)
         got.note = note or got.note
-        if launch.running():
-            got.note = got.note or f"still running after {end_s:.0f} s: stopped"
+        left = launch.workers()
+        if launch.running() or left:
+            got.note = got.note or (f"still running after {end_s:.0f} s: stopped; ranks "
+                                    f"{_where(left)}")
     return Row(cell, expect, got, time.monotonic() - t0)
 
 
@@ -233,6 +235,19 @@ def _wait_end(launch, at: float, ends: bool = True) -> float | None:
     if seen is None and report.exists():
         seen = at + max(0.0, report.stat().st_mtime - (time.time() - (time.monotonic() - at)))
     return seen
+
+
+def _where(workers: dict[int, int]) -> str:
+    """rank: pid, state and kernel wait channel of each worker still alive (a hang's clue)."""
+    out = []
+    for rank, pid in sorted(workers.items()):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+        except OSError:
+            continue
+        out.append(f"{rank}: pid {pid} {state} {wchan}")
+    return ", ".join(out) or "none"
 
 
 def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) -> Got:

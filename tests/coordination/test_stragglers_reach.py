@@ -263,3 +263,15 @@ def test_silent_ranks_on_a_node_the_probes_name_are_the_network_not_deaths():
     s.reach = _probes(4, set())
     assert [c.rank for c in blame.judge(s).culprits] == [3]
     assert "no heartbeat" in blame.judge(s).culprits[0].reason
+
+
+def test_the_store_s_own_node_cut_off_explains_every_other_rank_s_silence():
+    # rank 0's node (where the store is) cut off: from there every other rank is silent, and
+    # only its own probes are posted, each failing: that node is named, not the silent ranks
+    probes = {0: {"tried": [1, 2, 3], "failed": [1, 2, 3]}}
+    s = blame.Snapshot(stage="health", world_size=4, timeout_s=10.0, hosts=HOSTS[:4],
+                       connected={0, 1, 2, 3}, arrived={0, 1, 2, 3}, dead={1, 2, 3},
+                       aborts={0: {"kind": "lost", "at": 1.0, "silent": [1, 2, 3]}},
+                       reach=probes)
+    got = blame.judge(s).culprits
+    assert [(c.rank, c.host) for c in got] == [(0, "n0")] and "cut off" in got[0].reason

@@ -126,7 +126,11 @@ def _silenced_by(net: list, s: Snapshot) -> list:
     nodes went silent because their node lost the network, not because they died."""
     silent = set(s.dead) | {r for r in range(s.world_size) if r not in s.connected}
     hosts = {c.host for c in net} | {h for c in net for h in (c.hosts or [])}
-    if not net or not silent or any(s.hosts[r] not in hosts for r in silent):
+    # the store's node (rank 0's, under every launcher) cut off: every other rank's heartbeat
+    # stops reaching it, wherever that rank is
+    store_cut = any(c.rank is not None and c.host == s.hosts[0] for c in net)
+    if not net or not silent or (not store_cut and any(s.hosts[r] not in hosts
+                                                       for r in silent)):
         return []
     return net if not _raised(s) else []
 
