@@ -35,7 +35,7 @@ PY_VERSION ?= 3.12
 K8S_DIRS   ?=
 
 .PHONY: help venv smoke-local test lint clean sandbox-up sandbox-down slurm-up slurm-try slurm-down \
-        image wheelhouse image-test bench gpu-check k8s-check
+        image wheelhouse image-test bench gpu-check k8s-check campaign
 
 help:  ## list the verbs
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 16
@@ -71,6 +71,12 @@ lint: $(VENV)/.test  ## shellcheck the scripts, hadolint the Dockerfile, parse t
 
 k8s-check: $(VENV)/.test  ## check the manifests in k8s/ (or K8S_DIRS="…") offline: kubectl's parser, Kubernetes' schemas, the operators' CRDs
 	@$(PY) -m tests.k8s_check $(K8S_DIRS)
+
+# The fault campaign (tests/campaign/): real faults x where x stage x launcher x shape, each cell
+# run for real against its exact expected outcome; the table goes to docs/campaign.md.
+campaign: $(VENV)/.test  ## the fault campaign's covering set for real, ~2 h, root (SLICE=kind=sigkill+oom, PART=3/14, CELL=id)
+	$(PY) -m tests.campaign $(if $(SLICE),--slice '$(SLICE)') $(if $(PART),--part $(PART)) \
+	  $(if $(CELL),--cell $(CELL)) || rc=$$?; $(PY) -m tests.campaign --table; exit $${rc:-0}
 
 image:  ## build the worker image (IMAGE=…, BASE_IMAGE=…, WHEELHOUSE=wheelhouse: offline)
 	docker build -f docker/Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) \

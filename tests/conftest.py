@@ -64,6 +64,12 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped under DDP_SMOKE_REQUIRE_REAL=1 (CI), which forbids skips: {reason}"
 
 
+def pytest_report_header(config):
+    from tests.campaign import matrix  # pure: the seed, so that a sample can be rerun
+    return f"fault campaign sample: seed {matrix.commit_seed()} (python -m tests.campaign " \
+           f"--sample {matrix.commit_seed()} --list)"
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "planted_report: the test writes a report.json the kit did not (a stale or "

@@ -75,6 +75,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import signal
 import sys
 
 from . import __version__, checks, node_check, preflight
@@ -193,6 +194,11 @@ def worker(argv: list[str]) -> int:
     except ConfigError as e:
         os.write(2, f"ddp-smoke: error: {e}\n".encode())
         return 2
+    # A launcher that stops the others the moment one rank dies may do it while torch loads:
+    # the signal waits, blocked, and is answered once this rank is connected and can say so
+    # (coordination/liveness.py Liveness.start), not by dying without a word.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1,
+                                              signal.SIGUSR2})
     store.quiet_slices()  # before torch is imported
     from torch.distributed.elastic.multiprocessing.errors import record
 

@@ -32,7 +32,7 @@ from .checks.api import Context, Evidence
 from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
-from .coordination import (ending, forensics, hosting, judge, keys, liveness, lost, progress,
+from .coordination import (ending, fate, forensics, hosting, judge, keys, liveness, lost, progress,
                            rails, reach, records, runtime, signing, stragglers)
 from .coordination.protocol import Coordinator, Run, Stop, error_detail
 from .coordination.store import Connection, look_period, wait_key
@@ -54,8 +54,10 @@ def run(cfg: dict[str, Any]) -> int:
     rdir = default_report_dir(cfg, env.run_id)
     # Every rank writes there (forensics, NCCL logs): an unwritable folder is bad input on
     # every rank before any connects. Ranks that may not know the run id test the parent.
-    outputs.check_writable(rdir if env.rank == 0 or cfg["report_dir"] or env.run_id_shared
-                           else os.path.dirname(rdir) or ".")
+    known = env.rank == 0 or cfg["report_dir"] or env.run_id_shared
+    outputs.check_writable(rdir if known else os.path.dirname(rdir) or ".")
+    if known:  # a fatal signal's traceback, for the judge (else once the join names the folder)
+        ending.at_leave(fate.last_words(rdir, env.rank))
     if env.rank == 0:
         prelaunch.hold(rdir, env.run_id)  # one live run per folder
         outputs.prepare(rdir)  # a report left by another run must never read as this run's
@@ -79,6 +81,7 @@ def run(cfg: dict[str, Any]) -> int:
         c.enter("init", timeout)
         t = time.monotonic()
         ctx = _join(c, store, faults)
+        ending.at_leave(fate.last_words(c.run.report_dir, env.rank))  # the run's folder, now known
         c.timed("rendezvous_s", round(time.monotonic() - t, 4))
         for name in cfg["checks"]:  # checks that watch the whole run start watching now
             getattr(checks.load(name), "begin", lambda _: None)(ctx)
@@ -190,6 +193,7 @@ def _run_check(c: Coordinator, ctx: Context, name: str) -> None:
     progress.RECORDER.spent()  # this check's collectives only
     try:
         ctx.faults.at_start()
+        progress.RECORDER.stall = ctx.faults.stalling
         data = module.run(ctx)
     except Exception as e:  # noqa: BLE001 — a check that raises fails with its rank named
         c.abort(store, records.ErrorAbort, **error_detail(e))

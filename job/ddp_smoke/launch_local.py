@@ -48,7 +48,7 @@ from . import checks, cli, outputs, store_host
 from .config.args import parse_config
 from .config import prelaunch, report_dir
 from .config.launchenv import run_id as launcher_run_id
-from .coordination import hosting, signing, store
+from .coordination import fate, hosting, signing, store
 from .errors import ConfigError, say_once
 
 USAGE = ("usage: python -m ddp_smoke.launch_local [--check [--nnodes N]] [--nproc-per-node N] "
@@ -174,6 +174,7 @@ def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int,
     """``torchrun --standalone --nproc-per-node=N`` in this process, the ranks forked from it;
     the workers' exit status, and what to say last when no worker reached a verdict."""
     from torch.distributed import run as torchrun
+    fate.watch_workers()  # each worker's signal or exit status, for the culprit's text
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch

@@ -24,8 +24,10 @@ node that will host it listens on the rendezvous port itself for the duration (`
 the others then reach exactly the address and port torchrun's store will use, through the same
 firewalls. Each node says hello there; the host waits until every expected node did
 (``--nodes``) or the timeout, and names the node ranks that never joined (on Kubernetes this is
-the only place a pod that never left Pending shows up). The listener closes before torchrun
-starts; the clients close first, so no TIME_WAIT is left on the host's side of the port.
+the only place a pod that never left Pending shows up). Each hello carries the MTU of the
+node's interface; the host names the nodes whose MTU differs from the rest (``mtu``: such a
+link passes small packets and drops large ones). The listener closes before torchrun starts;
+the clients close first, so no TIME_WAIT is left on the host's side of the port.
 
 Each node writes one JSON record, ``REPORT_DIR/preflight/<node>.json``::
 
@@ -40,6 +42,7 @@ input. ``python -m ddp_smoke launch-report`` turns the records into a report.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import socket
@@ -156,6 +159,29 @@ def check_interfaces(environ=os.environ, addresses: dict | None = None) -> tuple
     return True, "; ".join(seen) or "no interface named (NCCL_/GLOO_SOCKET_IFNAME unset)"
 
 
+def interface_mtu(addr: str) -> int | None:
+    """The MTU of the interface holding ``addr`` (sysfs), or None."""
+    name = next((n for n, a in interface_addresses().items() if addr in a), None)
+    try:
+        with open(f"/sys/class/net/{name}/mtu") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def compare_mtus(mtus: dict[str, int]) -> tuple[bool, str, list[str]]:
+    """Nodes whose MTU differs from most nodes' (all of a tie): ok, the words, the nodes."""
+    counts = collections.Counter(mtus.values()).most_common()
+    if len(counts) < 2:
+        return True, f"{len(mtus)} node(s) alike, MTU {counts[0][0] if counts else '?'}", []
+    usual = None if counts[0][1] == counts[1][1] else counts[0][0]  # a tie: every node
+    odd = sorted(n for n, m in mtus.items() if m != usual)
+    named = ", ".join(f"{n} {mtus[n]}" for n in odd)
+    return False, (f"interface MTU differs between nodes: {named} (the others: {usual or '-'}); "
+                   "a link between hosts of different MTU passes small packets and drops large "
+                   "ones (jumbo frames behind a port without them): one MTU everywhere"), odd
+
+
 # -- report folder --------------------------------------------------------------------------
 
 def check_report_dir(report_dir: str) -> tuple[bool, str]:
@@ -189,6 +215,7 @@ class Listener:
 
     def __init__(self, port: int, run_id: str):
         self.run_id, self.joined = run_id or "-", {}
+        self.mtus: dict[str, int] = {}  # node -> MTU of the interface it reached us by
         self.changed = threading.Condition()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         # The store binds this port right after: no state of ours may keep it busy.
@@ -212,10 +239,15 @@ class Listener:
             conn.settimeout(_ANSWER_S)
             try:
                 words = conn.makefile().readline().split()
-                if len(words) == 4 and words[0] == HELLO:
+                if len(words) >= 4 and words[0] == HELLO:
                     conn.sendall(f"{HELLO} {self.run_id}\n".encode())
+                    mine = interface_mtu(conn.getsockname()[0])  # this host's, named later
                     with self.changed:  # by node rank; by name where there is none
                         self.joined[words[2] if words[2] != "-" else words[3]] = words[3]
+                        self.mtus.update({words[3]: int(w[4:]) for w in words[4:5]
+                                          if w.startswith("mtu=") and w[4:].isdigit()})
+                        if mine:
+                            self.mtus.setdefault("", mine)
                         self.changed.notify_all()
                     conn.recv(1)  # the client closes first: TIME_WAIT stays on its side
             except OSError:
@@ -246,8 +278,9 @@ def say_hello(host: str, port: int, deadline: float, run_id: str, rank: int | No
             with socket.create_connection((host, port), timeout=min(left, 3.0)) as s:
                 took = time.monotonic() - t0
                 s.settimeout(_ANSWER_S)
+                mtu = interface_mtu(s.getsockname()[0])
                 s.sendall(f"{HELLO} {run_id or '-'} {rank if rank is not None else '-'} "
-                          f"{node}\n".encode())
+                          f"{node}{f' mtu={mtu}' if mtu else ''}\n".encode())
                 try:
                     answer = s.makefile().readline().split()
                 except OSError:
@@ -332,6 +365,13 @@ def run(args: argparse.Namespace, environ=os.environ) -> dict:
             note("joined", (False, never_joined(joined, args.nodes, args.timeout)))
         else:
             note("joined", (True, f"{len(joined)} node(s) said hello"))
+        mtus = dict(listener.mtus)
+        own = mtus.pop("", None)  # the host's own, unless it said hello to itself
+        if own:
+            mtus.setdefault(node, own)
+        ok, detail, odd = compare_mtus(mtus)
+        note("mtu", (ok, detail))
+        checks[-1]["nodes"] = odd
     failed = [c for c in checks if not c["ok"]]
     record = {"node": node, "host": socket.gethostname(), "node_rank": rank, "run_id": run_id,
               "ok": not failed, "version": __version__,

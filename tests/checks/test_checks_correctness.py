@@ -268,6 +268,20 @@ def test_storage_unwritable_rank_is_named():
     assert blamed(result) == [1] and result.culprits[0].reason.startswith("unwritable")
 
 
+def test_storage_full_or_read_only_folder_is_the_folder_not_the_rank_that_hit_it():
+    # a shared filesystem filling up fails whichever rank writes first (found by the fault
+    # campaign: disk_full at storage named rank 1, whose write came after rank 0's)
+    obs = storage_obs(2, files=["ok", "missing"])
+    obs[1]["write"]["error"] = "OSError: [Errno 28] No space left on device"
+    result = storage.judge(evidence("storage", obs))
+    assert [c.rank for c in result.culprits] == [None]
+    assert "No space left on device" in result.culprits[0].reason
+    obs = storage_obs(2)
+    obs[0]["refused"] = "OSError: [Errno 30] Read-only file system: '/r/storage'"
+    result = storage.judge(evidence("storage", obs))
+    assert [c.rank for c in result.culprits] == [None] and "Read-only" in result.culprits[0].reason
+
+
 def write_rank_file(path, run_id, rank, data, header_data=None):
     header = {"format": storage.FORMAT, "rank": rank, "run_id": run_id,
               "payload_bytes": len(data),

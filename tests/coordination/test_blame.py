@@ -160,3 +160,25 @@ def test_backend_agreement(requested, pick, cuda, world, backend, problem):
     assert got == backend and (why is not None) == problem
     if problem:
         assert why.format(host="gpu7").startswith("no usable CUDA on gpu7")
+
+
+def test_a_rank_inside_a_collective_it_never_issued_holds_the_others_there():
+    """The fault campaign's stall (issue 32): by its own count rank 2 is inside the storage
+    check's broadcast; its Flight Recorder says it never handed it to the backend. The root
+    (rank 0) is stuck sending to it; ranks 1 and 3 got their data and wait in the barrier."""
+    inside = {"inside": True, "op": "broadcast", "peer": None}
+    s = blame.Snapshot(stage="storage", world_size=4, timeout_s=15.0, hosts=["h"] * 4,
+                       connected={0, 1, 2, 3}, arrived={0, 1, 2, 3},
+                       aborts={1: {"kind": "timeout", "at": 1.0}},
+                       progress={0: {"seq": 40, **inside}, 2: {"seq": 40, **inside},
+                                 1: {"seq": 41, "inside": True, "op": "barrier"},
+                                 3: {"seq": 41, "inside": True, "op": "barrier"}},
+                       issued={0: 61, 1: 62, 2: 60, 3: 62})
+    got = blame.judge(s).culprits
+    assert [c.rank for c in got] == [2] and "never issued it" in got[0].reason
+    # every rank inside one collective, one never issued it: that one
+    s.progress = {r: {"seq": 7, **inside} for r in range(4)}
+    s.issued = {0: 9, 1: 9, 2: 8, 3: 9}
+    assert [c.rank for c in blame.judge(s).culprits] == [2]
+    s.issued = {0: 9, 1: 9, 2: 9, 3: 9}  # all issued it: the collective itself is stuck
+    assert [c.rank for c in blame.judge(s).culprits] == [None]

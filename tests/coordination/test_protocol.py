@@ -116,11 +116,15 @@ def test_silence_tells_silent_moving_and_undecided_ranks(monkeypatch):
     s = Silence(1.5)
     assert s.update({0: 1, 1: 1}) == []
     now[0] += 1.0
-    assert s.update({0: 2, 1: 1}) == [] and s.undecided([0, 1], since=100.5) == [1]
-    # a move seen before the judging began proves nothing: rank 0 may have died since
-    assert s.undecided([0, 1], since=101.5) == [0, 1]
-    now[0] += 1.0
-    assert s.update({0: 3, 1: 1}) == [1] and s.undecided([0, 1], since=101.5) == []
+    assert s.update({0: 2, 1: 1}) == [] and s.undecided([0, 1], since=99.5) == [1]
+    # a move proves life after `since` only when the look before it was after `since` too:
+    # rank 0 beat somewhere between 100 and 101, and may have died since
+    assert s.undecided([0, 1], since=100.5) == [0, 1]
+    # a read that failed (None) is no beat
+    now[0] += 0.25
+    assert s.update({0: None, 1: None}) == [] and s.undecided([0, 1], since=100.5) == [0, 1]
+    now[0] += 0.75
+    assert s.update({0: 3, 1: 1}) == [1] and s.undecided([0, 1], since=100.5) == []
 
 
 def test_the_judge_names_the_rank_whose_heartbeat_stopped(world):
@@ -133,11 +137,22 @@ def test_the_judge_names_the_rank_whose_heartbeat_stopped(world):
     run = coords[0].run.replace(silence=Silence(0.3))
     run.silence.update({r: beat_of(coords[0].store, r)["n"] for r in range(3)})
     time.sleep(0.4)
-    for c in coords[:2]:  # ranks 0 and 1 beat on; rank 2 is gone
-        c.liveness.beat(c.store)
+    done = threading.Event()
+
+    def beat_on():  # ranks 0 and 1 beat on while the judge looks; rank 2 is gone
+        while not done.is_set():
+            for c in coords[:2]:
+                c.liveness.beat(c.store)
+            done.wait(0.1)
+    beating = threading.Thread(target=beat_on)
+    beating.start()
     coords[0].abort(coords[0].store, records.LostAbort, silent=[2], waiting_for="alpha")
     stopped = run.with_identities(coords[0].store).stopped()
-    live = judge.judge_as_a_rank(coords[0].store, stopped, run.silence)
+    try:
+        live = judge.judge_as_a_rank(coords[0].store, stopped, run.silence)
+    finally:
+        done.set()
+        beating.join()
     result = stopped.judged[-1][1]
     assert live == {0, 1} and result.name == "alpha" and result.status == "fail"
     assert [k.rank for k in result.culprits] == [2] and result.culprits[0].host == "h2"

@@ -221,3 +221,57 @@ def test_connect_all_on_loopback_reached_refused_and_listening():
         port = closed.getsockname()[1]
         assert reach.connect_all({1: ("127.0.0.1", probe.port), 2: ("127.0.0.1", port)},
                                  1.0) == set()
+
+
+def test_a_link_that_connects_and_drops_large_payloads_is_named_with_the_mtu_hint():
+    probes = _probes(4, set())
+    probes[1]["large"], probes[2]["large"] = [2], [1]
+    got = reach.judge(probes, HOSTS)
+    assert [(c.rank, c.ranks, c.hosts) for c in got] == [(None, [1, 2], ["n1", "n2"])]
+    assert "passes small packets and drops large ones" in got[0].reason
+    assert "MTU" in got[0].reason and "each reaches other nodes" in got[0].reason
+    # a node whose every link drops large payloads is the node, not its links
+    probes = _probes(4, set())
+    for a in range(4):
+        probes[a]["large"] = [3] if a != 3 else [0, 1, 2]
+    got = reach.judge(probes, HOSTS)
+    assert [(c.rank, c.ranks) for c in got] == [(3, None)] and "drops large" in got[0].reason
+
+
+def test_carry_all_tells_a_probe_that_counts_from_one_that_never_answers():
+    probe = reach.Probe("127.0.0.1")
+    with socket.socket() as deaf, socket.socket() as closed:
+        deaf.bind(("127.0.0.1", 0))
+        deaf.listen(8)  # accepts into its backlog, never reads nor answers
+        closed.bind(("127.0.0.1", 0))  # refused: nothing listens, a payload cannot tell
+        got = reach.carry_all({1: ("127.0.0.1", probe.port),
+                               2: ("127.0.0.1", deaf.getsockname()[1]),
+                               3: ("127.0.0.1", closed.getsockname()[1])}, 1.0)
+    assert got == {2}
+
+
+def test_silent_ranks_on_a_node_the_probes_name_are_the_network_not_deaths():
+    # node 3 (rank 3) cut off: its heartbeat stopped too, and every other node's probe failed
+    cut = {(a, 3) for a in range(3)}
+    probes = {a: p for a, p in _probes(4, cut).items() if a != 3}
+    s = blame.Snapshot(stage="compute", world_size=4, timeout_s=10.0, hosts=HOSTS[:4],
+                       connected={0, 1, 2, 3}, arrived={0, 1, 2, 3}, dead={3},
+                       aborts={0: {"kind": "lost", "at": 1.0, "silent": [3]}}, reach=probes)
+    got = blame.judge(s).culprits
+    assert [(c.rank, c.host) for c in got] == [(3, "n3")] and "cut off" in got[0].reason
+    # the probes reached it (refused: the host answers): the rank died
+    s.reach = _probes(4, set())
+    assert [c.rank for c in blame.judge(s).culprits] == [3]
+    assert "no heartbeat" in blame.judge(s).culprits[0].reason
+
+
+def test_the_store_s_own_node_cut_off_explains_every_other_rank_s_silence():
+    # rank 0's node (where the store is) cut off: from there every other rank is silent, and
+    # only its own probes are posted, each failing: that node is named, not the silent ranks
+    probes = {0: {"tried": [1, 2, 3], "failed": [1, 2, 3]}}
+    s = blame.Snapshot(stage="health", world_size=4, timeout_s=10.0, hosts=HOSTS[:4],
+                       connected={0, 1, 2, 3}, arrived={0, 1, 2, 3}, dead={1, 2, 3},
+                       aborts={0: {"kind": "lost", "at": 1.0, "silent": [1, 2, 3]}},
+                       reach=probes)
+    got = blame.judge(s).culprits
+    assert [(c.rank, c.host) for c in got] == [(0, "n0")] and "cut off" in got[0].reason

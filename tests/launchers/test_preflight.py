@@ -211,7 +211,8 @@ def test_preflight_command_on_loopback_host_and_node(tmp_path):
     record = json.loads((tmp_path / "preflight" / "h0.json").read_text())
     assert record["joined"] == {"0": "h0", "1": "h1"} and record["ok"]
     assert {c["name"] for c in record["checks"]} == {"python", "report_dir", "interfaces",
-                                                     "rendezvous", "torch", "joined"}
+                                                     "rendezvous", "torch", "joined", "mtu"}
+    assert next(c for c in record["checks"] if c["name"] == "mtu")["ok"]  # both on lo
     # The port is free again at once for torchrun's store.
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -407,3 +408,20 @@ def test_ranks_that_lost_the_store_make_the_launchers_report_naming_the_silent_n
     assert [v.split(":")[0] for v in check["figures"]["victims"]] == ["rank 2 b", "rank 3 c"]
     assert proc.stdout.splitlines()[-1].startswith("ddp-smoke: verdict fail · launch: a: ranks 0, 1 went "
                                   "silent"), proc.stdout
+
+
+def test_mtu_comparison_names_the_odd_nodes_and_the_launcher_report_blames_them():
+    ok, detail, odd = preflight.compare_mtus({"n1": 1500, "n2": 9000, "n3": 9000, "n4": 1500,
+                                              "n5": 1500})
+    assert (ok, odd) == (False, ["n2", "n3"]) and "drops large ones" in detail
+    assert preflight.compare_mtus({"a": 1500, "b": 9000})[2] == ["a", "b"]  # a tie: both
+    assert preflight.compare_mtus({"a": 1500, "b": 1500})[0]
+    host = {"node": "n1", "ok": False, "joined": {"0": "n1", "1": "n2", "2": "n3"},
+            "checks": [{"name": "joined", "ok": True, "detail": "3 node(s) said hello"},
+                       {"name": "mtu", "ok": False, "detail": detail, "nodes": ["n2", "n3"]}]}
+    fine = {"ok": True, "checks": [{"name": "python", "ok": True, "detail": "x"}]}
+    culprits, _ = lr.preflight_culprits(
+        ["n1", "n2", "n3"], {"n1": host, "n2": {"node": "n2", **fine},
+                             "n3": {"node": "n3", **fine}}, {}, "/nonexistent")
+    assert [c.host for c in culprits] == ["n2", "n3"]
+    assert all("MTU" in c.reason for c in culprits)

@@ -21,6 +21,7 @@ remove.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -122,17 +123,22 @@ class SlurmSandbox:
             its address: three different things, as on sites whose NodeNames are inventory
             labels. None: NodeName = hostname.
         extra_conf: slurm.conf lines appended as they are (HealthCheckProgram=…, Prolog=…).
+        same_hostname: ``(i, j)``: node j's slurmd (and every job step on it) runs under
+            node i's hostname, as two machines cloned from one image; its NodeName and
+            NodeAddr stay its own.
     """
 
     def __init__(self, nodes: int = 2, run_dir: str | None = None, prefix: str = PREFIX,
                  subnet: str = SUBNET, cpus: int = 2, keep_run_dir: bool = False,
-                 node_name_prefix: str | None = None, extra_conf: str = ""):
+                 node_name_prefix: str | None = None, extra_conf: str = "",
+                 same_hostname: tuple[int, int] | None = None):
         self.extra_conf = extra_conf
         self.run_dir = Path(run_dir or f"/tmp/ddp-smoke-slurm-{os.getpid()}").resolve()
         self.conf = self.run_dir / "slurm.conf"
         self.hosts = HostSandbox(prefix, subnet, nodes)
         self.cpus, self.keep_run_dir = cpus, keep_run_dir
         self.node_name_prefix = node_name_prefix
+        self.same_hostname = same_hostname
         self.pids: dict[str, int] = {}
         self._started = False
 
@@ -141,12 +147,19 @@ class SlurmSandbox:
         """The compute nodes' Slurm NodeNames (their hostnames unless node_name_prefix)."""
         if self.node_name_prefix:
             return [f"{self.node_name_prefix}{i}" for i in range(1, len(self.hosts.hosts) + 1)]
-        return self.hostnames
+        return [h.name for h in self.hosts.hosts]
 
     @property
     def hostnames(self) -> list[str]:
-        """The compute nodes' hostnames (= NodeHostname), in node order."""
-        return [h.name for h in self.hosts.hosts]
+        """The compute nodes' hostnames (= NodeHostname unless same_hostname), in node order."""
+        return [h.name for h in self._uts_hosts()]
+
+    def _uts_hosts(self) -> list:
+        hosts = list(self.hosts.hosts)
+        if self.same_hostname:
+            i, j = self.same_hostname
+            hosts[j] = dataclasses.replace(hosts[j], name=hosts[i].name)
+        return hosts
 
     def env(self, **extra: str) -> dict[str, str]:
         """This process's environment plus SLURM_CONF (clients need it: no DNS SRV here)."""
@@ -243,7 +256,7 @@ class SlurmSandbox:
         # slurmctld insists that its hostname is SlurmctldHost's ("not a valid controller").
         self._start("slurmctld", ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
                                   self.hosts.gateway.name, "slurmctld", "-D", "-f", conf])
-        for name, host in zip(self.node_names, self.hosts.hosts):
+        for name, host in zip(self.node_names, self._uts_hosts()):
             self._start(f"slurmd.{name}", ["slurmd", "-D", "-f", conf, "-N", name], host=host)
 
     def _wait_for(self, ready, what: str, log: str, timeout_s: float = READY_TIMEOUT_S) -> None:

@@ -44,7 +44,7 @@ VENV = {
 BASE = frozenset({
     "sh", "bash", "env", "cat", "true", "false", "sleep", "kill", "tar", "mount", "umount",
     "hostname", "nsenter", "unshare", "flock", "setsid", "apt-get", "apt-cache", "dpkg-query",
-    "make",
+    "make", "git",  # git: CI starts from a clone (the campaign's sample is the commit's)
 })
 
 APT_TIMEOUT_S = 900  # 300 s of it may be waiting for dpkg's lock; then a download

@@ -14,61 +14,19 @@ before compute judged each rank's pace block by block with a margin for shared c
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.launch import Spawned
+from tests.sandbox.faults import CpuQuota
 
 REPEAT = 3
 SLOW_RANK = 2
 QUOTA = 0.15  # of one core; the four ranks share the machine's two (about half a core each)
 CHECKS = ("--checks", "environment,collectives,bandwidth,compute", "--level", "quick",
           "--backend", "gloo", "--timeout", "60")
-
-
-class CpuQuota:
-    """A cgroup holding processes to ``share`` of one core (cgroup v2 ``cpu.max``, or v1
-    ``cpu.cfs_quota_us``); removed on exit, once its processes have ended."""
-
-    def __init__(self, share: float, name: str = f"ddp-smoke-quota-{os.getpid()}"):
-        v2 = Path("/sys/fs/cgroup/cgroup.controllers")
-        if v2.exists() and "cpu" in v2.read_text().split():
-            self.path = Path("/sys/fs/cgroup") / name
-            self.limit = ("cpu.max", f"{int(share * 100000)} 100000")
-        elif Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists():
-            self.path = Path("/sys/fs/cgroup/cpu") / name
-            self.limit = ("cpu.cfs_quota_us", str(int(share * 100000)))
-        else:
-            pytest.skip("no cgroup cpu controller to set a quota with")
-        if os.geteuid() != 0:
-            pytest.skip("a cgroup CPU quota needs root")
-
-    def __enter__(self) -> "CpuQuota":
-        self.path.mkdir()
-        (self.path / self.limit[0]).write_text(self.limit[1])
-        return self
-
-    def add(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(str(pid))  # every thread of the process
-
-    def release(self) -> None:
-        """Move this group's processes that still live back to the root group."""
-        for pid in (self.path / "cgroup.procs").read_text().split():
-            try:
-                (self.path.parent / "cgroup.procs").write_text(pid)
-            except OSError:
-                pass  # it exited meanwhile
-
-    def __exit__(self, *exc) -> None:
-        for _ in range(100):  # the launch has ended; its processes leave the group as they go
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
 
 
 def _launch(tmp: Path, quota: CpuQuota | None) -> dict:
@@ -89,6 +47,8 @@ def _named(report: dict) -> dict[str, list]:
 
 @pytest.mark.timeout(REPEAT * 240)
 def test_throttled_rank_is_named_and_the_same_run_without_the_quota_names_none(tmp_path):
+    if CpuQuota.missing():
+        pytest.skip(CpuQuota.missing())
     for attempt in range(REPEAT):
         with CpuQuota(QUOTA) as quota:
             t = time.monotonic()

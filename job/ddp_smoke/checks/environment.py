@@ -4,7 +4,10 @@ Per rank: torch / CUDA / NCCL / cuDNN / driver / Python versions, the device, an
 environment (secrets redacted by name and by value shape: ``ddp_smoke.redact``). Asserted:
 versions agree across ranks, each (host, local_rank) slot and each GPU is used once, local ranks on a host are 0..n-1, the
 world size and node count match what the launcher promised (--expect-world-size,
---expect-nodes). Culprit: the odd rank out (the minority value, or both holders of a slot).
+--expect-nodes), and no two machines call themselves by one hostname (nodes cloned from one
+image: NCCL's host hash is the hostname, so a GPU run fails with "Duplicate GPU detected").
+Culprit: the odd rank out (the minority value, or both holders of a slot); for a shared
+hostname, one rank per machine, each with its address and scheduler node name.
 """
 from __future__ import annotations
 
@@ -57,13 +60,15 @@ def run(ctx) -> dict:
 
 def judge(ev) -> CheckResult:
     obs, ranks = ev.observations, ev.ranks
-    culprits = _odd_versions(ev) + _shared_slots(ev) + _local_rank_gaps(ev)
+    machines = _machines(ranks)
+    culprits = (_odd_versions(ev) + _duplicate_hostnames(ev, machines)
+                + _shared_slots(ev, machines) + _local_rank_gaps(ev, machines))
     hosts = sorted({r["host"] for r in ranks})
     cfg = ev.config
     if cfg["expect_world_size"] is not None and ev.world_size != cfg["expect_world_size"]:
         culprits.append(ev.culprit(None, f"WORLD_SIZE is {ev.world_size}, the launcher promised "
                                          f"{cfg['expect_world_size']}"))
-    if cfg["expect_nodes"] is not None and len(hosts) != cfg["expect_nodes"]:
+    if cfg["expect_nodes"] is not None and len(set(machines)) != cfg["expect_nodes"]:
         culprits.append(ev.culprit(None, f"ranks span {len(hosts)} host(s) {hosts}, the launcher "
                                          f"promised {cfg['expect_nodes']} nodes"))
     loopback = [r["rank"] for r in ranks if len(hosts) > 1 and
@@ -91,22 +96,65 @@ def _odd_versions(ev) -> list:
     return out
 
 
-def _shared_slots(ev) -> list:
+def _address(r: dict) -> str | None:
+    """A rank's machine by address: its interfaces' addresses but loopback, else its route."""
+    own = sorted(a for a in (r.get("addresses") or {}).values() if not a.startswith("127."))
+    return ",".join(own) or r.get("route_address")
+
+
+def _machines(ranks: list[dict]) -> list[str]:
+    """Each rank's machine: its hostname, and where two machines share one, the hostname
+    with the machine's addresses."""
+    seen = collections.defaultdict(set)
+    for r in ranks:
+        seen[r["host"]].add(_address(r))
+    return [r["host"] if len(seen[r["host"]]) < 2 else f"{r['host']}@{_address(r)}"
+            for r in ranks]
+
+
+def _duplicate_hostnames(ev, machines: list[str]) -> list:
+    """One culprit per machine among machines that share a hostname."""
+    groups = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r, m in zip(ev.ranks, machines):
+        if m != r["host"]:
+            groups[r["host"]][m].append(r)
+    out = []
+    for name, by_machine in groups.items():
+        said = [_machine_words(rs) for rs in by_machine.values()]
+        for i, rs in enumerate(by_machine.values()):
+            others = "; ".join(w for j, w in enumerate(said) if j != i)
+            out.append(ev.culprit(rs[0]["rank"], (
+                f"{len(said)} machines have the same hostname {name!r}: this one {said[i]}, "
+                f"the other {others}. Nodes cloned from one image? Give each its own "
+                "hostname: NCCL tells hosts apart by hostname (on GPUs such a run fails with "
+                "\"Duplicate GPU detected\"), and so do the launchers' host lists")))
+    return out
+
+
+def _machine_words(ranks: list[dict]) -> str:
+    r = ranks[0]
+    node = r.get("slurm_node") or r.get("k8s_node")
+    kind = "Slurm node" if r.get("slurm_node") else "Kubernetes node"
+    return (f"at {_address(r)}" + (f" ({kind} {node})" if node else "")
+            + f" with rank(s) {', '.join(str(x['rank']) for x in ranks)}")
+
+
+def _shared_slots(ev, machines: list[str]) -> list:
     out = []
     for label, key in (("slot (host, local_rank)", ("host", "local_rank")),
                        ("GPU", ("host", "gpu_uuid"))):
         seen = collections.defaultdict(list)
-        for r in ev.ranks:
+        for r, m in zip(ev.ranks, machines):
             if all(r.get(k) is not None for k in key):
-                seen[tuple(r[k] for k in key)].append(r["rank"])
+                seen[(m, *(r[k] for k in key[1:]))].append(r["rank"])
         out += [ev.culprit(r, f"shares {label} {slot} with ranks {holders}")
                 for slot, holders in seen.items() if len(holders) > 1 for r in holders]
     return out
 
 
-def _local_rank_gaps(ev) -> list:
+def _local_rank_gaps(ev, machines: list[str]) -> list:
     by_host = collections.defaultdict(list)
-    for r in ev.ranks:
-        by_host[r["host"]].append(r["local_rank"])
+    for r, m in zip(ev.ranks, machines):
+        by_host[m].append(r["local_rank"])
     return [ev.culprit(None, f"host {h} has local ranks {sorted(lr)}, expected 0..{len(lr) - 1}")
             for h, lr in by_host.items() if sorted(lr) != list(range(len(lr)))]

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import stat
 import threading
 import time
@@ -346,11 +347,27 @@ def _round_trip(ctx, opts: dict, folder: str, obs: dict) -> dict:
     return obs
 
 
+# The folder's own state, not a rank's: full, read-only, over quota (errno 28, 30, 122).
+_FOLDER_STATE = re.compile(r"\[Errno (28|30|122)\]")
+
+
+def _folder_culprit(ev, errors: dict[int, str]) -> list:
+    """One culprit for the folder when the ranks' errors are its state (a full, read-only or
+    over-quota filesystem fails whichever rank writes first: not that rank's fault)."""
+    if not errors or not all(_FOLDER_STATE.search(e) for e in errors.values()):
+        return []
+    first = errors[min(errors)].split("] ", 1)[-1]
+    return [ev.culprit(None, f"unwritable folder {ev.observations[0]['dir']}: {first} (ranks "
+                             f"{sorted(errors)} could not write; the filesystem, not a rank: "
+                             "free space, lift the quota or remount it read-write)")]
+
+
 def _file_culprits(ev) -> list:
     obs, out = ev.observations, []
     failed = {r for r, o in enumerate(obs) if o["write"]["error"]}
-    out += [ev.culprit(r, f"unwritable: {obs[r]['write']['path']}: {obs[r]['write']['error']}")
-            for r in sorted(failed)]
+    out += _folder_culprit(ev, {r: obs[r]["write"]["error"] for r in failed}) or [
+        ev.culprit(r, f"unwritable: {obs[r]['write']['path']}: {obs[r]['write']['error']}")
+        for r in sorted(failed)]
     found = {f["rank"]: f for f in obs[0]["files"] if f["rank"] not in failed}
     missing = {r for r, f in found.items() if f["state"] == "missing"}
     for r, f in sorted(found.items()):
@@ -376,8 +393,8 @@ def _missing_reason(ev, rank: int, missing: set[int], what: str) -> str:
 def _checkpoint_culprits(ev) -> list:
     obs, world = ev.observations, ev.world_size
     if obs[0]["save"]["error"]:
-        return [ev.culprit(0, f"unwritable: could not save the checkpoint: "
-                              f"{obs[0]['save']['error']}")]
+        return _folder_culprit(ev, {0: obs[0]["save"]["error"]}) or [ev.culprit(
+            0, f"unwritable: could not save the checkpoint: {obs[0]['save']['error']}")]
     loads = {r: o["load"] for r, o in enumerate(obs) if o["load"]["state"] != "ok"}
     unseen = {r for r, g in loads.items() if g["state"] == "missing" and ev.host(r) != ev.host(0)}
     out = [ev.culprit(r, "not shared: cannot see the checkpoint rank 0 saved on "
@@ -397,7 +414,8 @@ def judge(ev) -> CheckResult:
     obs, world = ev.observations, ev.world_size
     if obs[0].get("refused"):
         return CheckResult("storage", FAIL, summary="run folder refused",
-                           culprits=[ev.culprit(0, obs[0]["refused"])],
+                           culprits=_folder_culprit(ev, {0: obs[0]["refused"]})
+                           or [ev.culprit(0, obs[0]["refused"])],
                            figures={"dir": obs[0]["dir"],
                                     "fs_types": [o["fs_type"] for o in obs]})
     culprits = _file_culprits(ev) + _checkpoint_culprits(ev)

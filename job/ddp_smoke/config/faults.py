@@ -8,6 +8,9 @@ iterations (1-based), to test that an intermittent fault is flagged as one:
            the others must name it from what they observe.
   raise    the check raises RuntimeError on that rank; the rank reports it before leaving.
   hang     the rank stops before arriving at the check and sleeps until it is killed.
+  stall    the rank enters the check's first collective and its call never returns: its own
+           count says inside, its backend never got the call (as a rank whose GPU kernel or
+           communication thread hung); the others wait inside it.
   slow     the rank's timed loops run ``SLOWDOWN``× slower (compute, bandwidth); default 4.
            Written ``slow=2.5`` to choose the factor.
   corrupt  the rank's contribution to the check is wrong by one element (checks that
@@ -24,8 +27,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-KINDS = ("crash", "raise", "hang", "slow", "corrupt", "sdc")
-_SPEC = re.compile(r"^(\d+):(crash|raise|hang|slow(?:=(\d+(?:\.\d+)?))?|corrupt|sdc)@([a-z_]+)"
+KINDS = ("crash", "raise", "hang", "stall", "slow", "corrupt", "sdc")
+_SPEC = re.compile(r"^(\d+):(crash|raise|hang|stall|slow(?:=(\d+(?:\.\d+)?))?|corrupt|sdc)@([a-z_]+)"
                    r"(?:#(\d+)(?:-(\d+))?)?$")
 MAX_SLOWDOWN = 1000.0  # beyond this a "slow" rank is a hung one: use hang
 CRASH_EXIT_CODE = 13
@@ -100,6 +103,11 @@ class Injector:
             os._exit(CRASH_EXIT_CODE)
         if self._active("raise"):
             raise RuntimeError(f"injected fault: raise at check {self.check!r}")
+
+    @property
+    def stalling(self) -> bool:
+        """``stall``: this rank's next collective in the current check never returns."""
+        return self._active("stall") is not None
 
     @property
     def corrupting(self) -> bool:

@@ -11,8 +11,10 @@ order; the first kind found names the culprits, every other rank that stopped is
    node lost the network);
 4. never connected to the coordination store;
 4b. reachability (:mod:`ddp_smoke.coordination.reach`): a node no other node can connect to,
-   or a link between two nodes that reach others but not each other — the cause behind ranks
-   that all wait, alive, in the process group's set-up or inside one collective;
+   a link between two nodes that reach others but not each other, or one that carries a
+   connection and not a large payload — the cause behind ranks that all wait, alive, in the
+   process group's set-up or inside one collective; and ahead of 3. when every silent rank
+   is on a node it names (a node cut off stops its heartbeats too);
 5. did not arrive at the check the others were waiting in (process alive);
 6. collective progress (:mod:`ddp_smoke.coordination.progress`): ranks that never *entered* the collective the
    others are blocked in, or are stuck in an older one; for a point-to-point exchange, the
@@ -26,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model import Culprit
-from . import reach
+from . import fate, reach
 
 
 @dataclass
@@ -50,6 +52,8 @@ class Snapshot:
         store: ``addr:port`` of the coordination store, for "never connected".
         dead_after_s: heartbeat silence that counts as dead.
         reach: each live node leader's probes of the others (``tried``, ``failed``).
+        issued: each live rank's last collective handed to its backend (Flight Recorder).
+        fates: how each dead rank ended, where a witness saw it (:mod:`.fate`).
     """
 
     stage: str
@@ -66,6 +70,8 @@ class Snapshot:
     store: str = "?"
     dead_after_s: float = 1.5
     reach: dict = field(default_factory=dict)
+    issued: dict = field(default_factory=dict)
+    fates: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -76,8 +82,9 @@ class Blame:
 
 def judge(s: Snapshot) -> Blame:
     """Culprits and victims of an aborted run (pure)."""
-    culprits = (_terminated_first(s) or (_raised(s) + _died(s) + _never(s))
-                or reach.judge(s.reach, s.hosts) or _absent(s)
+    net = reach.judge(s.reach, s.hosts)
+    culprits = (_terminated_first(s) or _silenced_by(net, s)
+                or (_raised(s) + _died(s) + _never(s)) or net or _absent(s)
                 or _by_progress(s) or _unfinished(s) or _comm_only(s)
                 or [Culprit(None, None, "aborted: " + "; ".join(
                     f"rank {r} {a['kind']}" for r, a in sorted(s.aborts.items())) or "unknown")])
@@ -113,6 +120,21 @@ def _terminated_first(s: Snapshot) -> list:
                            f"{a.get('stage', s.stage)}") for r, a in sorted(term.items())]
 
 
+def _silenced_by(net: list, s: Snapshot) -> list:
+    """The network's culprits, when they explain every silent rank: a node cut off, or one
+    end of a dead link to the store's node, stops heartbeats too. The ranks on the named
+    nodes went silent because their node lost the network, not because they died."""
+    silent = set(s.dead) | {r for r in range(s.world_size) if r not in s.connected}
+    hosts = {c.host for c in net} | {h for c in net for h in (c.hosts or [])}
+    # the store's node (rank 0's, under every launcher) cut off: every other rank's heartbeat
+    # stops reaching it, wherever that rank is
+    store_cut = any(c.rank is not None and c.host == s.hosts[0] for c in net)
+    if not net or not silent or (not store_cut and any(s.hosts[r] not in hosts
+                                                       for r in silent)):
+        return []
+    return net if not _raised(s) else []
+
+
 def _died_at(s: Snapshot, rank: int) -> float:
     """Wall time of a dead rank's last heartbeat (it died at most one beat later)."""
     return (s.progress.get(rank) or {}).get("t", 0.0)
@@ -126,7 +148,9 @@ def _raised(s: Snapshot) -> list:
 def _died(s: Snapshot) -> list:
     out = []
     for r in sorted(s.dead):
+        seen = fate.describe(s.fates.get(r) or {}, s.stage)
         out.append(_culprit(s, r, (
+            f"{seen}; no heartbeat for {s.dead_after_s} s" if seen else
             f"no heartbeat for {s.dead_after_s} s during {s.stage}: the process died, or its "
             "node lost the network" if r in s.arrived or r in s.finished
             else f"died before arriving at {s.stage} (no heartbeat for {s.dead_after_s} s)")))
@@ -177,10 +201,18 @@ def _by_progress(s: Snapshot) -> list:
     behind = {r: p for r, p in stuck.items() if p.get("seq", 0) < k}
     if not behind:
         if len(blocked_in) == len(stuck) and len(stuck) == s.world_size:
-            return [Culprit(None, None, f"every rank entered collective #{k} ({what}) in "
+            return _never_issued(s, blocked_in, k, what) or [Culprit(
+                None, None, f"every rank entered collective #{k} ({what}) in "
                                         f"{s.stage} and none left: no rank lagged, the "
                                         "collective itself is stuck (network or backend)")]
         return []
+    for seq in sorted({p["seq"] for p in behind.values() if p.get("inside")}):
+        # ranks inside one older collective: one that never issued it holds the others there
+        held = [r for r, p in behind.items() if p.get("inside") and p["seq"] == seq
+                and p.get("peer") is None]
+        low = _never_issued(s, held, seq, _describe(behind[held[0]])) if held else []
+        if low:
+            return low
     out, victims = [], set()
     for r, p in behind.items():
         if r in victims:
@@ -213,6 +245,22 @@ def _by_progress(s: Snapshot) -> list:
                 f"{p.get('for_s')} s before")))
     out = [c for c in out if c.rank not in victims]
     return _unique(out)
+
+
+def _never_issued(s: Snapshot, ranks, k: int, what: str) -> list:
+    """``ranks`` are inside collective #k by their own count: those whose Flight Recorder
+    shows fewer collectives handed to the backend than the others never really entered it
+    (a call that never reached the backend, a hung communication thread); the others wait
+    for them. Nothing when a rank's recorder is unknown, or all agree."""
+    got = {r: s.issued[r] for r in ranks if r in s.issued}
+    if len(got) < max(2, len(ranks)):
+        return []
+    top = max(got.values())
+    low = sorted(r for r, n in got.items() if n < top)
+    return [_culprit(s, r, f"inside collective #{k} ({what}) by its own count, but never "
+                           f"issued it to the backend: its Flight Recorder ends at collective "
+                           f"{s.issued[r]}, the other ranks' at {top}, inside which they wait")
+            for r in low]
 
 
 def _unfinished(s: Snapshot) -> list:

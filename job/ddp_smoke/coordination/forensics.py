@@ -58,6 +58,19 @@ def innermost_kit_frame(thread_id: int | None = None) -> str | None:
     return f"in {via}" if via else None
 
 
+def issued(trace: bytes) -> dict:
+    """``{"issued": N}``: the last world collective this rank handed to its backend (the
+    Flight Recorder's ``collective_seq_id`` on the default group; every rank issues the same
+    ones in the same order), ``{}`` when the trace says nothing."""
+    import json
+    try:
+        seqs = [e["collective_seq_id"] for e in json.loads(trace).get("entries", [])
+                if not e.get("is_p2p") and str(e.get("pg_id", 0)) == "0"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {}
+    return {"issued": max(seqs, default=0)}  # 0: it never handed one over
+
+
 def dump(report_dir: str, rank: int) -> Forensics:
     """Write this rank's stacks and Flight Recorder trace; return what was written (paths,
     and errors as text: forensics never raise)."""
@@ -78,6 +91,7 @@ def dump(report_dir: str, rank: int) -> Forensics:
         with open(flight, "wb") as f:
             f.write(trace)
         out["flight_recorder"] = flight
+        out.update(issued(trace))
     except Exception as e:  # noqa: BLE001 — no recorder in this build, or no process group
         out["flight_recorder_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from ..model import FAIL, SKIP, CheckResult, Report, check_from_dict
-from . import blame, keys, reach, records, repeat, signing
+from . import blame, fate, keys, reach, records, repeat, signing
 from .store import (DEAD_AFTER_S, Silence, dead_after, dead_ranks, posted, ranks_with,
                     read_beats, reads, try_get)
 
@@ -33,6 +33,7 @@ class Stopped:
         judged: the results judged so far, ``(iteration, result)`` in order; the stopped
             stage's result is appended here.
         store_address: where the ranks' coordination store was (for "never connected").
+        report_dir: the run's report folder, where the ranks' last words are.
         writer: who writes the report: ``rank 0``, ``rank N`` (took over), or STORE_HOST.
     """
 
@@ -45,6 +46,7 @@ class Stopped:
     judged: list[tuple[int, CheckResult]] = field(default_factory=list)
     store_address: str = "?"
     writer: str = "rank 0"
+    report_dir: str = ""  # where the ranks' last words are (coordination/fate.py)
 
     def host(self, rank: int) -> str | None:
         return self.ranks[rank].get("host") if 0 <= rank < len(self.ranks) else None
@@ -72,7 +74,8 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
     connected = {r for r, i in enumerate(s.ranks) if "missing" not in i}  # genuine records
     live = connected - dead
     reasons = posted(store, keys.ABORT)
-    found = posted(store, keys.FORENSICS)
+    # every live rank's forensics (its Flight Recorder's last collective is evidence too)
+    found = posted(store, keys.FORENSICS, live, FORENSICS_WAIT_S)
     # every live node leader's probes of the others (reach.py)
     probed = posted(store, keys.REACH, live & set(reach.leaders(store)), reach.WAIT_S)
     arrive = keys.CONNECT if s.stage == "init" else keys.of(keys.ARRIVE, s.key(s.stage))
@@ -86,7 +89,10 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
         finished=finished, dead=dead,
         aborts={r: a for r, a in reasons.items() if a["kind"] != keys.STOPPED},
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
-        reach=probed, store=s.store_address, dead_after_s=dead_after(s.world_size))
+        reach=probed, issued={r: f["issued"] for r, f in found.items()
+                              if f.get("issued") is not None},
+        fates=_fates(store, s, sorted(dead)), store=s.store_address,
+        dead_after_s=dead_after(s.world_size))
     blamed = blame.judge(snap)
     # Each live rank leaves its forensics once it sees the abort, maybe after this judge
     # began: a culprit's innermost frame is worth a short wait.
@@ -108,6 +114,19 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
                                if p.get("failed")},
                  "aborts": [reasons[r] for r in sorted(reasons)], **(figures or {})})))
     return live
+
+
+def _fates(store, s: Stopped, dead: list[int]) -> dict[int, dict]:
+    """How each dead rank ended: its node's word (posted with the forensics the judge has
+    waited for), its launcher's, else its own last words in a shared report folder."""
+    seen, ended = reads(store, keys.FATE, dead), reads(store, keys.EXIT, dead)
+    out = {}
+    for r in dead:
+        got = {**(seen.get(r) or (fate.said(s.report_dir, r) if s.report_dir else {})),
+               "exit": ended.get(r)}
+        if any(got.values()):
+            out[r] = got
+    return out
 
 
 def judge_as_a_rank(store, s: Stopped, silence: Silence, me: int | None = None) -> set[int]:
@@ -195,7 +214,8 @@ def last_resort(store, meta: dict, silent_at: dict[int, float], address: str, wh
                 judged=[(it, check_from_dict(json.loads(g))) for it in range(iteration + 1)
                         for name in checks
                         if (g := try_get(store, keys.of(keys.RESULT, keys.stage(name, it))))],
-                store_address=address, writer=STORE_HOST)
+                store_address=address, writer=STORE_HOST,
+                report_dir=str(meta.get("report_dir") or ""))
     first_t = min(silent_at.values(), default=now)
     judge_abort(store, s, set(gone), beats, {
         "why": why, "silent_first": gone,

@@ -34,6 +34,9 @@ reach/listed            node leader  "r," appended once its findings are posted
 rail/<r>, /all          every rank   with a ``rails`` setting on gloo: its rail's interface,
                                      address and probe port (JSON), before the process group
 railreach/<r>, /all     every rank   the rail peers it tried and could not reach (JSON)
+fate/<r>                a rank       after an abort: how rank r ended, as its node shows it
+                                     (gone, stopped, the OOM killer; first word stands)
+exit/<r>                launcher     rank r's exit status or signal, as its parent saw it
 meta                    first rank   the run's shape for the store host (JSON; compare-and-set)
 security/listed         every rank   records that failed their signature check (JSON items)
 woken                   one rank     the first aborting rank, which woke the others (set once)
@@ -57,6 +60,7 @@ BEAT, ABORT, FORENSICS, WAITING = "beat", "abort", "forensics", "waiting"
 WRITER, FINAL, BYE, META = "writer", "final", "bye", "meta"
 PROBE, REACH = "probe", "reach"
 RAIL, RAIL_REACH = "rail", "railreach"
+FATE, EXIT = "fate", "exit"
 BACKEND, SECURITY, WOKE = "backend", "security", "woken"
 
 # Abort kinds (``kind`` in abort/<r>), and what each means.

@@ -56,6 +56,8 @@ class Liveness:
         signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         self._thread = threading.Thread(target=self._run, daemon=True, name="ddp-smoke-liveness")
         self._thread.start()
+        # a signal that came while torch loaded (cli.worker blocked them) is answered now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, TERMINATING)
 
     # -- one look ------------------------------------------------------------------------
     def beat(self, store) -> None:

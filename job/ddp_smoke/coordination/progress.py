@@ -50,6 +50,7 @@ class Recorder:
         self.since = time.monotonic()
         self._spent: list[float | None] = []  # seconds inside each world collective of the check
         self.keep = 2048                      # at most this many kept per check (set by the harness)
+        self.stall = False  # the injector's ``stall``: the next collective never returns
 
     @contextlib.contextmanager
     def track(self, op: str, nbytes: int = 0, peer: int | None = None):
@@ -59,6 +60,8 @@ class Recorder:
                 self.seq += 1
             self.op, self.nbytes, self.peer = op, int(nbytes), peer
             self.inside, self.since = True, time.monotonic()
+        while self.stall:  # inside by its own count; the backend never gets the call
+            time.sleep(3600)
         try:
             yield
         finally:

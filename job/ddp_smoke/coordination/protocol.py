@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..config.launchenv import LaunchEnv
 from ..model import CheckResult, check_from_dict
-from . import forensics, judge, keys, liveness, reach, records, runtime, signing
+from . import fate, forensics, judge, keys, liveness, reach, records, runtime, signing
 from .store import POLL_MAX_S, STORE_OPS_PER_S, Silence, Stop, dead_after, listed, try_get
 
 GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watchdog acts first
@@ -84,7 +84,8 @@ class Run:
             stage=self.stage, iteration=self.iteration, world_size=self.env.world_size,
             checks=self.checks, timeout_s=float(self.cfg["timeout"]), ranks=list(self.ranks),
             judged=list(self.judged), store_address=self.env.store_address,
-            writer="rank 0" if me == 0 else f"rank {me} (took over from rank 0)")
+            writer="rank 0" if me == 0 else f"rank {me} (took over from rank 0)",
+            report_dir=self.report_dir)
 
     def with_results(self, store) -> "Run":
         """A survivor that writes the report takes rank 0's judged results from the store."""
@@ -374,6 +375,7 @@ class Coordinator:
             if self._forensics is not None:
                 return
             self._forensics = {}
+        fate.note(self, store)  # before the forensics: the judge waits for those
         self._forensics = found = records.wire(forensics.dump(self._run.report_dir or ".",
                                                               self.env.rank))
         try:

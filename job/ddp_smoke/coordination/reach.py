@@ -6,18 +6,24 @@ link wait, and so do the ranks waiting for them. A fresh TCP connection between 
 
 * at start, each node's leader (local rank 0) opens a small TCP probe port, on the address it
   uses to reach the coordination store, and posts it (``probe/<rank>``, listed in
-  ``probe/listed``). Nothing is sent on it; accepting the connection is the whole answer;
+  ``probe/listed``). It reads what a prober sends and answers with the byte count;
 * when the run is aborted, each live leader connects to other leaders' probes, all at once
   with a short timeout (``PROBE_S``), and once more to those it missed (a lost SYN is not a
-  dead link): at most ``2 × PROBE_S`` whatever the world size. Up to ``ALL_PAIRS_UP_TO``
+  dead link); then it sends each probe it reached ``PAYLOAD_BYTES``, dozens of full frames,
+  and waits ``PROBE_S`` for the count: a link that passes small packets and drops large ones
+  (jumbo frames behind a port without them, a cable corrupting long frames) opens a
+  connection and never delivers the payload. At most ``3 × PROBE_S`` whatever the world
+  size. Up to ``ALL_PAIRS_UP_TO``
   nodes every leader tries every other; beyond, its ``RING`` neighbours on each side and
   ``SAMPLE`` more drawn at random (seeded by its rank), so each node is still tried by about
-  ``2·RING + SAMPLE`` others at thousands of nodes. It posts what it tried and what it could
-  not reach (``reach/<rank>``); a refused connection counts as reached (the network delivered
-  it; the process is another matter, the heartbeats tell);
+  ``2·RING + SAMPLE`` others at thousands of nodes. It posts what it tried, what it could
+  not reach and what took no payload (``reach/<rank>``: ``tried``, ``failed``, ``large``); a
+  refused connection counts as reached (the network delivered it; the process is another
+  matter, the heartbeats tell);
 * the judge (:func:`judge`, pure) names a **node** when it and the nodes it was tried with
   mostly fail each other (nobody reaches it), and a **link** — both ends, neither convicted —
-  when two nodes fail each other and each reaches others. Nodes whose every probe went
+  when two nodes fail each other and each reaches others; a link that carries a connection
+  and not a payload is named as such, with the MTU hint. Nodes whose every probe went
   through are never named.
 """
 from __future__ import annotations
@@ -35,14 +41,17 @@ from . import keys
 
 PROBE_S = 1.5          # one connect's timeout: a connect within the sandbox or a fabric takes ms
 ROUNDS = 2             # a target missed twice is unreachable
+PAYLOAD_BYTES = 1 << 16  # 64 KiB: 44 full 1500-byte frames, 7 jumbo ones; ms on any link
 ALL_PAIRS_UP_TO = 64   # nodes: every leader tries every other
 RING, SAMPLE = 4, 16   # beyond: neighbours each side in rank order, and a random sample
-WAIT_S = ROUNDS * PROBE_S + 1.5  # how long the judge waits for the live leaders' findings
+WAIT_S = (ROUNDS + 1) * PROBE_S + 1.5  # how long the judge waits for the live leaders' findings
 _REACHED = {0, errno.ECONNREFUSED}  # the host answered: the path is there
 
 
 class Probe:
-    """A listening TCP socket that accepts and closes, on a daemon thread."""
+    """A listening TCP socket on a daemon thread: it reads what a prober sends and answers
+    with the count of bytes (8 bytes, big-endian); a prober that sends nothing is answered
+    nothing (accepting was the answer)."""
 
     def __init__(self, addr: str):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -55,9 +64,23 @@ class Probe:
         while True:
             try:
                 conn, _ = self.sock.accept()
-                conn.close()
             except OSError:
                 return
+            threading.Thread(target=_count, args=(conn,), daemon=True).start()
+
+
+def _count(conn: socket.socket) -> None:
+    """Read until the prober stops sending; answer with the count."""
+    got = 0
+    with conn:
+        conn.settimeout(2 * PROBE_S)
+        try:
+            while got < PAYLOAD_BYTES and (chunk := conn.recv(65536)):
+                got += len(chunk)
+            if got:
+                conn.sendall(got.to_bytes(8, "big"))
+        except OSError:
+            pass
 
 
 _PROBE: Probe | None = None
@@ -128,6 +151,36 @@ def connect_all(addrs: dict[int, tuple[str, int]], timeout_s: float) -> set[int]
     return failed
 
 
+def carry_all(addrs: dict, timeout_s: float) -> set:
+    """The keys of ``addrs`` (each reached) that did not take PAYLOAD_BYTES and answer with
+    the count within ``timeout_s``, all at once; a target that refuses is left out (nothing
+    listens there: a payload cannot tell)."""
+    results: dict = {}
+
+    def one(key, addr):
+        try:
+            with socket.create_connection(addr, timeout=timeout_s) as s:
+                s.settimeout(timeout_s)
+                s.sendall(b"\0" * PAYLOAD_BYTES)
+                answer = b""
+                while len(answer) < 8 and (chunk := s.recv(8 - len(answer))):
+                    answer += chunk
+                results[key] = int.from_bytes(answer, "big") != PAYLOAD_BYTES if answer \
+                    else True
+        except ConnectionRefusedError:
+            results[key] = False
+        except OSError:
+            results[key] = True  # no answer in time: the payload never arrived
+
+    threads = [threading.Thread(target=one, args=(k, a), daemon=True) for k, a in addrs.items()]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + timeout_s + 0.5
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    return {k for k in addrs if results.get(k, True)}
+
+
 def leaders(store) -> list[int]:
     """The ranks that opened a probe (one per node)."""
     try:
@@ -152,8 +205,9 @@ def survey(store, rank: int) -> None:
             failed = connect_all({r: addrs[r] for r in failed}, PROBE_S)
             if not failed:
                 break
-        store.set(keys.of(keys.REACH, rank), json.dumps({"tried": tried,
-                                                         "failed": sorted(failed)}))
+        large = carry_all({r: a for r, a in addrs.items() if r not in failed}, PROBE_S)
+        store.set(keys.of(keys.REACH, rank), json.dumps({"tried": tried, "failed": sorted(failed),
+                                                         "large": sorted(large)}))
         store.append(keys.listed(keys.REACH), f"{rank},")
     except Exception:  # noqa: BLE001 — the store went away: nothing to tell
         pass
@@ -163,14 +217,16 @@ def survey(store, rank: int) -> None:
 
 def judge(found: dict[int, dict], hosts: list) -> list[Culprit]:
     """Nodes nobody reaches and links nobody crosses, from each leader's ``{"tried",
-    "failed"}``; healthy nodes never appear."""
-    pairs: dict[frozenset, bool] = {}  # unordered pair of leaders -> failed (either way)
+    "failed", "large"}``; healthy nodes never appear."""
+    pairs: dict[frozenset, str | None] = {}  # unordered pair -> None, "large" or "cut"
     for a, f in found.items():
-        bad = set(f.get("failed") or [])
+        bad, large = set(f.get("failed") or []), set(f.get("large") or [])
         for b in f.get("tried") or []:
             key = frozenset((a, b))
-            pairs[key] = pairs.get(key, False) or b in bad
-    out, cut = [], set()
+            was = pairs.get(key)
+            now = "cut" if b in bad else "large" if b in large else None
+            pairs[key] = "cut" if "cut" in (was, now) else was or now
+    out = []
     while True:  # the node failing the largest share of its pairs first, then again without it
         tally: dict[int, list[int]] = {}
         for key, bad in pairs.items():
@@ -182,29 +238,47 @@ def judge(found: dict[int, dict], hosts: list) -> list[Culprit]:
             break
         _, bad, n = max(worst)
         n = -n
-        cut.add(n)
         total = sum(tally[n])
+        large = all(v == "large" for k, v in pairs.items() if n in k and v)
         out.append(Culprit(n, _host(hosts, n), (
+            f"node {_host(hosts, n)} drops large packets: {bad} of the {total} nodes tried "
+            f"with it opened a connection and could not deliver {PAYLOAD_BYTES // 1024} KiB "
+            f"through it, outside the process group ({_MTU_HINT})" if large else
             f"node {_host(hosts, n)} is cut off: {bad} of the {total} nodes tried with it "
             f"could not connect to it or be connected to from it, outside the process group "
             f"(probe port, {ROUNDS} tries of {PROBE_S} s)")))
         pairs = {k: v for k, v in pairs.items() if n not in k}
     for key, bad in sorted(pairs.items(), key=lambda kv: sorted(kv[0])):
-        if not bad:
-            continue
-        a, b = sorted(key)
-        ways = [x for x, y in ((a, b), (b, a)) if y in set((found.get(x) or {}).get("failed")
-                                                         or [])]
+        if bad:
+            out.append(_link(found, hosts, pairs, key, bad))
+    return out
+
+
+_MTU_HINT = ("an MTU mismatch: jumbo frames on hosts behind a switch port without them, or a "
+             "cable or port corrupting long frames; compare `ip link` MTU on both hosts and "
+             "the ports between them")
+
+
+def _link(found: dict, hosts: list, pairs: dict, key: frozenset, bad: str) -> Culprit:
+    a, b = sorted(key)
+    why = "failed" if bad == "cut" else "large"
+    ways = [x for x, y in ((a, b), (b, a)) if y in set((found.get(x) or {}).get(why) or [])]
+    reached = all(any(n in k and not v for k, v in pairs.items()) for n in (a, b))
+    also = "while each reaches other nodes" if reached else \
+        "and no third node tells the link from either end"
+    ends = f"link {_host(hosts, a)} (rank {a}) <-> {_host(hosts, b)} (rank {b})"
+    if bad == "large":
+        how = ("neither could deliver it to the other" if len(ways) == 2 else
+               f"rank {ways[0]} could not deliver it to rank {b if ways[0] == a else a}")
+        reason = (f"{ends} passes small packets and drops large ones: a connection opens and "
+                  f"a {PAYLOAD_BYTES // 1024} KiB payload never arrives ({how}, outside the "
+                  f"process group), {also}: {_MTU_HINT}")
+    else:
         how = ("neither could connect to the other" if len(ways) == 2 else
                f"rank {ways[0]} could not connect to rank {b if ways[0] == a else a}")
-        reached = all(any(n in k and not v for k, v in pairs.items()) for n in (a, b))
-        out.append(Culprit(None, None, (
-            f"link {_host(hosts, a)} (rank {a}) <-> {_host(hosts, b)} (rank {b}) does not carry "
-            f"a connection: {how} outside the process group (probe port, {ROUNDS} tries of "
-            f"{PROBE_S} s), " + ("while each reaches other nodes" if reached else
-                                 "and no third node tells the link from either end")),
-            ranks=[a, b], hosts=[_host(hosts, a), _host(hosts, b)]))
-    return out
+        reason = (f"{ends} does not carry a connection: {how} outside the process group "
+                  f"(probe port, {ROUNDS} tries of {PROBE_S} s), {also}")
+    return Culprit(None, None, reason, ranks=[a, b], hosts=[_host(hosts, a), _host(hosts, b)])
 
 
 def _host(hosts: list, rank: int):

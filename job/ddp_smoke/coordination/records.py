@@ -158,6 +158,7 @@ class Forensics:
     flight_recorder: str | None = None
     flight_recorder_error: str | None = None
     nccl_flight_recorder: str | None = None
+    issued: int | None = None  # the last world collective its Flight Recorder handed over
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -204,21 +204,29 @@ class Silence:
 
     def __init__(self, after_s: float):
         self.after_s, self.last, self.moved = after_s, {}, {}
+        self.looked: dict[int, float] = {}  # rank -> when its counter was last read
         self._lock = threading.Lock()
 
     def update(self, beats: dict, tampered=()) -> list[int]:
         """Record one look (rank -> counter); return the silent ranks among them. A rank in
         ``tampered`` (its heartbeat record was written from outside the run) counts as moving:
-        a forger must not make a live rank look dead."""
+        a forger must not make a live rank look dead. A counter that could not be read (None
+        after a value) is no news: a failed read is not a beat."""
         now = time.monotonic()
         with self._lock:
             for r, n in beats.items():
+                before = self.looked.get(r, now)
                 if r in tampered:
-                    self.last[r] = self.moved[r] = (n, now)
+                    self.last[r] = (n, now)
+                    self.moved[r] = (n, now, now)
                 elif r not in self.last:
                     self.last[r] = (n, now)
+                elif n is None and self.last[r][0] is not None:
+                    continue
                 elif self.last[r][0] != n:
-                    self.last[r] = self.moved[r] = (n, now)
+                    self.last[r] = (n, now)
+                    self.moved[r] = (n, now, before)  # it beat between those two looks
+                self.looked[r] = now
             return sorted(r for r in beats if now - self.last[r][1] > self.after_s)
 
     def last_moved(self, ranks) -> float | None:
@@ -228,14 +236,16 @@ class Silence:
         return min(seen) if seen else None
 
     def undecided(self, ranks, since: float) -> list[int]:
-        """Ranks neither silent nor seen moving since ``since`` (monotonic): look again to
-        know. A move seen before it proves nothing: a rank that died a moment before the
-        abort was judged moved within ``after_s`` (rank 0 of a submitit job, judged alive
-        30 ms after its crash)."""
+        """Ranks neither silent nor seen beating after ``since`` (monotonic): look again to
+        know. A move proves life after ``since`` only when the look before it was after
+        ``since`` too: a counter read once long ago and again now may have moved long ago,
+        and the rank died since (a rank killed mid-collective, its last beat read first by
+        the judge, was judged alive and its two victims named: issue 32). Costs a live rank
+        one heartbeat period more."""
         now = time.monotonic()
         with self._lock:
             return [r for r in ranks if now - self.last[r][1] <= self.after_s
-                    and self.moved.get(r, (None, -1e9))[1] < since]
+                    and self.moved.get(r, (None, -1e9, -1e9))[2] < since]
 
 
 def look_period(world: int, calls: float = BEAT_CALLS) -> float:

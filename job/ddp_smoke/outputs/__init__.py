@@ -52,8 +52,8 @@ def check_writable(report_dir: str) -> None:
     try:
         os.makedirs(report_dir, exist_ok=True)
         probe = os.path.join(report_dir, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
+        with open(probe, "w") as f:
+            f.write("x")  # a byte: a full filesystem still creates an empty file
         os.unlink(probe)
     except OSError as e:
         raise ConfigError(f"--report-dir {report_dir}: not writable ({e.strerror})") from None

@@ -142,9 +142,13 @@ def preflight_culprits(nodes: list[str], records: dict[str, dict], launch: dict[
         if record is not None:
             failed = [c for c in record.get("checks", []) if not c.get("ok")
                       and c.get("name") != "joined"]  # the host's wait names the others
-            if failed:
-                reason = "; ".join(f"{c['name']}: {c['detail']}" for c in failed)
+            own = [c for c in failed if "nodes" not in c]
+            if own:
+                reason = "; ".join(f"{c['name']}: {c['detail']}" for c in own)
                 culprits.append(Culprit(None, node, _short(reason)))
+            # the host's comparison of every node's interface MTU names those nodes
+            culprits += [Culprit(None, n, _short(f"{c['name']}: {c['detail']}"))
+                         for c in failed if "nodes" in c for n in c["nodes"]]
             continue
         found[node] = _own_error(node, launch, node_stderr(report_dir, node, "preflight"))
     # Refused means nothing listened there: the host's preflight never came up.
@@ -248,7 +252,10 @@ def lost_culprits(records: dict[int, dict]) -> tuple[list[Culprit], list[str]]:
                 for node, ranks in by_node.items()]
     victims = [f"rank {r}{' ' + hosts[r] if r < len(hosts) else ''}: lost the store, left "
                f"its word in lost/{r}.json" for r in sorted(records)]
-    return culprits or [Culprit(None, None, _short(f"every rank {gone}"))], victims
+    store = first.get("store", "?")  # every rank lived to say it lost the store: the store died
+    return culprits or [Culprit(None, None, _short(
+        f"the coordination store at {store} went away during {stages} while every rank was "
+        "alive (each left its word in lost/): its process or its node died"))], victims
 
 
 def build(stage: str, nodes: list[str], culprits: list[Culprit], victims: list[str],

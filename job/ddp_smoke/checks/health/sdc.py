@@ -77,10 +77,13 @@ def judge(observations: list[dict], lim: Limits | None = None) -> list[RankFindi
             continue
         ranked = sorted(by_digest.values(), key=len, reverse=True)
         if len(ranked[0]) == len(ranked[1]):  # no majority: every side stays suspect
-            ranks = tuple(sorted(r for rs in ranked for r in rs))
-            out.append(RankFinding(ranks, f"silent data corruption: ranks {list(ranks)} of "
-                                   f"{model} disagree on the seeded product with no majority; "
-                                   "rerun with more ranks to name one"))
+            # two ranks of one machine are no link, and "more ranks" is no advice there
+            out += [RankFinding((r,), f"silent data corruption: ranks "
+                                f"{sorted(r for rs in ranked for r in rs)} of {model} disagree "
+                                "on the seeded product and no majority tells which is wrong; "
+                                "each is suspect: run the check with one of them beside a "
+                                "known-good device of the same model")
+                    for r in sorted(r for rs in ranked for r in rs)]
             continue
         out += [RankFinding((r,), f"silent data corruption: the seeded {model} product "
                             f"differs from {len(ranked[0])} rank(s) of the same model "

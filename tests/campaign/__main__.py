@@ -1,0 +1,229 @@
+"""``python -m tests.campaign``: run the fault campaign, or a slice of it, and write its table.
+
+    python -m tests.campaign                      # the whole covering set (about 2 h here)
+    python -m tests.campaign --part 3/14          # the 3rd of 14 parts of equal expected time
+    python -m tests.campaign --slice kind=sigkill+sigsegv,launcher=torchrun
+    python -m tests.campaign --cell sigkill.middle.collectives.torchrun.1x3 [--repeat 5]
+    python -m tests.campaign --sample COMMIT --budget 300   # CI's sample for that commit
+    python -m tests.campaign --list [--slice …]   # the cells, their expected outcome and cost
+    python -m tests.campaign --table              # docs/campaign.md from the results so far
+
+Each row goes to ``reports/campaign/results.jsonl`` as it finishes (the latest row of a cell
+wins); ``--table`` renders every cell's latest row with the counts. Root only (namespaces,
+cgroups, Slurm, Docker). Exit status 0 when every cell run was right, 1 otherwise, 2 for a
+bad option.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from tests.campaign import matrix
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "reports" / "campaign" / "results.jsonl"
+TABLE = REPO / "docs" / "campaign.md"
+
+
+def parts_of(cells: list, part: str) -> list:
+    """``K/N``: the K-th of N consecutive parts of about equal expected time."""
+    k, _, n = part.partition("/")
+    k, n = int(k), int(n)
+    if not 1 <= k <= n:
+        raise ValueError(f"--part {part}: expected K/N with 1 <= K <= N")
+    total, acc, out = sum(map(matrix.cost_s, cells)), 0.0, []
+    for c in cells:
+        mid = acc + matrix.cost_s(c) / 2
+        if (k - 1) * total / n <= mid < k * total / n:
+            out.append(c)
+        acc += matrix.cost_s(c)
+    return out
+
+
+def choose(args) -> list:
+    if args.cell:
+        return [matrix.Cell.parse(c) for c in args.cell for _ in range(args.repeat)]
+    cells = matrix.cover().cells
+    if args.sample is not None:
+        cells = matrix.sample(cells, args.sample, args.budget)
+    if args.slice:
+        cells = matrix.select(cells, args.slice)
+    if args.part:
+        cells = parts_of(cells, args.part)
+    if args.missing or args.wrong:  # no row yet, or a wrong latest row
+        rows = latest_rows()
+        cells = [c for c in cells if (args.missing and c.id not in rows)
+                 or (args.wrong and c.id in rows and not rows[c.id]["ok"])]
+    for c in cells:
+        if matrix.impossible(c):
+            raise ValueError(f"{c.id}: {matrix.impossible(c)}")
+    return [c for c in cells for _ in range(args.repeat)]
+
+
+def describe(e: matrix.Expect) -> str:
+    who = ", ".join(sorted(" ".join(map(str, c)) for c in e.culprits)) or "-"
+    words = "; ".join(e.words)
+    return (f"{e.verdict} {{{who}}}" + (f" '{words}'" if words else "")
+            + (f", {e.lost} in lost/" if e.lost else ""))
+
+
+def record(row) -> dict:
+    g = row.got
+    return {"cell": row.cell.id, "ok": row.ok, "problems": row.problems,
+            "expected": describe(row.expect), "why": row.expect.why,
+            "got": f"{g.verdict} {{{', '.join(sorted(' '.join(map(str, c)) for c in g.culprits)) or '-'}}}"
+                   f" by {g.writer or '-'}, exit {g.status}",
+            "report_s": g.report_s, "wall_s": round(row.wall_s, 1), "note": g.note,
+            "reasons": g.text[:600], "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def run(cells: list, work: Path, stop_after_s: float | None = None) -> int:
+    from tests.campaign import launchers, runner  # torch and the sandboxes: not for --list
+    reason = launchers.missing()
+    if reason:
+        print(f"campaign: cannot run: {reason}", file=sys.stderr)
+        return 2
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    parts = launchers.Parts(work)
+    # a SIGTERM (a timeout around a slice) still takes the sandboxes down
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    wrong, t0 = 0, time.monotonic()
+    try:
+        for i, cell in enumerate(cells):
+            if stop_after_s and time.monotonic() - t0 + matrix.cost_s(cell) > stop_after_s:
+                print(f"campaign: stopped before {len(cells) - i} cell(s): --stop-after "
+                      f"{stop_after_s:g} s", flush=True)
+                cells = cells[:i]
+                break
+            row = runner.run(cell, parts, work / f"{i:03d}-{cell.id}")
+            rec = record(row)
+            with open(RESULTS, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            wrong += not row.ok
+            mark = "ok  " if row.ok else "WRONG"
+            print(f"{mark} {cell.id:50s} {row.wall_s:5.1f} s  got {rec['got']}"
+                  + ("" if row.ok else f"  <- {'; '.join(row.problems)}"), flush=True)
+    finally:
+        parts.close()
+    print(f"campaign: {len(cells)} cells, {len(cells) - wrong} right, {wrong} wrong, "
+          f"{time.monotonic() - t0:.0f} s; results in {RESULTS}")
+    return 1 if wrong else 0
+
+
+def latest_rows() -> dict[str, dict]:
+    """Each cell's latest row in RESULTS."""
+    latest = {}
+    if RESULTS.exists():
+        for line in RESULTS.read_text().splitlines():
+            rec = json.loads(line)
+            latest[rec["cell"]] = rec
+    return latest
+
+
+def table(path: Path = TABLE) -> str:
+    """docs/campaign.md: every covering cell's latest row, the counts, the impossible pairs."""
+    latest = latest_rows()
+    cov = matrix.cover()
+    rows = [latest.get(c.id) for c in cov.cells]
+    ran = [r for r in rows if r]
+    right = sum(r["ok"] for r in ran)
+    out = [
+        "# The fault campaign: its latest full table",
+        "",
+        "Trust that does not depend on which fault someone thought of: a matrix of real faults "
+        "× where they land × stage × launcher × shape, each cell run for real and compared "
+        "with its exact expected outcome (the culprit set, the reason's words, who wrote the "
+        "report, the time from the fault to the report, the launcher's exit status). Generated "
+        "by `python -m tests.campaign --table` from the rows `make campaign` leaves.",
+        "",
+        "- The cells, their generation and expectations: `tests/campaign/matrix.py` (pure); "
+        "each launcher started as users start it: `tests/campaign/launchers.py`; one cell run "
+        "and judged: `tests/campaign/runner.py`; the real faults (cgroups, tc, iptables, a "
+        "tmpfs folder): `tests/sandbox/faults.py`. Signals go to PIDs, the memory limit makes "
+        "the kernel's OOM killer act, network faults live in the nodes' namespaces; only the "
+        "kinds that are by nature in-process (exit with a status, hang in Python, stall "
+        "inside a collective) use the worker's own `--fault`.",
+        "- `make campaign` runs the covering set (about 2 hours here); `SLICE=kind=sigkill+oom`, "
+        "`PART=3/14` or `CELL=sigkill.middle.collectives.torchrun.1x3` run part of it; "
+        "`python -m tests.campaign --cell ID --repeat 5` reruns one cell.",
+        "- CI (`make test`) runs `tests/campaign/test_campaign.py`: a sample of the covering set "
+        "seeded by the commit (the seed is in pytest's header; `python -m tests.campaign "
+        "--sample SEED --list` shows the cells), within 4 minutes of expected time. Each commit "
+        "samples other cells, so the matrix is covered over time.",
+        "",
+        "Dimensions: " + "; ".join(f"**{k}** ({len(v)}): {', '.join(v)}"
+                                   for k, v in matrix.DIMENSIONS.items()) + ".",
+        "",
+        f"Covering set: **{len(cov.cells)} cells** hold all {cov.pairs} possible pairs of "
+        f"values of any two dimensions; {len(cov.impossible_pairs)} pairs cannot exist "
+        f"(listed below with why). Expected time {sum(map(matrix.cost_s, cov.cells)) / 60:.0f} "
+        f"min; measured {sum(r['wall_s'] for r in ran) / 60:.0f} min over the {len(ran)} "
+        "cells run.",
+        "",
+        f"**Counts: {len(ran)} of {len(cov.cells)} cells run, {right} right, "
+        f"{len(ran) - right} wrong.**",
+        "",
+        "| cell (kind.position.stage.launcher.shape) | expected | got | fault to report (s) "
+        "| cell (s) | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c, r in zip(cov.cells, rows):
+        if r is None:
+            out.append(f"| {c.id} | {describe(matrix.expect(c))} | not run | | | |")
+            continue
+        mark = "right" if r["ok"] else "WRONG: " + "; ".join(r["problems"])
+        out.append(f"| {c.id} | {r['expected']} | {r['got']} | {r['report_s'] or '-'} "
+                   f"| {r['wall_s']} | {mark} |")
+    out += ["", "## Kinds", ""] + [f"- **{k}**: {d}" for k, d in matrix.DESCRIBE.items()]
+    out += ["", "## Pairs that cannot exist", "", "| pair | why |", "|---|---|"]
+    for (d1, v1, d2, v2), why in sorted(cov.impossible_pairs.items()):
+        out.append(f"| {d1}={v1}, {d2}={v2} | {why} |")
+    text = "\n".join(out) + "\n"
+    path.write_text(text)
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.campaign", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cell", action="append", help="one cell by id (repeatable)")
+    ap.add_argument("--slice", help="dimension=value[+value],… of the covering set")
+    ap.add_argument("--part", help="K/N: the K-th of N parts of equal expected time")
+    ap.add_argument("--sample", metavar="SEED", help="CI's sample seeded by SEED (a commit)")
+    ap.add_argument("--budget", type=float, default=300.0, help="the sample's seconds (300)")
+    ap.add_argument("--repeat", type=int, default=1, help="run each cell N times")
+    ap.add_argument("--missing", action="store_true", help="only cells with no row yet")
+    ap.add_argument("--wrong", action="store_true", help="only cells whose latest row is wrong")
+    ap.add_argument("--list", action="store_true", help="print the cells; run nothing")
+    ap.add_argument("--table", action="store_true", help=f"write {TABLE.relative_to(REPO)}")
+    ap.add_argument("--work", default="/tmp/ddp-smoke-campaign", help="cells' folders")
+    ap.add_argument("--stop-after", type=float, metavar="SECONDS",
+                    help="start no cell that would end past this (a slice under a time limit)")
+    args = ap.parse_args(argv)
+    if args.table:
+        text = table()
+        print(text.split("| cell", 1)[0].strip())
+        return 0
+    try:
+        cells = choose(args)
+    except ValueError as e:
+        print(f"campaign: error: {e}", file=sys.stderr)
+        return 2
+    if args.sample is not None:
+        print(f"campaign sample: seed {args.sample}, {len(cells)} cells, expected "
+              f"{sum(map(matrix.cost_s, cells)):.0f} s of {args.budget:g}")
+    if args.list:
+        for c in cells:
+            print(f"{c.id:50s} {matrix.cost_s(c):5.0f} s  {describe(matrix.expect(c))}")
+        print(f"{len(cells)} cells, expected {sum(map(matrix.cost_s, cells)) / 60:.1f} min")
+        return 0
+    work = Path(args.work) / time.strftime("%Y%m%d-%H%M%S")
+    return run(cells, work, args.stop_after)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,484 @@
+"""Each launcher, started as its users start it, on the campaign's shared real parts.
+
+A :class:`Launch` is one run of one cell: plain ``torchrun`` (``--standalone`` on one machine,
+c10d across namespace hosts), ``make smoke-local``, ``sbatch slurm/ddp_smoke.sbatch`` on the
+sandbox Slurm cluster, the image on pods (``docker run`` per node, the entrypoint as in
+Kubernetes), and ``ddp-smoke-submit`` (submitit: local, or Slurm across nodes). The campaign
+finds the run's processes as root sees them (their environment carries the cell's marker),
+reads its coordination store through the address a worker was given, and waits for the
+launcher to end by itself.
+
+:class:`Parts` holds what cells share: a HostSandbox of four nodes, a four-node Slurm cluster
+(one more with two nodes of one hostname, for that fault), the Docker engine, the image and a
+pod network; each made on first use and torn down once at the end.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.launch import REPO, record_value
+from tests.multinode import node_env, torchrun_argv
+from tests.sandbox.hosts import Host, HostSandbox, host_command, missing_requirements
+
+BIN = Path(sys.executable).parent
+TEMPLATE = REPO / "slurm" / "ddp_smoke.sbatch"
+HOSTS_PREFIX, HOSTS_SUBNET = "dcp", "10.231.9.0/24"
+SLURM_PREFIX, SLURM_SUBNET = "dcs", "10.231.10.0/24"
+DUP_PREFIX, DUP_SUBNET = "dcu", "10.231.12.0/24"
+PODS_PREFIX, PODS_SUBNET = "dcd", "10.231.11.0/24"
+NODES = 4  # the largest shape's
+STORE_LINE = re.compile(r"serving the coordination store at (\S+):(\d+)")
+
+
+def _processes():
+    """(pid, argv bytes, environment) of every process root can read."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+                env = dict(kv.split(b"=", 1) for kv in
+                           (entry / "environ").read_bytes().split(b"\0") if b"=" in kv)
+            except OSError:
+                continue
+            yield int(entry.name), cmd, env
+
+
+class Parts:
+    """The real parts cells share, made on first use (see the module docstring)."""
+
+    def __init__(self, work: Path):
+        self.work = work
+        self._stack = contextlib.ExitStack()
+        self._made: dict[str, object] = {}
+        self._dup = None  # the Slurm cluster with two nodes of one hostname, while it is up
+
+    def _make(self, key: str, factory):
+        if key not in self._made:
+            self._made[key] = self._stack.enter_context(factory())
+        return self._made[key]
+
+    def hosts(self) -> HostSandbox:
+        return self._make("hosts", lambda: HostSandbox(HOSTS_PREFIX, HOSTS_SUBNET, NODES))
+
+    def slurm(self, dup: tuple[int, int] | None = None):
+        """The four-node cluster; with ``dup``, one whose node dup[1] has node dup[0]'s
+        hostname (one such cluster at a time: they share a prefix)."""
+        from tests.sandbox.slurm import SlurmSandbox
+        if dup is None:
+            return self._make("slurm", lambda: SlurmSandbox(
+                NODES, str(self.work / "slurm"), prefix=SLURM_PREFIX, subnet=SLURM_SUBNET))
+        if self._dup is not None and self._dup.same_hostname != dup:
+            self._dup.down()
+            self._dup = None
+        if self._dup is None:
+            self._dup = SlurmSandbox(NODES, str(self.work / f"slurm-dup{dup[0]}{dup[1]}"),
+                                     prefix=DUP_PREFIX, subnet=DUP_SUBNET,
+                                     same_hostname=dup).up()
+        return self._dup
+
+    def docker(self):
+        from tests.sandbox import docker
+        engine = self._make("engine", lambda: _started(docker.Engine()))
+        image = self._made.get("image") or self._made.setdefault("image",
+                                                                 docker.build_image(engine))
+        return engine, image
+
+    def close(self) -> None:
+        try:
+            if self._dup is not None:
+                self._dup.down()
+        finally:
+            self._stack.close()
+
+
+@contextlib.contextmanager
+def _started(engine):
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+@dataclasses.dataclass
+class Launch:
+    """One cell's run: the launcher's process (or containers), where its report goes."""
+
+    cell: object
+    marker: str
+    report_dir: Path
+    proc: subprocess.Popen | None = None
+    hosts: list = dataclasses.field(default_factory=list)  # node index -> Host (network faults)
+    out_path: Path | None = None
+    containers: list = dataclasses.field(default_factory=list)
+    env: dict | None = None
+    job: str | None = None
+    logs: Path | None = None  # one log per node (torchrun across nodes)
+    t0: float = dataclasses.field(default_factory=time.monotonic)
+    _store = None
+
+    # -- what the campaign reads while the run goes on -------------------------------------
+    def workers(self) -> dict[int, int]:
+        """rank -> pid of this run's worker processes."""
+        found = {}
+        mark = self.marker.encode()
+        for pid, cmd, env in _processes():
+            if env.get(b"DDP_SMOKE_CAMPAIGN") != mark:
+                continue
+            head = cmd.split(b"\0")[:4]  # the program and its module, not the options
+            if [b"-m", b"submitit.core._submit"] == head[-2:] or \
+                    b"submitit.core._submit" in head:  # one submitit task per rank
+                rank = env.get(b"SUBMITIT_LOCAL_GLOBALID") or env.get(b"SLURM_PROCID")
+            elif b"ddp_smoke" in head and b"-m" in head:  # torchrun's worker
+                rank = env.get(b"RANK")
+            else:
+                continue
+            if rank is not None:
+                found[int(rank)] = pid
+        return found
+
+    def store_pid(self) -> int | None:
+        """The process that holds the coordination store: the store host, else the torchrun
+        agent (of node 1) that hosts it."""
+        mark = self.marker.encode()
+        agents = []
+        for pid, cmd, env in _processes():
+            if env.get(b"DDP_SMOKE_CAMPAIGN") != mark:
+                continue
+            head = cmd.split(b"\0")[:4]
+            if b"ddp_smoke.store_host" in head and b"--plan" not in cmd:
+                return pid
+            if b"torch.distributed.run" in head or any(a.endswith(b"/torchrun") or
+                                                        a == b"torchrun" for a in head[:2]):
+                agents.append((pid, cmd))
+        if not agents:
+            return None
+        head = self.hosts[0].addr.encode() if self.hosts else b""
+        for pid, cmd in agents:  # node 1's agent: its --local-addr is node 1's
+            if not head or b"--local-addr=" + head in cmd:
+                return pid
+        return agents[0][0]
+
+    def store(self):
+        """A client of the run's coordination store (the harness's prefix), once a worker
+        says where it is; None before."""
+        if self._store is not None:
+            return self._store
+        addr = self._store_address()
+        if addr is None:
+            return None
+        import torch.distributed as dist
+        try:
+            raw = dist.TCPStore(addr[0], addr[1], 1, False, datetime.timedelta(seconds=5),
+                                wait_for_workers=False)
+        except (RuntimeError, OSError):
+            return None
+        self._store = dist.PrefixStore("ddp_smoke/0", raw)
+        return self._store
+
+    def _store_address(self) -> tuple[str, int] | None:
+        text = self.output()
+        m = STORE_LINE.search(text)
+        if m:
+            return m.group(1), int(m.group(2))
+        for f in (self.report_dir / "store").glob("*"):  # submit: task 0 leaves it there
+            got = f.read_text().strip()
+            if ":" in got:
+                host, _, port = got.rpartition(":")
+                return host, int(port)
+        for pid in self.workers().values():
+            try:
+                env = dict(kv.split(b"=", 1) for kv in
+                           Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in kv)
+            except OSError:
+                continue
+            if b"DDP_SMOKE_STORE" in env and env[b"DDP_SMOKE_STORE"] != b"auto":
+                host, _, port = env[b"DDP_SMOKE_STORE"].decode().rpartition(":")
+                return host, int(port)
+            if b"MASTER_PORT" in env:
+                return env[b"MASTER_ADDR"].decode(), int(env[b"MASTER_PORT"])
+        return None
+
+    def has(self, key: str) -> bool:
+        store = self.store()
+        try:
+            return bool(store is not None and store.check([key]))
+        except (RuntimeError, OSError):
+            self._store = None
+            return False
+
+    def get(self, key: str) -> bytes | None:
+        store = self.store()
+        try:
+            return record_value(store.get(key)) if store is not None and store.check([key]) \
+                else None
+        except (RuntimeError, OSError):
+            return None
+
+    # -- the end ---------------------------------------------------------------------------
+    def running(self) -> bool:
+        if self.containers:
+            return any(c.running() for c in self.containers)
+        return self.proc is not None and self.proc.poll() is None
+
+    def status(self) -> int | None:
+        if self.containers:
+            return self.containers[0].status()
+        return None if self.proc is None else self.proc.returncode
+
+    def output(self) -> str:
+        parts = []
+        if self.out_path is not None and self.out_path.exists():
+            parts.append(self.out_path.read_text(errors="replace"))
+        for c in self.containers:
+            parts.append(c.logs())
+        for log in sorted(self.logs.glob("*.log")) if self.logs else []:
+            parts.append(log.read_text(errors="replace"))
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        """End what is left (the cell's bound passed): the launcher, then its workers."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        for c in self.containers:
+            c.kill()
+        if self.env is not None and self.job:
+            subprocess.run(["scancel", self.job], env=self.env, capture_output=True, timeout=10)
+        for pid in self.workers().values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+# -- starting each launcher -------------------------------------------------------------------
+
+def _popen(argv, out: Path, env: dict, cwd=REPO, **kw) -> subprocess.Popen:
+    with open(out, "wb") as f:
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, **kw)
+
+
+def start(cell, parts: Parts, work: Path, reports: Path, worker: list[str], marker: str,
+          dup: tuple[int, int] | None) -> Launch:
+    """Start ``cell``'s launcher with the worker's options ``worker`` (no --report-dir): its
+    own files (logs, submitit's) in ``work``, the run's report folder under ``reports``."""
+    return {"torchrun": _torchrun, "smoke_local": _smoke_local, "slurm": _slurm,
+            "image": _image, "submit": _submit}[cell.launcher](
+        cell, parts, work, reports, worker, marker, dup)
+
+
+def _env(marker: str, cell=None) -> dict:
+    return {**node_env(), **_worker_env(marker, cell)}
+
+
+def _worker_env(marker: str, cell) -> dict:
+    """The cell's marker; for an OOM cell, glibc's malloc without its dynamic mmap threshold:
+    every large tensor is fresh pages, charged to the cgroup it is in now (glibc otherwise
+    serves them from pages faulted in before the fault's cgroup existed)."""
+    oom = cell is not None and cell.kind == "oom"
+    return {"DDP_SMOKE_CAMPAIGN": marker, **({"MALLOC_MMAP_THRESHOLD_": "131072"} if oom else {})}
+
+
+def _torchrun(cell, parts, work, reports, worker, marker, dup) -> Launch:
+    rd = reports / "report"
+    launch = Launch(cell, marker, rd, out_path=work / "launcher.log")
+    if cell.nodes == 1:
+        argv = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={cell.per_node}",
+                "-m", "ddp_smoke", "--report-dir", str(rd), *worker]
+        launch.proc = _popen(argv, launch.out_path, _env(marker, cell))
+        return launch
+    box = parts.hosts()
+    hosts = box.hosts[:cell.nodes]
+    launch.hosts, launch.logs = hosts, work / "logs"
+    launch.logs.mkdir()
+    endpoint = f"{hosts[0].addr}:{29700 + os.getpid() % 200}"
+    procs = []
+    for i, host in enumerate(hosts):
+        shown = dataclasses.replace(host, name=hosts[dup[0]].name) if dup and i == dup[1] \
+            else host
+        argv = torchrun_argv(host, cell.nodes, cell.per_node, endpoint, marker,
+                             "join_timeout=60,read_timeout=30", ["--report-dir", str(rd),
+                                                                 *worker])
+        with open(work / "logs" / f"node{i + 1}.log", "wb") as f:
+            procs.append(subprocess.Popen(host_command(shown, argv), env=_env(marker, cell),
+                                          stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True, cwd=REPO))
+    launch.proc = _Group(procs)
+    return launch
+
+
+class _Group:
+    """Several node launchers as one: like srun --kill-on-bad-exit, once one fails the
+    others get SIGTERM, then SIGKILL 5 s later; the status is the first failed node's."""
+
+    def __init__(self, procs):
+        self.procs, self.pid, self.failed_at, self.first = procs, procs[0].pid, None, None
+
+    def poll(self):
+        codes = [p.poll() for p in self.procs]
+        if self.failed_at is None and any(c not in (None, 0) for c in codes):
+            self.failed_at = time.monotonic()
+            self.first = next(c for c in codes if c not in (None, 0))
+            self._signal(signal.SIGTERM)
+        elif self.failed_at and time.monotonic() - self.failed_at > 5:
+            self._signal(signal.SIGKILL)
+        # like srun: the status of the first node that failed (the others were stopped)
+        return None if any(c is None for c in codes) else (self.first or codes[0])
+
+    def _signal(self, sig):
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, sig)
+
+    @property
+    def returncode(self):
+        return self.poll()
+
+    def wait(self, timeout=None):
+        end = time.monotonic() + (timeout or 1e9)
+        while self.poll() is None and time.monotonic() < end:
+            time.sleep(0.1)
+
+
+def _smoke_local(cell, parts, work, reports, worker, marker, dup) -> Launch:
+    rd = reports / "report"
+    launch = Launch(cell, marker, rd, out_path=work / "launcher.log")
+    args = " ".join(worker)
+    launch.proc = _popen(["make", "-s", "smoke-local", f"NPROC={cell.per_node}",
+                          f"REPORT_DIR={rd}", f"ARGS={args}"], launch.out_path, _env(marker, cell))
+    return launch
+
+
+def _slurm(cell, parts, work, reports, worker, marker, dup) -> Launch:
+    cluster = parts.slurm(dup)
+    env = cluster.env(**_env(marker, cell), WORKER_PYTHON=sys.executable,
+                      NPROC_PER_NODE=str(cell.per_node), REPORT_ROOT=str(reports / "reports"))
+    proc = subprocess.run(["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2",
+                           f"--nodes={cell.nodes}", f"--output={work}/job.out", str(TEMPLATE),
+                           *worker], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=30)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sbatch: {proc.stderr.strip()}")
+    job = proc.stdout.strip().split(";")[0]
+    launch = Launch(cell, marker, reports / "reports" / job, out_path=work / "job.out", env=env,
+                    job=job, hosts=cluster.hosts.hosts[:cell.nodes])
+    launch.proc = _SlurmJob(job, env)
+    return launch
+
+
+class _SlurmJob:
+    """A batch job as a process: poll() is its exit status once squeue no longer lists it."""
+
+    def __init__(self, job: str, env: dict):
+        self.job, self.env, self.pid, self.returncode = job, env, -1, None
+
+    def poll(self):
+        if self.returncode is None:
+            q = subprocess.run(["squeue", "-h", "-j", self.job], env=self.env,
+                               capture_output=True, text=True, timeout=10)
+            if not q.stdout.strip():
+                s = subprocess.run(["scontrol", "show", "job", self.job], env=self.env,
+                                   capture_output=True, text=True, timeout=10).stdout
+                m = re.search(r"ExitCode=(\d+):(\d+)", s)
+                self.returncode = int(m.group(1)) if m else 1
+        return self.returncode
+
+    def wait(self, timeout=None):
+        end = time.monotonic() + (timeout or 1e9)
+        while self.poll() is None and time.monotonic() < end:
+            time.sleep(0.5)
+
+
+def _image(cell, parts, work, reports, worker, marker, dup) -> Launch:
+    from tests.sandbox.docker import PodNetwork
+    engine, image = parts.docker()
+    uid = int(engine.docker("image", "inspect", "-f", "{{.Config.User}}", image.tag).stdout)
+    out = reports / "reports"
+    out.mkdir(exist_ok=True)
+    with contextlib.suppress(OSError):  # a folder the cell made read-only is already 1777
+        os.chown(out, uid, uid)
+    net = PodNetwork(engine, image.tag, PODS_PREFIX, PODS_SUBNET).up()
+    names = [f"dcd-node-{chr(97 + i)}" for i in range(cell.nodes)]
+    if dup:
+        names[dup[1]] = names[dup[0]]
+    addrs = [f"10.231.11.{11 + i}" for i in range(cell.nodes)]
+    pods = [net.add_pod(n, a, etc_hosts=dict(zip(names, addrs))) for n, a in zip(names, addrs)]
+    launch = Launch(cell, marker, out, hosts=[net._box.plugged[i] for i in range(cell.nodes)])
+    for pod in pods:
+        if cell.nodes == 1:  # the entrypoint's store host comes with --standalone
+            args = ["--standalone", f"--nproc-per-node={cell.per_node}"]
+        else:
+            args = [f"--nnodes={cell.nodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={addrs[0]}:29500", f"--rdzv-id={marker}",
+                    f"--local-addr={pod.addr}"]
+        launch.containers.append(_Container(net.run(
+            pod, image.tag, [*args, "--", "--report-dir", "/reports", *worker],
+            volumes=[f"{out}:/reports"], env={"GLOO_SOCKET_IFNAME": "eth0",
+                                              "DDP_SMOKE_STORE": "auto", "OMP_NUM_THREADS": "1",
+                                              **_worker_env(marker, cell)})))
+    launch.net = net
+    return launch
+
+
+class _Container:
+    def __init__(self, c):
+        self.c = c
+
+    def _state(self):
+        got = self.c.engine.docker("inspect", "-f", "{{.State.Running}} {{.State.ExitCode}}",
+                                   self.c.name, check=False).stdout.split()
+        return got or ["false", "1"]
+
+    def running(self) -> bool:
+        return self._state()[0] == "true"
+
+    def status(self) -> int | None:
+        running, code = self._state()
+        return None if running == "true" else int(code)
+
+    def logs(self) -> str:
+        return self.c.logs()
+
+    def kill(self) -> None:
+        self.c.engine.docker("kill", self.c.name, check=False)
+
+
+def _submit(cell, parts, work, reports, worker, marker, dup) -> Launch:
+    folder = work / "submitit"
+    folder.mkdir()
+    (reports / "report").mkdir(exist_ok=True)
+    (folder / "report").symlink_to(reports / "report")  # submit's report folder: DIR/report
+    argv = [str(BIN / "ddp-smoke-submit"), "--folder", str(folder), "--wait-timeout", "240",
+            "--procs-per-node", str(cell.per_node)]
+    env = _env(marker, cell)
+    hosts = []
+    if cell.nodes > 1:
+        cluster = parts.slurm(dup)
+        env = cluster.env(**env)
+        hosts = cluster.hosts.hosts[:cell.nodes]
+        argv += ["--cluster", "slurm", "--nodes", str(cell.nodes), "--allow-local-folder"]
+    launch = Launch(cell, marker, folder / "report", out_path=work / "launcher.log",
+                    hosts=hosts)
+    launch.proc = _popen([*argv, "--", *worker], launch.out_path, env)
+    return launch
+
+
+def missing() -> str | None:
+    """Why the campaign cannot run here (root, namespaces), or None."""
+    return missing_requirements(("tc", "iptables"))
+
+
+def cleanup_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,408 @@
+"""The fault campaign's matrix: dimensions, the cells that cannot exist (and why), the pairwise
+covering set, the commit-seeded CI sample, and each cell's exact expected outcome. Pure.
+
+A cell is one real fault of one *kind*, landing at one *position* (rank 0, a middle rank, the
+last rank, the node that holds the coordination store) at one *stage* (the join, or a check),
+under one *launcher*, on one *shape* (nodes x ranks per node). The full product is
+19 x 4 x 10 x 5 x 5 = 19,000 cells; the covering set holds every pair of values of any two
+dimensions that some possible cell holds (pairwise coverage), each pair in at least one cell,
+chosen greedily for the most new pairs per second of expected run time.
+
+Expected outcomes are what is *right*, from the launcher's structure (who hosts the store,
+who stops whom) and what can be known where (the kernel's word is on the dead rank's node
+only); :func:`expect` is the one place they are written, each with its reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import random
+
+KINDS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop", "exit", "oom", "hang", "stall",
+         "slow_rank", "slow_link", "slow_node", "dead_link", "dead_node", "blackhole",
+         "store_killed", "disk_full", "read_only", "dup_hostname")
+POSITIONS = ("rank0", "middle", "last", "store_node")
+STAGES = ("join", "environment", "ddp_step", "sampler_epochs", "collectives", "storage",
+          "bandwidth", "transport", "compute", "health")
+LAUNCHERS = ("torchrun", "smoke_local", "slurm", "image", "submit")
+SHAPES = ("1x2", "1x3", "1x4", "3x1", "4x1")
+DIMENSIONS = {"kind": KINDS, "position": POSITIONS, "stage": STAGES, "launcher": LAUNCHERS,
+              "shape": SHAPES}
+
+# What each kind is, for the table's legend and the docs.
+DESCRIBE = {
+    "sigkill": "SIGKILL to the rank's process (an operator, the OOM killer's signal)",
+    "sigsegv": "SIGSEGV to the rank's process (a crash in native code)",
+    "sigabrt": "SIGABRT to the rank's process (abort() in a library)",
+    "sigterm": "SIGTERM to the rank's process alone (a node reclaimed, a container stopped)",
+    "sigstop": "SIGSTOP to the rank's process (frozen: a wedged node, a paused container)",
+    "exit": "the rank exits with status 13 at the check's start (the injector's crash)",
+    "oom": "a memory cgroup limit just above the rank's use: the kernel's OOM killer kills it",
+    "hang": "the rank hangs in Python before arriving at the check (the injector's hang)",
+    "stall": "the rank enters a collective and its call never returns (the injector's stall)",
+    "slow_rank": "a cgroup CPU quota of 15 % of a core on the rank's process",
+    "slow_link": "tc htb: 200 mbit on one link (both ends, by destination address)",
+    "slow_node": "tc tbf: 200 mbit on every link of one node (both directions)",
+    "dead_link": "iptables DROP between two nodes (both ends)",
+    "dead_node": "iptables DROP of the node's subnet traffic (in and out)",
+    "blackhole": "iptables drops packets over 1,200 bytes on one link (both ends): "
+                 "small messages pass, large ones vanish",
+    "store_killed": "SIGKILL to the process that holds the coordination store",
+    "disk_full": "the report folder is a tmpfs filled to the last byte",
+    "read_only": "the report folder is a tmpfs remounted read-only",
+    "dup_hostname": "two machines (nodes) with the same hostname",
+}
+
+SIGNALS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop")
+INSTANT = SIGNALS + ("oom", "store_killed")  # struck from outside at one moment
+INJECTED = ("exit", "hang", "stall")  # by nature in-process: the worker's own --fault
+NETWORK = ("slow_link", "slow_node", "dead_link", "dead_node", "blackhole", "dup_hostname")
+FOLDER = ("disk_full", "read_only")
+SLOW = ("slow_rank", "slow_link", "slow_node")
+# Checks that last milliseconds on CPU whatever the configuration: an outside strike cannot be
+# aimed into them (it lands before or after).
+QUICK = ("environment", "ddp_step", "transport")
+# Checks that issue world collectives (a stall has somewhere to stall). Not transport: on
+# gloo (every cell here runs on CPUs) it reads no NCCL log and issues nothing.
+COLLECTIVE = ("ddp_step", "collectives", "storage", "bandwidth")
+# Checks that move messages well above one frame between nodes.
+LARGE = ("collectives", "bandwidth")
+CHECKS = STAGES[1:]
+TIMEOUT_S = 15.0  # the worker's --timeout in every cell: a hang ends within it
+STRIKE_WAIT_S = 120.0  # launch to the cell's stage, at most (Slurm and pods start slowly)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    kind: str
+    position: str
+    stage: str
+    launcher: str
+    shape: str
+
+    @property
+    def id(self) -> str:
+        return ".".join(dataclasses.astuple(self))
+
+    @classmethod
+    def parse(cls, text: str) -> "Cell":
+        parts = text.split(".")
+        if len(parts) != 5:
+            raise ValueError(f"{text!r}: expected KIND.POSITION.STAGE.LAUNCHER.SHAPE")
+        cell = cls(*parts)
+        for (name, values), value in zip(DIMENSIONS.items(), parts):
+            if value not in values:
+                raise ValueError(f"{text!r}: {name} {value!r}; expected one of {values}")
+        return cell
+
+    @property
+    def nodes(self) -> int:
+        return int(self.shape.split("x")[0])
+
+    @property
+    def per_node(self) -> int:
+        return int(self.shape.split("x")[1])
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def rank(self) -> int:
+        """The rank the fault lands on (for node and link kinds: the first end's leader)."""
+        if self.position == "rank0":
+            return 0
+        if self.position == "middle":
+            return self.world // 2
+        if self.position == "last":
+            return self.world - 1
+        return self.per_node - 1  # store_node: the highest rank on node 1, the store's node
+
+    @property
+    def node(self) -> int:
+        """The node (0-based) the fault lands on."""
+        return self.rank // self.per_node
+
+    @property
+    def peer_node(self) -> int:
+        """The other end of a link fault: the next node, or the one before the last."""
+        return self.node + 1 if self.node + 1 < self.nodes else self.node - 1
+
+
+def impossible(c: Cell) -> str | None:
+    """Why the cell cannot exist, or None."""
+    if c.launcher == "smoke_local" and c.nodes > 1:
+        return "make smoke-local runs on one machine"
+    if c.kind in NETWORK and c.nodes == 1:
+        return "one machine: its ranks talk over loopback, no network and one hostname"
+    if c.kind in INSTANT and c.stage in QUICK:
+        return ("the check lasts milliseconds on CPU: a fault struck from outside cannot be "
+                "aimed into it (the injected kinds land there)")
+    if c.kind in INJECTED and c.stage == "join":
+        return "the injector acts at a check, not in the join"
+    if c.kind == "stall" and c.stage not in COLLECTIVE:
+        return "the check issues no collective to stall in"
+    if c.kind == "dup_hostname" and c.stage != "join":
+        return "a hostname is set before the run starts"
+    if c.kind == "store_killed" and c.position != "store_node":
+        return "the store lives on one node: the store's"
+    if c.kind in FOLDER and c.position != "rank0":
+        return "the report folder is the writer's (rank 0's)"
+    return None
+
+
+def all_cells() -> list[Cell]:
+    return [Cell(*v) for v in itertools.product(*DIMENSIONS.values())]
+
+
+def _pairs(c: Cell) -> list[tuple]:
+    v = dataclasses.astuple(c)
+    return [(i, v[i], j, v[j]) for i, j in itertools.combinations(range(5), 2)]
+
+
+@dataclasses.dataclass
+class Cover:
+    cells: list          # the covering set, in run order
+    impossible_pairs: dict  # (dim, value, dim, value) -> why no possible cell holds it
+    pairs: int           # pairs covered
+
+
+def cover(seed: int = 0) -> Cover:
+    """The pairwise covering set: greedy, most newly covered pairs per expected second."""
+    why_not = {c: impossible(c) for c in all_cells()}
+    possible = [c for c, why in why_not.items() if why is None]
+    wanted = {p for c in possible for p in _pairs(c)}
+    names = list(DIMENSIONS)
+    reasons: dict[tuple, list] = {}  # a pair no possible cell holds -> its cells' reasons
+    for c, why in why_not.items():
+        for p in _pairs(c):
+            if p not in wanted:
+                reasons.setdefault(p, []).append(set(why.split("; ")))
+    why = {(names[i], a, names[j], b): "; ".join(sorted(set.intersection(*rs)
+                                                        or set.union(*rs)))
+           for (i, a, j, b), rs in sorted(reasons.items())}
+    rng = random.Random(seed)
+    rng.shuffle(possible)
+    left, chosen = set(wanted), []
+    pairs_of = [_pairs(c) for c in possible]
+    cost = [cost_s(c) for c in possible]
+    # lazy greedy: a cell's gain only falls as pairs get covered, so a stale score is a bound
+    heap = [(-len(p) / t, i) for i, (p, t) in enumerate(zip(pairs_of, cost))]
+    heapq.heapify(heap)
+    while left and heap:
+        _, i = heapq.heappop(heap)
+        score = sum(p in left for p in pairs_of[i]) / cost[i]
+        if heap and score < -heap[0][0]:
+            heapq.heappush(heap, (-score, i))
+            continue
+        if score > 0:
+            chosen.append(possible[i])
+            left -= set(pairs_of[i])
+    order = {name: i for i, name in enumerate(LAUNCHERS)}
+    chosen.sort(key=lambda c: (order[c.launcher], c.shape, c.kind, c.stage, c.position))
+    return Cover(chosen, why, len(wanted))
+
+
+def cost_s(c: Cell) -> float:
+    """Expected seconds of one cell on a loaded 2-core machine (start-up, the checks up to
+    the stage, the fault's own bound, the launcher's ending)."""
+    start = {"torchrun": 10, "smoke_local": 10, "slurm": 18, "image": 16, "submit": 18}
+    t = start[c.launcher] + 4 * c.world + (6 if c.nodes > 1 else 0)
+    t += 1.5 * STAGES.index(c.stage)
+    if c.kind in ("hang", "stall", "dead_link", "dead_node", "blackhole") or (
+            c.kind == "sigstop" and c.stage in COLLECTIVE):
+        t += TIMEOUT_S
+    if c.kind == "sigstop" and c.launcher in ("torchrun", "smoke_local", "image"):
+        t += 30  # torchrun gives a stopped worker 30 s after SIGTERM before SIGKILL
+    if c.kind in SLOW:
+        t += 10
+    return t
+
+
+def commit_seed() -> str:
+    """CI's seed: ``CAMPAIGN_SEED``, else this checkout's commit (``git rev-parse HEAD``)."""
+    import os
+    import subprocess
+    if os.environ.get("CAMPAIGN_SEED"):
+        return os.environ["CAMPAIGN_SEED"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    got = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True)
+    return got.stdout.strip() or "0"
+
+
+def sample(cells: list[Cell], seed: str, budget_s: float) -> list[Cell]:
+    """CI's sample: cells of the covering set drawn in an order seeded by ``seed`` (the
+    commit), taken while their expected time fits ``budget_s``."""
+    rng = random.Random(seed)
+    order = list(cells)
+    rng.shuffle(order)
+    out, used = [], 0.0
+    for c in order:
+        if used + cost_s(c) <= budget_s:
+            out.append(c)
+            used += cost_s(c)
+    return out
+
+
+def select(cells: list[Cell], spec: str) -> list[Cell]:
+    """A named slice: ``kind=sigkill,launcher=torchrun`` (values joined by ``+`` for several:
+    ``shape=3x1+4x1``). ValueError for an unknown dimension or value."""
+    want = {}
+    for part in filter(None, spec.split(",")):
+        name, _, values = part.partition("=")
+        if name not in DIMENSIONS:
+            raise ValueError(f"{part!r}: dimension {name!r}; expected one of {list(DIMENSIONS)}")
+        vals = set(values.split("+"))
+        bad = vals - set(DIMENSIONS[name])
+        if bad:
+            raise ValueError(f"{part!r}: {sorted(bad)} not among {DIMENSIONS[name]}")
+        want[name] = vals
+    return [c for c in cells if all(getattr(c, k) in v for k, v in want.items())]
+
+
+# -- the expected outcome ------------------------------------------------------------------------
+
+PASS, FAIL, BAD_INPUT, LOST = "pass", "fail", "bad_input", "lost"
+REPORT_BOUND_S = TIMEOUT_S + 20  # fault to report (or to the last rank's word), at most
+END_BOUND_S = 120.0  # fault to the launcher's own end, at most (torchrun's 30 s grace included)
+
+
+@dataclasses.dataclass(frozen=True)
+class Expect:
+    """A cell's right outcome.
+
+    Attributes:
+        verdict: ``pass``, ``fail``, ``bad_input`` (one line, no report) or ``lost`` (the
+            store is gone: no report, every rank's own word in ``lost/``).
+        culprits: the exact set: ``("rank", r)``, ``("link", a, b)`` (a < b), ``("job",)``.
+        words: each must appear in the culprits' reasons (bad input, lost: in the output).
+        writers: who may have written the report (its ``written_by``; ``stderr`` when the
+            folder took no report and it went to stderr as one JSON line).
+        why: why this is right, where it is not obvious.
+    """
+
+    verdict: str
+    culprits: frozenset = frozenset()
+    words: tuple = ()
+    writers: frozenset = frozenset({"rank 0"})
+    why: str = ""
+    lost: int = 0  # lost: how many ranks left their word in lost/ (every one still alive)
+    ends: bool = True  # the launcher ends by itself within END_BOUND_S
+
+    def exits(self, launcher: str) -> set:
+        """The launcher's exit statuses for this verdict (``make`` reports the kit's status
+        as ``Error N``; plain torchrun turns every worker failure into 1)."""
+        if "stderr" in self.writers:
+            return {1}  # the report was lost: the ranks say fail whatever it held
+        if self.verdict == PASS:
+            return {0}
+        if self.verdict == BAD_INPUT:
+            return {1} if launcher == "torchrun" else {2}
+        if self.verdict == LOST:
+            return {1, -9, 137}  # the ranks' own 1, or the store's process killed under us
+        return {1}
+
+
+def _store_node_survives(c: Cell) -> bool:
+    """Whether the coordination store outlives rank 0's death: every launcher but plain
+    torchrun across nodes hosts it apart from the ranks (on one node torchrun's agent holds
+    it and outlives its workers; across nodes node 1's agent leaves with its only worker)."""
+    return not (c.launcher == "torchrun" and c.nodes > 1)
+
+
+TOOK_OVER = "rank 1 (took over from rank 0)"
+
+
+def _writer_after(c: Cell, gone: int) -> frozenset:
+    if gone != 0:
+        return frozenset({"rank 0"})
+    if c.nodes > 1 and c.launcher in ("image", "slurm"):
+        # node 2's agent may stop rank 1 first: its rendezvous store was node 1's agent
+        return frozenset({TOOK_OVER, "store host"})
+    return frozenset({TOOK_OVER})
+
+
+_AGENTS = ("torchrun", "image", "slurm")  # torchrun's agents, on node 1's rendezvous store
+_AGENT_WAIT = ("torchrun's agents then wait for their rendezvous store across the cut, within "
+               "torchrun's own timeouts (read 30 s, exit barrier 300 s): theirs, not the kit's")
+
+
+def _agents_wait(c: Cell) -> bool:
+    """A cut that torchrun's agents' own traffic crosses: their end is theirs."""
+    return c.launcher in _AGENTS and (c.kind == "dead_node" or 0 in (c.node, c.peer_node))
+
+
+def _link(c: Cell) -> tuple:
+    a, b = sorted((c.node * c.per_node, c.peer_node * c.per_node))
+    return ("link", a, b)
+
+
+def expect(c: Cell) -> Expect:
+    """The right outcome of a possible cell."""
+    r, k, s = c.rank, c.kind, c.stage
+    me = frozenset({("rank", r)})
+    if k in ("sigkill", "sigsegv", "sigabrt", "oom", "exit"):
+        if r == 0 and not _store_node_survives(c):
+            return Expect(LOST, writers=frozenset(), lost=c.world - 1,
+                          why="plain torchrun across nodes: node 1's agent holds the store "
+                              "and leaves with its only worker")
+        local = c.per_node > 1  # a live rank on the dead rank's node reads that node's word
+        words = {"sigkill": ("SIGKILL",) if c.launcher == "smoke_local" else ("died",),
+                 "sigsegv": ("SIGSEGV",), "sigabrt": ("SIGABRT",),
+                 "oom": ("OOM killer",) if local else ("died",),
+                 "exit": ("status 13",) if c.launcher == "smoke_local" else ("died",)}[k]
+        return Expect(FAIL, me, words, _writer_after(c, r))
+    if k == "sigterm":
+        return Expect(FAIL, me, ("terminated by SIGTERM",))
+    if k == "sigstop":
+        if r == 0 and not _store_node_survives(c):
+            return Expect(FAIL, me, ("no heartbeat",), frozenset({TOOK_OVER}), why=(
+                "node 1's agent sees its worker alive: the store stays"))
+        return Expect(FAIL, me, ("stopped",) if c.per_node > 1 else ("no heartbeat",),
+                      _writer_after(c, r))
+    if k == "hang":
+        return Expect(FAIL, me, (f"did not arrive at {s}",))
+    if k == "stall":
+        return Expect(FAIL, me, ("never issued",))
+    if k == "slow_rank":
+        if STAGES.index(s) > STAGES.index("compute"):
+            return Expect(PASS, why="no check after it measures a rank's pace")
+        return Expect(FAIL, me)
+    if k in ("slow_link", "slow_node"):
+        if STAGES.index(s) > STAGES.index("bandwidth"):
+            return Expect(PASS, why="no check after it measures a link")
+        if k == "slow_link":
+            return Expect(FAIL, frozenset({_link(c)}), ("below the reference",))
+        return Expect(FAIL, frozenset({("rank", c.node * c.per_node)}),
+                      ("slow with every partner",))
+    if k in ("blackhole", "dead_link", "dead_node"):
+        ends, why = not _agents_wait(c), _AGENT_WAIT if _agents_wait(c) else ""
+        if k == "blackhole" and STAGES.index(s) > max(STAGES.index(x) for x in LARGE):
+            return Expect(PASS, ends=ends, why=(  # the kit's store records are small
+                "no check after it sends large messages over that link; " + why))
+        if k == "blackhole":
+            return Expect(FAIL, frozenset({_link(c)}), ("drops large ones",), ends=ends, why=why)
+        if k == "dead_node":
+            return Expect(FAIL, frozenset({("rank", c.node * c.per_node)}), ("cut off",),
+                          ends=ends, why=why)
+        if STAGES.index(s) > max(STAGES.index(x) for x in COLLECTIVE) and 0 not in (
+                c.node, c.peer_node):
+            return Expect(PASS, ends=ends, why="no check after it sends traffic over that link")
+        return Expect(FAIL, frozenset({_link(c)}), ("does not carry",), ends=ends, why=why)
+    if k == "store_killed":
+        return Expect(LOST, writers=frozenset(), lost=c.world)
+    if k in FOLDER:
+        said = "No space left" if k == "disk_full" else "Read-only"
+        if s == "join":
+            return Expect(BAD_INPUT, words=(said,), writers=frozenset())
+        if STAGES.index(s) <= STAGES.index("storage"):
+            return Expect(FAIL, frozenset({("job",)}), (said,), frozenset({"stderr"}), why=(
+                "every rank's storage writes fail alike: the folder, not a rank"))
+        return Expect(PASS, words=(said,), writers=frozenset({"stderr"}), why=(
+            "every check passed; the report goes to stderr as one JSON line, exit 1"))
+    if k == "dup_hostname":
+        return Expect(FAIL, frozenset({("rank", c.node * c.per_node),
+                                       ("rank", c.peer_node * c.per_node)}),
+                      ("same hostname",))
+    raise ValueError(f"no expectation for {c.id}")

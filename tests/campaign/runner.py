@@ -1,0 +1,311 @@
+"""Run one cell for real and compare what happened with what is right.
+
+The cell's launcher starts the worker with the campaign's configuration (checks long enough
+to strike inside, a short deadline); the runner watches the run's own coordination store until
+the cell's stage is reached (the ranks' arrival there, or for the join a rank's identity),
+strikes with the real fault (a signal by PID, a cgroup limit, tc or iptables in the nodes'
+namespaces, the report folder filled or made read-only; the injected kinds are given to the
+worker as ``--fault`` at the start), waits for the launcher to end by itself within the
+cell's bound, undoes the fault, and reads what the run left: the report (or its JSON line on
+stderr), each rank's ``lost/`` record, the exit status, the time from the fault to the report.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from tests.campaign import launchers, matrix
+from tests.campaign.matrix import BAD_INPUT, FAIL, LOST, PASS, Cell, Expect
+from tests.sandbox import faults
+
+CONFIG = """\
+# The fault campaign's worker configuration: every check long enough to strike inside.
+sampler_epochs: {samples: 20000, epochs: 4}
+collectives: {sizes_bytes: [256, 4200000, 16800000]}
+storage: {file_bytes: 8388608}
+bandwidth: {max_bytes_cpu: 4194304, pair_bytes_cpu: 1048576, pair_rounds: 3}
+compute: {blocks: 20, block_s: 0.1}
+health: {sdc_size_cpu: 768, sdc_repeats: 3}
+"""
+_SIGNALS = {"sigkill": signal.SIGKILL, "sigsegv": signal.SIGSEGV, "sigabrt": signal.SIGABRT,
+            "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
+_INJECT = {"exit": "crash", "hang": "hang", "stall": "stall"}
+_JSON_LINE = "the report follows as one JSON line"
+
+
+@dataclasses.dataclass
+class Got:
+    verdict: str
+    culprits: frozenset
+    text: str           # the culprits' reasons (or the output, with no report)
+    writer: str | None
+    status: int | None
+    report_s: float | None  # fault to report (or the last lost record)
+    end_s: float            # fault to the launcher's end
+    note: str = ""
+    lost: int = 0           # ranks that left their word in lost/
+
+
+@dataclasses.dataclass
+class Row:
+    cell: Cell
+    expect: Expect
+    got: Got
+    wall_s: float
+
+    @property
+    def problems(self) -> list[str]:
+        e, g, out = self.expect, self.got, []
+        if g.note.startswith("error"):
+            return [g.note]
+        if g.verdict != e.verdict:
+            out.append(f"verdict {g.verdict}, expected {e.verdict}")
+        if g.culprits != e.culprits:
+            out.append(f"culprits {_show(g.culprits)}, expected {_show(e.culprits)}")
+        out += [f"no {w!r}" for w in e.words if w not in g.text]
+        if e.verdict == LOST and g.lost != e.lost:
+            out.append(f"{g.lost} ranks left their word in lost/, expected {e.lost}")
+        if e.writers and g.writer not in e.writers:
+            out.append(f"written by {g.writer}, expected {'/'.join(sorted(e.writers))}")
+        if e.ends and g.status not in e.exits(self.cell.launcher):
+            out.append(f"exit {g.status}, expected {sorted(e.exits(self.cell.launcher))}")
+        if e.verdict in (FAIL, LOST) and (g.report_s is None or g.report_s > matrix.REPORT_BOUND_S):
+            out.append(f"report after {g.report_s} s, bound {matrix.REPORT_BOUND_S:g} s")
+        if e.ends and g.end_s > matrix.END_BOUND_S:
+            out.append(f"launcher ended after {g.end_s:.0f} s, bound {matrix.END_BOUND_S:g} s")
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _show(culprits: frozenset) -> str:
+    parts = []
+    for c in sorted(culprits):
+        parts.append({"rank": lambda: f"rank {c[1]}", "link": lambda: f"link {c[1]}-{c[2]}",
+                      "host": lambda: f"host {c[1]}", "job": lambda: "the job"}[c[0]]())
+    return "{" + ", ".join(parts) + "}"
+
+
+def worker_args(cell: Cell, config: Path) -> list[str]:
+    args = ["--backend", "gloo", "--level", "quick", "--timeout", f"{matrix.TIMEOUT_S:g}",
+            "--config", str(config)]
+    if cell.kind in _INJECT:
+        args += ["--fault", f"{cell.rank}:{_INJECT[cell.kind]}@{cell.stage}"]
+    return args
+
+
+def run(cell: Cell, parts: launchers.Parts, work: Path) -> Row:
+    """Run ``cell`` for real in ``work`` (a fresh folder); never raises for the run's own
+    failures (those are the row's)."""
+    t0 = time.monotonic()
+    expect = matrix.expect(cell)
+    work.mkdir(parents=True)
+    config = work / "campaign.yaml"
+    config.write_text(CONFIG)
+    marker = f"cmp{os.getpid()}-{int(time.time() * 1000) % 10**8}"
+    dup = (cell.peer_node, cell.node) if cell.kind == "dup_hostname" else None
+    if dup and dup[0] > dup[1]:
+        dup = (dup[1], dup[0])
+    with contextlib.ExitStack() as undo:
+        folder = None
+        if cell.kind in matrix.FOLDER:
+            folder = undo.enter_context(faults.SmallFolder(work / "reports"))
+            if cell.stage == "join":  # the launchers' report folders exist; nothing more fits
+                for sub in ("report", "reports"):
+                    (folder.path / sub).mkdir(mode=0o777)
+                    os.chmod(folder.path / sub, 0o1777)
+                _hit_folder(cell, folder)
+        try:
+            launch = launchers.start(cell, parts, work, folder.path if folder else work,
+                                     worker_args(cell, config), marker, dup)
+        except Exception as e:  # noqa: BLE001 — a launcher that cannot start is this row's
+            return Row(cell, expect, Got("none", frozenset(), "", None, None, None, 0.0,
+                                         f"error: could not start: {e}"), time.monotonic() - t0)
+        undo.callback(launch.stop)
+        if getattr(launch, "net", None) is not None:
+            undo.callback(launch.net.down)
+        try:
+            struck = _strike(cell, launch, parts, undo, folder)
+        except Exception as e:  # noqa: BLE001
+            struck, note = None, f"error: strike: {type(e).__name__}: {e}"
+        else:
+            note = ""
+        at = struck or time.monotonic()
+        report_at = _wait_end(launch, at, expect.ends)
+        end_s = time.monotonic() - at
+        got = _read(cell, launch, at, report_at, end_s)
+        got.note = note or got.note
+        left = launch.workers()
+        if launch.running() or left:
+            got.note = got.note or (f"still running after {end_s:.0f} s: stopped; ranks "
+                                    f"{_where(left)}")
+    return Row(cell, expect, got, time.monotonic() - t0)
+
+
+def _hit_folder(cell: Cell, folder) -> None:
+    if cell.kind == "disk_full":
+        folder.fill()
+    else:
+        folder.read_only()
+
+
+def _strike(cell: Cell, launch, parts, undo: contextlib.ExitStack, folder) -> float | None:
+    """Wait for the cell's stage, then strike; the moment struck (None: nothing to strike
+    after the start, the fault was in place before it)."""
+    k = cell.kind
+    if k in _INJECT or k == "dup_hostname" or (k in matrix.FOLDER and cell.stage == "join"):
+        return None
+    network = k in matrix.NETWORK
+    if network and cell.stage == "join":
+        _network(cell, launch, undo)  # in place before any rank connects
+        return None
+    end = time.monotonic() + matrix.STRIKE_WAIT_S
+    # A lasting fault (a folder, the network, a quota) is in place from the stage's start: at
+    # the first arrival there, before any rank's work in it. A sudden one strikes inside the
+    # stage: once every rank has arrived and the work begins.
+    lasting = k in matrix.FOLDER or network or k == "slow_rank"
+    key = (f"rank/{cell.rank}" if cell.stage == "join" else
+           f"arrive/{cell.stage}/0/{cell.rank}" if lasting else f"arrive/{cell.stage}/0/all")
+    pid = None
+    while True:
+        if time.monotonic() > end or not launch.running():
+            raise RuntimeError(f"the run never reached {cell.stage} (waited for {key})")
+        if k in ("store_killed",) or network or k in matrix.FOLDER:
+            if launch.has(key):
+                break
+        else:
+            pid = launch.workers().get(cell.rank)
+            if pid is not None and launch.has(key):
+                break
+        time.sleep(0.02)
+    if k in _SIGNALS:
+        os.kill(pid, _SIGNALS[k])
+    elif k == "oom":
+        undo.enter_context(faults.MemoryLimit(pid, f"ddp-campaign-oom-{pid}"))
+    elif k == "slow_rank":
+        quota = undo.enter_context(faults.CpuQuota(0.15, f"ddp-campaign-cpu-{pid}"))
+        quota.add(pid)
+    elif k == "store_killed":
+        holder = launch.store_pid()
+        if holder is None:
+            raise RuntimeError("no process holds the store")
+        os.kill(holder, signal.SIGKILL)
+    elif k in matrix.FOLDER:
+        _hit_folder(cell, folder)
+    elif network:
+        _network(cell, launch, undo)
+    return time.monotonic()
+
+
+def _network(cell: Cell, launch, undo: contextlib.ExitStack) -> None:
+    a, b = launch.hosts[cell.node], launch.hosts[cell.peer_node]
+    subnet = {"10.231.9": launchers.HOSTS_SUBNET, "10.231.10": launchers.SLURM_SUBNET,
+              "10.231.11": launchers.PODS_SUBNET,
+              "10.231.12": launchers.DUP_SUBNET}[a.addr.rsplit(".", 1)[0]]
+    made = {"slow_link": lambda: faults.slow_link(a, b), "slow_node": lambda: faults.slow_node(a),
+            "dead_link": lambda: faults.cut_link(a, b),
+            "dead_node": lambda: faults.cut_node(a, subnet),
+            "blackhole": lambda: faults.blackhole(a, b)}
+    if cell.kind in made:
+        undo.enter_context(made[cell.kind]())
+
+
+def _wait_end(launch, at: float, ends: bool = True) -> float | None:
+    """Wait for the launcher to end by itself (END_BOUND_S at most; for one expected not to,
+    until its workers are gone and the report is there); when the report appeared
+    (monotonic), or None."""
+    report, seen = launch.report_dir / "report.json", None
+    end = at + matrix.END_BOUND_S
+    while time.monotonic() < end:
+        if seen is None and report.exists():
+            seen = time.monotonic()
+        # the launcher's end, and its workers' (a killed launcher leaves them orphaned: they
+        # still have their word to leave)
+        if not launch.workers() and (not launch.running() or (not ends and seen)):
+            break
+        time.sleep(0.2)
+    if seen is None and report.exists():
+        seen = at + max(0.0, report.stat().st_mtime - (time.time() - (time.monotonic() - at)))
+    return seen
+
+
+def _where(workers: dict[int, int]) -> str:
+    """rank: pid, state and kernel wait channel of each worker still alive (a hang's clue)."""
+    out = []
+    for rank, pid in sorted(workers.items()):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+        except OSError:
+            continue
+        out.append(f"{rank}: pid {pid} {state} {wchan}")
+    return ", ".join(out) or "none"
+
+
+def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) -> Got:
+    out = launch.output()
+    status = _status(cell, launch, out)
+    report, writer = None, None
+    path = launch.report_dir / "report.json"
+    if path.exists():
+        with contextlib.suppress(ValueError, OSError):
+            report = json.loads(path.read_text())
+    if report is None and _JSON_LINE in out:
+        tail = out.split(_JSON_LINE, 1)[1]
+        line = next((ln for ln in tail.splitlines() if ln.startswith("{")), None)
+        if line:
+            with contextlib.suppress(ValueError):
+                report, writer = json.loads(line), "stderr"
+                report_at = report_at or at
+    lost = sorted((launch.report_dir / "lost").glob("*.json")) \
+        if (launch.report_dir / "lost").is_dir() else []
+    report_s = None if report_at is None else round(report_at - at, 1)
+    said = []  # the folder took no report: the error line before its JSON line says why
+    if writer == "stderr":
+        said = out.split(_JSON_LINE, 1)[0].rstrip().splitlines()[-1:]
+    by_launcher = bool(report and (report.get("config") or {}).get("launcher"))
+    if report is None or (by_launcher and lost):  # the launcher's report quotes lost/
+        if lost:
+            last = max(p.stat().st_mtime for p in lost)
+            report_s = round(end_s - (time.time() - last), 1)
+            said = " | ".join(p.read_text(errors="replace")[:400] for p in lost)
+            return Got(LOST, frozenset(), f"{said} | {out[-2000:]}", None, status, report_s,
+                       end_s, f"{len(lost)} lost records", len(lost))
+        verdict = BAD_INPUT if "ddp-smoke: error:" in out else "none"
+        return Got(verdict, frozenset(), out[-4000:], None, status, None, end_s)
+    culprits, reasons = set(), []
+    for check in report.get("checks", []):
+        if check.get("status") != "fail":
+            continue
+        for k in check.get("culprits", []):
+            reasons.append(k.get("reason", ""))
+            if k.get("ranks"):
+                culprits.add(("link", *sorted(k["ranks"])[:2]))
+            elif k.get("rank") is not None:
+                culprits.add(("rank", k["rank"]))
+            elif k.get("host"):  # a node the launcher named (no rank ever ran there)
+                culprits.add(("host", k["host"]))
+            else:
+                culprits.add(("job",))
+    writer = writer or report.get("written_by") or ("launcher" if by_launcher else "rank 0")
+    return Got(report.get("verdict", "none"), frozenset(culprits), " | ".join(
+        reasons + said), writer, status, report_s, end_s)
+
+
+def _status(cell: Cell, launch, out: str) -> int | None:
+    status = launch.status()
+    if cell.launcher == "smoke_local" and status not in (None, 0):
+        m = re.findall(r"\] Error (\d+)", out)  # make's line names the kit's own status
+        if m:
+            return int(m[-1])
+        if "Killed" in out:
+            return -9
+    return status

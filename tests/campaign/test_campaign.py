@@ -1,0 +1,84 @@
+"""The fault campaign in CI: the matrix's rules (pure), and a sample of real cells.
+
+The sample is seeded by the commit (``git rev-parse HEAD``; ``CAMPAIGN_SEED`` overrides), so
+the cells CI runs are exactly those ``python -m tests.campaign --sample <commit>`` runs before
+a push, and each commit samples other cells: the covering set is covered over time. The sample
+takes cells while their expected time fits ``SAMPLE_BUDGET_S``: at most 5 minutes of the
+suite's 20. A wrong cell fails with the command that reruns it alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from tests.campaign import matrix
+
+SAMPLE_BUDGET_S = 240.0  # expected seconds; the cells' own bounds keep the real time near it
+SEED = matrix.commit_seed()
+COVER = matrix.cover()
+SAMPLE = matrix.sample(COVER.cells, SEED, SAMPLE_BUDGET_S)
+
+
+# -- the matrix (pure) -------------------------------------------------------------------------
+
+def test_every_pair_a_possible_cell_holds_is_in_the_covering_set():
+    held = {p for c in COVER.cells for p in matrix._pairs(c)}
+    possible = {p for c in matrix.all_cells() if matrix.impossible(c) is None
+                for p in matrix._pairs(c)}
+    assert held == possible and len(held) == COVER.pairs
+    assert all(matrix.impossible(c) is None for c in COVER.cells)
+
+
+def test_every_pair_left_out_says_why_and_really_cannot_exist():
+    names = list(matrix.DIMENSIONS)
+    for (d1, v1, d2, v2), why in COVER.impossible_pairs.items():
+        assert why, (d1, v1, d2, v2)
+        holders = [c for c in matrix.all_cells()
+                   if getattr(c, d1) == v1 and getattr(c, d2) == v2]
+        assert holders and all(matrix.impossible(c) for c in holders)
+    assert set(names) == {"kind", "position", "stage", "launcher", "shape"}
+
+
+def test_each_cell_has_one_exact_expectation_and_parses_back():
+    for c in COVER.cells:
+        e = matrix.expect(c)
+        assert e.verdict in (matrix.PASS, matrix.FAIL, matrix.BAD_INPUT, matrix.LOST), c
+        assert (e.verdict == matrix.FAIL) == bool(e.culprits), c
+        assert matrix.Cell.parse(c.id) == c
+    with pytest.raises(ValueError, match="shape"):
+        matrix.Cell.parse("sigkill.middle.compute.torchrun.9x9")
+
+
+def test_the_sample_is_the_commits_own_and_fits_its_budget():
+    again = matrix.sample(COVER.cells, SEED, SAMPLE_BUDGET_S)
+    assert again == SAMPLE and sum(map(matrix.cost_s, SAMPLE)) <= SAMPLE_BUDGET_S
+    other = matrix.sample(COVER.cells, SEED + "x", SAMPLE_BUDGET_S)
+    assert other != SAMPLE  # another commit, other cells
+    assert matrix.select(COVER.cells, "kind=sigkill,shape=1x3+3x1") == [
+        c for c in COVER.cells if c.kind == "sigkill" and c.shape in ("1x3", "3x1")]
+
+
+def test_positions_land_where_they_say():
+    cells = [matrix.Cell("sigkill", p, "compute", "torchrun", s)
+             for p, s in itertools.product(matrix.POSITIONS, matrix.SHAPES)]
+    at = {(c.position, c.shape): (c.rank, c.node, c.peer_node) for c in cells}
+    assert at[("middle", "3x1")] == (1, 1, 2) and at[("last", "4x1")] == (3, 3, 2)
+    assert at[("middle", "1x3")][:2] == (1, 0)  # one node: no link, no peer node
+    assert at[("store_node", "1x4")][:2] == (3, 0) and at[("store_node", "3x1")] == (0, 0, 1)
+    assert all(0 <= c.rank < c.world for c in cells)
+    assert dataclasses.astuple(cells[0]) == tuple(cells[0].id.split("."))
+
+
+# -- real cells --------------------------------------------------------------------------------
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cell", SAMPLE, ids=[c.id for c in SAMPLE])
+def test_sampled_cell_is_right(cell, parts, tmp_path):
+    from tests.campaign import runner
+    row = runner.run(cell, parts, tmp_path / "cell")
+    print(f"\ncampaign seed {SEED}: {cell.id} in {row.wall_s:.1f} s: {row.got}")
+    assert row.ok, (f"{cell.id} (seed {SEED}): {'; '.join(row.problems)}; reasons: "
+                    f"{row.got.text[:1500]}\nrerun it alone: python -m tests.campaign "
+                    f"--cell {cell.id}")

@@ -1,0 +1,34 @@
+"""The environment check's judgement on recorded identities (pure: no process group)."""
+from ddp_smoke.checks import environment
+from ddp_smoke.checks.api import Evidence
+from ddp_smoke.config import defaults
+
+
+def _evidence(ranks: list[dict], **cfg) -> Evidence:
+    obs = [{"versions": {"torch": "2.13.0", "cuda": None, "nccl": None, "cudnn": None,
+                         "driver": None, "python": "3.11"}, "env": {}, "world_size_env": len(ranks),
+            "local_world_size": 1} for _ in ranks]
+    return Evidence("environment", obs, ranks, {**defaults(), **cfg})
+
+
+def _rank(r: int, host: str, addr: str, node: str) -> dict:
+    return {"rank": r, "local_rank": 0, "host": host, "route_address": addr,
+            "addresses": {"lo": "127.0.0.1", "eth0": addr}, "slurm_node": node}
+
+
+def test_two_machines_with_one_hostname_are_named_as_such_with_address_and_node():
+    ranks = [_rank(0, "n1", "10.0.0.1", "gpu1"), _rank(1, "n2", "10.0.0.2", "gpu2"),
+             _rank(2, "n2", "10.0.0.3", "gpu3"), _rank(3, "n4", "10.0.0.4", "gpu4")]
+    got = environment.judge(_evidence(ranks, expect_nodes=4))
+    assert got.status == "fail"
+    assert [(c.rank, c.host) for c in got.culprits] == [(1, "n2"), (2, "n2")]
+    first = got.culprits[0].reason
+    assert "same hostname 'n2'" in first and "10.0.0.2 (Slurm node gpu2)" in first
+    assert "10.0.0.3 (Slurm node gpu3)" in first and "Duplicate GPU detected" in first
+    # the consequences are not named again: slots and the node count are per machine
+    assert not any("shares slot" in c.reason or "promised" in c.reason for c in got.culprits)
+
+
+def test_ranks_of_one_machine_share_its_hostname_without_a_finding():
+    ranks = [{**_rank(r, "n1", "10.0.0.1", "gpu1"), "local_rank": r} for r in range(3)]
+    assert environment.judge(_evidence(ranks, expect_nodes=1)).status == "pass"

@@ -1,0 +1,66 @@
+"""How a dead rank ended, in words, from what its witnesses saw (coordination/fate.py)."""
+import os
+import signal
+import subprocess
+import sys
+
+from ddp_smoke.coordination import fate
+
+
+def test_last_words_of_a_real_crash_name_the_signal_and_the_frame(tmp_path):
+    # a real process enables its last words and dies of SIGSEGV and of SIGABRT
+    for sig, name in ((signal.SIGSEGV, "SIGSEGV"), (signal.SIGABRT, "SIGABRT")):
+        code = (f"from ddp_smoke.coordination import fate; import os, signal\n"
+                f"fate.last_words({str(tmp_path)!r}, 3)\n"
+                f"def check(): os.kill(os.getpid(), {int(sig)})\ncheck()\n")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+        assert proc.returncode == -sig
+        got = fate.said(str(tmp_path), 3)
+        assert got["signal"] == name and "in check, <string>:3" in got["said"], got
+
+
+def test_an_empty_file_goes_at_a_clean_exit_and_an_old_one_cannot_speak(tmp_path):
+    old = tmp_path / fate.FOLDER / "rank1.txt"
+    old.parent.mkdir()
+    old.write_text("Fatal Python error: Segmentation fault\n")  # an earlier run's
+    code = (f"from ddp_smoke.coordination import fate\n"
+            f"fate.last_words({str(tmp_path)!r}, 1)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert not old.exists() and fate.said(str(tmp_path), 1) == {}
+
+
+def test_the_words_say_what_was_seen_and_nothing_more():
+    stage = "collectives"
+    said = {"signal": "SIGSEGV", "said": "Fatal Python error: Segmentation fault, in f, x.py:1"}
+    assert fate.describe({"exit": {"signal": "SIGKILL"}}, stage) == (
+        "killed by SIGKILL during collectives (the launcher saw it)")
+    assert fate.describe({"exit": {"code": 13}}, stage).startswith("exited with status 13")
+    assert fate.describe(said, stage).startswith("killed by SIGSEGV during collectives: Fatal")
+    oom = {"gone": True, "host": "h", "pid": 7, "oom": "Memory cgroup out of memory: Killed "
+                                                      "process 7 (python)"}
+    assert "OOM killer during collectives: cgroup memory limit" in fate.describe(oom, stage)
+    assert "frozen" in fate.describe({"stopped": True, "host": "h", "pid": 7}, stage)
+    assert fate.describe({"gone": True, "host": "h", "pid": 7}, stage) == (
+        "died during collectives: its process 7 is gone from h")
+    assert fate.describe({}, stage) is None
+
+
+def test_a_neighbour_that_is_gone_or_stopped_is_seen_and_others_are_not(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        host = os.uname().nodename
+        ranks = [{"rank": 0, "pid": os.getpid(), "host": host},
+                 {"rank": 1, "pid": gone.pid, "host": host},
+                 {"rank": 2, "pid": stopped.pid, "host": host},
+                 {"rank": 3, "pid": gone.pid, "host": "another-host"}]
+        for _ in range(50):  # the stop takes effect asynchronously
+            seen = fate.look(ranks, 0, str(tmp_path))
+            if seen.get(2, {}).get("stopped"):
+                break
+        assert sorted(seen) == [1, 2] and seen[1]["gone"] and seen[2]["stopped"], seen
+    finally:
+        stopped.kill()
+        stopped.wait()
