@@ -174,7 +174,7 @@ def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int,
     """``torchrun --standalone --nproc-per-node=N`` in this process, the ranks forked from it;
     the workers' exit status, and what to say last when no worker reached a verdict."""
     from torch.distributed import run as torchrun
-    fate.watch_workers()  # each worker's signal or exit status, for the culprit's text
+    fate.watch_workers(nproc)  # each worker's signal or exit status, for the culprit's text
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch

@@ -31,6 +31,7 @@ import threading
 import time
 
 from . import hosting, keys, signing
+from .store import reads
 
 FOLDER = "fatal"
 _OOM = re.compile(r"(Memory cgroup out of memory|Out of memory[^:]*): Killed process (\d+) ")
@@ -201,9 +202,9 @@ class Witness(threading.Thread):
     dies (``waitid`` with WNOWAIT leaves it for torchrun's agent to reap), posted as
     ``exit/<rank>`` to the run's store (``store_of()`` makes the client once needed)."""
 
-    def __init__(self, store_of):
+    def __init__(self, store_of, world_size: int | None = None):
         super().__init__(name="ddp-smoke-witness", daemon=True)
-        self.store_of, self.ranks = store_of, {}
+        self.store_of, self.world_size, self.ranks = store_of, world_size, {}
 
     def _learn(self) -> None:
         """pid -> rank of this process's live children (a zombie's environment is gone)."""
@@ -238,8 +239,21 @@ class Witness(threading.Thread):
             while _waitable(got.si_pid):  # until the agent reaps it
                 time.sleep(0.02)
 
+    def _posted_rank(self, pid: int) -> int | None:
+        """A forked worker's environment is its parent's (torchrun sets RANK after the fork,
+        not in /proc/<pid>/environ): its rank is the one whose identity record names it."""
+        if not self.world_size:
+            return None
+        try:
+            found = reads(self.store_of(), keys.RANK, range(self.world_size))
+        except Exception:  # noqa: BLE001 — the store may be gone
+            return None
+        return next((r for r, rec in found.items() if rec.get("pid") == pid), None)
+
     def _tell(self, got) -> None:
         rank = self.ranks.get(got.si_pid)
+        if rank is None:
+            rank = self._posted_rank(got.si_pid)
         if rank is None:
             return
         if got.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
@@ -254,7 +268,7 @@ class Witness(threading.Thread):
             pass
 
 
-def watch_workers(environ=os.environ) -> None:
+def watch_workers(world_size: int | None = None, environ=os.environ) -> None:
     """In a launcher whose children are the workers and which has a store host
     (``DDP_SMOKE_STORE``, ``DDP_SMOKE_SECRET``): start the :class:`Witness`."""
     address, secret = environ.get("DDP_SMOKE_STORE"), environ.get("DDP_SMOKE_SECRET")
@@ -272,7 +286,7 @@ def watch_workers(environ=os.environ) -> None:
                                               hosting.PREFIX, bytes.fromhex(secret), rank=-1))
         return client[0]
 
-    Witness(store_of).start()
+    Witness(store_of, world_size).start()
 
 
 def _waitable(pid: int) -> bool:
