@@ -174,7 +174,7 @@ def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int,
     """``torchrun --standalone --nproc-per-node=N`` in this process, the ranks forked from it;
     the workers' exit status, and what to say last when no worker reached a verdict."""
     from torch.distributed import run as torchrun
-    fate.watch_workers(nproc)  # each worker's signal or exit status, for the culprit's text
+    fate.watch_workers()  # each worker's signal or exit status, for the culprit's text
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -210,6 +210,7 @@ def _rank(store_port: int, *worker_args: str) -> int:
     """One rank, forked by torchrun's agent in this process: the worker, with its exit status
     as torchrun reads it (a return value for 0, the process's status otherwise)."""
     _close_inherited(store_port)
+    fate.name_rank(int(os.environ["RANK"]))  # torchrun set it in this process, after the fork
     for stream in (sys.stdout, sys.stderr):  # as torchrun's `python -u`: lines as they come
         stream.reconfigure(line_buffering=True)
     code = cli.worker(list(worker_args))

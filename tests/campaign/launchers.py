@@ -26,9 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from ddp_smoke.coordination import fate
 from tests.launch import REPO, record_value
 from tests.multinode import node_env, torchrun_argv
-from tests.sandbox.hosts import Host, HostSandbox, host_command, missing_requirements
+from tests.sandbox.hosts import HostSandbox, host_command, missing_requirements
 
 BIN = Path(sys.executable).parent
 TEMPLATE = REPO / "slurm" / "ddp_smoke.sbatch"
@@ -37,7 +38,7 @@ SLURM_PREFIX, SLURM_SUBNET = "dcs", "10.231.10.0/24"
 DUP_PREFIX, DUP_SUBNET = "dcu", "10.231.12.0/24"
 PODS_PREFIX, PODS_SUBNET = "dcd", "10.231.11.0/24"
 NODES = 4  # the largest shape's
-STORE_LINE = re.compile(r"serving the coordination store at (\S+):(\d+)")
+STORE_LINE = re.compile(r"serving the coordination store at (\S+):(\d+)")  # a store host's
 
 
 def _processes():
@@ -141,6 +142,8 @@ class Launch:
                 rank = env.get(b"SUBMITIT_LOCAL_GLOBALID") or env.get(b"SLURM_PROCID")
             elif b"ddp_smoke" in head and b"-m" in head:  # torchrun's worker
                 rank = env.get(b"RANK")
+            elif b"ddp_smoke.launch_local" in head:  # make smoke-local's ranks: forked, named
+                rank = fate.rank_named(pid)
             else:
                 continue
             if rank is not None:
@@ -158,6 +161,9 @@ class Launch:
             head = cmd.split(b"\0")[:4]
             if b"ddp_smoke.store_host" in head and b"--plan" not in cmd:
                 return pid
+            if b"ddp_smoke.launch_local" in head and b"--check" not in cmd \
+                    and fate.rank_named(pid) is None:
+                return pid  # make smoke-local's launcher holds the store itself
             if b"torch.distributed.run" in head or any(a.endswith(b"/torchrun") or
                                                         a == b"torchrun" for a in head[:2]):
                 agents.append((pid, cmd))

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from tests.campaign import launchers, matrix
-from tests.campaign.matrix import BAD_INPUT, FAIL, LOST, PASS, Cell, Expect
+from tests.campaign.matrix import BAD_INPUT, FAIL, LOST, Cell, Expect
 from tests.sandbox import faults
 
 CONFIG = """\

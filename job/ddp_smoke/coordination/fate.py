@@ -31,9 +31,13 @@ import threading
 import time
 
 from . import hosting, keys, signing
-from .store import reads
 
 FOLDER = "fatal"
+# A rank forked by its launcher (make smoke-local) shares the launcher's command line and, as
+# /proc shows it, its environment: its process name says which rank it is (ps, top, the
+# launcher's Witness). /proc/<pid>/comm holds 15 bytes: ranks up to 9999.
+_PROCESS_NAME = "ddp-smoke r{}"
+_NAMED = re.compile(r"ddp-smoke r(\d+)")
 _OOM = re.compile(r"(Memory cgroup out of memory|Out of memory[^:]*): Killed process (\d+) ")
 _FATAL = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
           "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
@@ -97,6 +101,25 @@ def said(report_dir: str, rank: int) -> dict:
             where = f", in {frame[2]}, {os.path.basename(frame[0])}:{frame[1]}" if frame else ""
             return {"signal": sig, "said": f"Fatal Python error: {words}{where}"}
     return {}
+
+
+def name_rank(rank: int) -> None:
+    """Name this (forked) rank's process after its rank. Never raises."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(_PROCESS_NAME.format(rank)[:15])
+    except OSError:
+        pass
+
+
+def rank_named(pid: int) -> int | None:
+    """The rank a process is named after (:func:`name_rank`), else None."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            m = _NAMED.fullmatch(f.read().strip())
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
 
 
 def _proc_state(pid: int) -> str | None:
@@ -202,9 +225,9 @@ class Witness(threading.Thread):
     dies (``waitid`` with WNOWAIT leaves it for torchrun's agent to reap), posted as
     ``exit/<rank>`` to the run's store (``store_of()`` makes the client once needed)."""
 
-    def __init__(self, store_of, world_size: int | None = None):
+    def __init__(self, store_of):
         super().__init__(name="ddp-smoke-witness", daemon=True)
-        self.store_of, self.world_size, self.ranks = store_of, world_size, {}
+        self.store_of, self.ranks = store_of, {}
 
     def _learn(self) -> None:
         """pid -> rank of this process's live children (a zombie's environment is gone)."""
@@ -224,6 +247,8 @@ class Witness(threading.Thread):
                         continue
                     if b"RANK" in env:
                         self.ranks[pid] = int(env[b"RANK"])
+                    elif (named := rank_named(pid)) is not None:  # a forked rank
+                        self.ranks[pid] = named
 
     def run(self) -> None:
         while True:
@@ -239,21 +264,8 @@ class Witness(threading.Thread):
             while _waitable(got.si_pid):  # until the agent reaps it
                 time.sleep(0.02)
 
-    def _posted_rank(self, pid: int) -> int | None:
-        """A forked worker's environment is its parent's (torchrun sets RANK after the fork,
-        not in /proc/<pid>/environ): its rank is the one whose identity record names it."""
-        if not self.world_size:
-            return None
-        try:
-            found = reads(self.store_of(), keys.RANK, range(self.world_size))
-        except Exception:  # noqa: BLE001 — the store may be gone
-            return None
-        return next((r for r, rec in found.items() if rec.get("pid") == pid), None)
-
     def _tell(self, got) -> None:
         rank = self.ranks.get(got.si_pid)
-        if rank is None:
-            rank = self._posted_rank(got.si_pid)
         if rank is None:
             return
         if got.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
@@ -268,7 +280,7 @@ class Witness(threading.Thread):
             pass
 
 
-def watch_workers(world_size: int | None = None, environ=os.environ) -> None:
+def watch_workers(environ=os.environ) -> None:
     """In a launcher whose children are the workers and which has a store host
     (``DDP_SMOKE_STORE``, ``DDP_SMOKE_SECRET``): start the :class:`Witness`."""
     address, secret = environ.get("DDP_SMOKE_STORE"), environ.get("DDP_SMOKE_SECRET")
@@ -286,7 +298,7 @@ def watch_workers(world_size: int | None = None, environ=os.environ) -> None:
                                               hosting.PREFIX, bytes.fromhex(secret), rank=-1))
         return client[0]
 
-    Witness(store_of, world_size).start()
+    Witness(store_of).start()
 
 
 def _waitable(pid: int) -> bool:
