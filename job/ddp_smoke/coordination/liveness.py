@@ -42,6 +42,7 @@ class Liveness:
         self._n, self._aborted = 0, False
         self._due = self._beat_due = 0.0  # monotonic: the next look, the next heartbeat
         self._ticking = threading.Lock()
+        self._keeping = threading.Lock()  # held by the one thread that keeps the heartbeat
         self._wake = (-1, -1)
         self._thread: threading.Thread | None = None
 
@@ -165,6 +166,12 @@ class Liveness:
             # whole-job termination is known as one (the first reason still stands).
             self._signals(0.1)
             if c.claim_exit():
+                # The main thread may never beat again: stuck in C++ (a collective whose peer
+                # is gone) or in a wait of its own. Leaving takes seconds (forensics, probes,
+                # the judge, the report) and this rank must be seen alive meanwhile, or it
+                # would be judged dead — the writer itself, every rank of a cut link.
+                threading.Thread(target=self.keep_beating, args=(store,), daemon=True,
+                                 name="ddp-smoke-beat").start()
                 exit_aborted(c, store)  # returns only when the main thread writes the report
             self.keep_beating(store)
         except Exception as e:  # noqa: BLE001 — never die silently (the store is gone?)
@@ -184,16 +191,21 @@ class Liveness:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.period + 1)
 
-    def keep_beating(self, store, seconds: float | None = None) -> None:
-        """Beat until the process ends (or ``seconds``): the other thread writes the report
-        and must be seen alive meanwhile. Never raises: the store may be going."""
-        end = None if seconds is None else time.monotonic() + seconds
-        while not self.stop.is_set() and (end is None or time.monotonic() < end):
-            try:
+    def keep_beating(self, store) -> None:
+        """Beat until the process ends: the other thread writes the report and must be seen
+        alive meanwhile. One thread beats; another that asks just waits as long. Never
+        raises: the store may be going."""
+        if not self._keeping.acquire(blocking=False):
+            self.stop.wait()
+            return
+        try:
+            while not self.stop.is_set():
                 self.beat(store)
-            except Exception:  # noqa: BLE001
-                return
-            self.stop.wait(self.period)
+                self.stop.wait(self.period)
+        except Exception:  # noqa: BLE001
+            return
+        finally:
+            self._keeping.release()
 
 
 def shut_down(c) -> None:
