@@ -5,9 +5,10 @@ Both are one thread, on the rank's one store connection (:class:`.store.Connecti
 look period it beats and looks (:meth:`Liveness.tick`: two store calls, within the store's
 budget at any world size). While the main thread holds the connection in a long wait, it does
 the same between the wait's slices, so the heartbeat never waits for the connection. Once the
-run is aborted this thread owns the exit (:func:`.ending.exit_aborted`); whichever thread is
-not writing the report keeps the heartbeat going until the process ends, so that the writer
-is seen alive.
+run is aborted this thread owns the exit (:func:`.ending.exit_aborted`), and one thread keeps
+the heartbeat going until the process ends, so that the rank (the writer too) is seen alive
+while it leaves: the main thread when it finishes first, else one started for it (the main
+thread may never return from C++).
 """
 from __future__ import annotations
 
