@@ -160,13 +160,21 @@ def check_interfaces(environ=os.environ, addresses: dict | None = None) -> tuple
 
 
 def interface_mtu(addr: str) -> int | None:
-    """The MTU of the interface holding ``addr`` (sysfs), or None."""
+    """The MTU of the interface holding ``addr`` (SIOCGIFMTU), or None. Asked of the kernel
+    through a socket, as the addresses are: /sys/class/net is the network namespace's that
+    mounted /sys, which a process entering a namespace (nsenter --net, a CNI's exec) keeps."""
+    import fcntl
+    import struct
+
     name = next((n for n, a in interface_addresses().items() if addr in a), None)
-    try:
-        with open(f"/sys/class/net/{name}/mtu") as f:
-            return int(f.read())
-    except (OSError, ValueError):
+    if name is None:
         return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8921, struct.pack("16s24x", name[:15].encode()))
+    except OSError:
+        return None
+    return struct.unpack("16si", packed[:20])[1]  # struct ifreq: the name, then ifr_mtu
 
 
 def compare_mtus(mtus: dict[str, int]) -> tuple[bool, str, list[str]]:

@@ -271,7 +271,7 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
     said = []  # the folder took no report: the error line before its JSON line says why
     if writer == "stderr":
         said = out.split(_JSON_LINE, 1)[0].rstrip().splitlines()[-1:]
-    by_launcher = bool(report and (report.get("config") or {}).get("launcher"))
+    by_launcher = bool(report and str(report.get("written_by")).endswith(" launcher"))
     if report is None or (by_launcher and lost):  # the launcher's report quotes lost/
         if lost:
             last = max(p.stat().st_mtime for p in lost)
@@ -295,7 +295,7 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
                 culprits.add(("host", k["host"]))
             else:
                 culprits.add(("job",))
-    writer = writer or report.get("written_by") or ("launcher" if by_launcher else "rank 0")
+    writer = writer or report.get("written_by") or "rank 0"
     return Got(report.get("verdict", "none"), frozenset(culprits), " | ".join(
         reasons + said), writer, status, report_s, end_s)
 
