@@ -15,8 +15,9 @@ between the slices. The run's state is a frozen snapshot only the main thread re
 (:func:`.ending.exit_aborted`): nothing ever has to wake the main thread, which may sit inside
 a C++ collective. The main thread ends the process only on a clean run, or when it finds the
 abort first and the liveness thread has not begun to finish it
-(:meth:`.protocol.Coordinator.claim_finish` decides, under a lock, once); whichever thread does
-not write the report keeps the heartbeat going.
+(:meth:`.protocol.Coordinator.claim_finish` decides, under a lock, once). While a rank leaves,
+one thread keeps its heartbeat going (:meth:`.liveness.Liveness.keep_beating`): a third one
+when the liveness thread leaves, since the main thread may never return from C++.
 
 Diagnosis beyond who stopped: :mod:`.stragglers` judges, from the time each rank spent inside
 each collective (:mod:`.progress`), who kept the others waiting; :mod:`.reach` probes, outside

@@ -5,9 +5,10 @@ Both are one thread, on the rank's one store connection (:class:`.store.Connecti
 look period it beats and looks (:meth:`Liveness.tick`: two store calls, within the store's
 budget at any world size). While the main thread holds the connection in a long wait, it does
 the same between the wait's slices, so the heartbeat never waits for the connection. Once the
-run is aborted this thread owns the exit (:func:`.ending.exit_aborted`); whichever thread is
-not writing the report keeps the heartbeat going until the process ends, so that the writer
-is seen alive.
+run is aborted this thread owns the exit (:func:`.ending.exit_aborted`), and one thread keeps
+the heartbeat going until the process ends, so that the rank (the writer too) is seen alive
+while it leaves: the main thread when it finishes first, else one started for it (the main
+thread may never return from C++).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class Liveness:
         self._n, self._aborted = 0, False
         self._due = self._beat_due = 0.0  # monotonic: the next look, the next heartbeat
         self._ticking = threading.Lock()
+        self._keeping = threading.Lock()  # held by the one thread that keeps the heartbeat
         self._wake = (-1, -1)
         self._thread: threading.Thread | None = None
 
@@ -165,6 +167,12 @@ class Liveness:
             # whole-job termination is known as one (the first reason still stands).
             self._signals(0.1)
             if c.claim_exit():
+                # The main thread may never beat again: stuck in C++ (a collective whose peer
+                # is gone) or in a wait of its own. Leaving takes seconds (forensics, probes,
+                # the judge, the report) and this rank must be seen alive meanwhile, or it
+                # would be judged dead — the writer itself, every rank of a cut link.
+                threading.Thread(target=self.keep_beating, args=(store,), daemon=True,
+                                 name="ddp-smoke-beat").start()
                 exit_aborted(c, store)  # returns only when the main thread writes the report
             self.keep_beating(store)
         except Exception as e:  # noqa: BLE001 — never die silently (the store is gone?)
@@ -184,16 +192,21 @@ class Liveness:
         if self._thread is not None:
             self._thread.join(timeout=2 * self.period + 1)
 
-    def keep_beating(self, store, seconds: float | None = None) -> None:
-        """Beat until the process ends (or ``seconds``): the other thread writes the report
-        and must be seen alive meanwhile. Never raises: the store may be going."""
-        end = None if seconds is None else time.monotonic() + seconds
-        while not self.stop.is_set() and (end is None or time.monotonic() < end):
-            try:
+    def keep_beating(self, store) -> None:
+        """Beat until the process ends: the other thread writes the report and must be seen
+        alive meanwhile. One thread beats; another that asks just waits as long. Never
+        raises: the store may be going."""
+        if not self._keeping.acquire(blocking=False):
+            self.stop.wait()
+            return
+        try:
+            while not self.stop.is_set():
                 self.beat(store)
-            except Exception:  # noqa: BLE001
-                return
-            self.stop.wait(self.period)
+                self.stop.wait(self.period)
+        except Exception:  # noqa: BLE001
+            return
+        finally:
+            self._keeping.release()
 
 
 def shut_down(c) -> None:
