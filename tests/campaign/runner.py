@@ -26,13 +26,18 @@ from tests.sandbox import faults
 
 CONFIG = """\
 # The fault campaign's worker configuration: every check long enough to strike inside.
-sampler_epochs: {samples: 20000, epochs: 4}
-collectives: {sizes_bytes: [256, 4200000, 16800000]}
-storage: {file_bytes: 8388608}
-bandwidth: {max_bytes_cpu: 4194304, pair_bytes_cpu: 1048576, pair_rounds: 3}
-compute: {blocks: 20, block_s: 0.1}
-health: {sdc_size_cpu: 768, sdc_repeats: 3}
+sampler_epochs: {{samples: 20000, epochs: 4}}
+collectives: {{sizes_bytes: [256, 4200000{large}]}}
+storage: {{file_bytes: 8388608}}
+bandwidth: {{max_bytes_cpu: 4194304, pair_bytes_cpu: 1048576, pair_rounds: 3}}
+compute: {{blocks: 20, block_s: 0.1}}
+health: {{sdc_size_cpu: 768, sdc_repeats: 3}}
 """
+# The collectives' largest size, there to strike inside that check. A slow node or link
+# carries every later byte at the fault's rate (200 mbit) and needs no strike inside: with
+# it the check outlasted the deadline (still inside reduce_scatter #36, 16.8 MB, at 15 s)
+# and the run never reached the bandwidth check that names the slow node or link.
+LARGE_COLLECTIVE = ", 16800000"
 _SIGNALS = {"sigkill": signal.SIGKILL, "sigsegv": signal.SIGSEGV, "sigabrt": signal.SIGABRT,
             "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
 _INJECT = {"exit": "crash", "hang": "hang", "stall": "stall"}
@@ -109,7 +114,8 @@ def run(cell: Cell, parts: launchers.Parts, work: Path) -> Row:
     expect = matrix.expect(cell)
     work.mkdir(parents=True)
     config = work / "campaign.yaml"
-    config.write_text(CONFIG)
+    config.write_text(CONFIG.format(
+        large="" if cell.kind in ("slow_node", "slow_link") else LARGE_COLLECTIVE))
     marker = f"cmp{os.getpid()}-{int(time.time() * 1000) % 10**8}"
     dup = (cell.peer_node, cell.node) if cell.kind == "dup_hostname" else None
     if dup and dup[0] > dup[1]:
