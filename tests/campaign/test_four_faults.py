@@ -117,7 +117,7 @@ def test_preflight_names_both_jumbo_hosts_before_any_rank_starts(box, tmp_path):
     host = json.loads((tmp_path / "preflight" / f"{box.hosts[0].name}.json").read_text())
     mtu = next(c for c in host["checks"] if c["name"] == "mtu")
     assert not mtu["ok"] and mtu["nodes"] == [h.name for h in box.hosts[1:]], mtu
-    verdict = subprocess.run([sys.executable, "-m", "ddp_smoke.verdict", "--launcher", "--stage",
+    verdict = subprocess.run([sys.executable, "-m", "ddp_smoke", "launch-report", "--stage",
                               "preflight", "--report-dir", str(tmp_path), "--nodes",
                               " ".join(h.name for h in box.hosts)], cwd=REPO,
                              capture_output=True, text=True, timeout=60)
