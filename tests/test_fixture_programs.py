@@ -37,10 +37,12 @@ COMPUTED = {
     "self.client": "docker",  # Engine.client: docker.io's CLI
     "exe": "shellcheck", "shellcheck": "shellcheck",  # found beside sys.executable
     "_tool('hadolint')": "hadolint", "_tool('shellcheck')": "shellcheck",
-    "_kubectl()": "kubectl",
+    "_kubectl()": "kubectl", "kubectl()": "kubectl",  # tests/k8s_check.py: PyPI's or PATH's
     "str(BIN / 'ddp-smoke-submit')": "ddp-smoke-submit", "str(BIN / 'torchrun')": "torchrun",
     "str(launch.BIN / 'torchrun')": "torchrun",
     "pod.argv": "sh", "master.argv": "sh",  # a manifest's command, with a stand-in torchrun
+    "here(pod.argv)": "sh",  # the same, with the checkout's pod script
+    "plot.INSTALL.split()": "python",  # .venv/bin/python -m pip install matplotlib
     "host_argv": "sh",
     "PY": "python",  # tests/launchers/test_preflight.py: sys.executable
     "str(Path(sys.executable).parent / 'ddp-smoke-submit')": "ddp-smoke-submit",

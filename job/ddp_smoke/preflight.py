@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import fcntl
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -95,9 +97,6 @@ def node_rank(environ=os.environ) -> int | None:
 
 def interface_addresses() -> dict[str, list[str]]:
     """Every interface's addresses, IPv4 (SIOCGIFADDR) and IPv6 (/proc), without torch."""
-    import fcntl
-    import struct
-
     out: dict[str, list[str]] = {name: [] for _, name in socket.if_nameindex()}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for name in out:
@@ -160,12 +159,13 @@ def check_interfaces(environ=os.environ, addresses: dict | None = None) -> tuple
 
 
 def interface_mtu(addr: str) -> int | None:
-    """The MTU of the interface holding ``addr`` (sysfs), or None."""
-    name = next((n for n, a in interface_addresses().items() if addr in a), None)
-    try:
-        with open(f"/sys/class/net/{name}/mtu") as f:
-            return int(f.read())
-    except (OSError, ValueError):
+    """The MTU of the interface holding ``addr``, or None: the kernel's (SIOCGIFMTU)."""
+    name = next((n for n, a in interface_addresses().items() if addr in a), "")  # "": ENODEV
+    ifreq = name.encode().ljust(40, b"\0")  # struct ifreq: the name, then ifr_mtu
+    try:  # not /sys/class/net: a process entering a network namespace keeps its old /sys
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            return struct.unpack("16si20x", fcntl.ioctl(s.fileno(), 0x8921, ifreq))[1]
+    except OSError:
         return None
 
 

@@ -422,6 +422,7 @@ def _image(cell, parts, work, reports, worker, marker, dup) -> Launch:
     addrs = [f"10.231.11.{11 + i}" for i in range(cell.nodes)]
     pods = [net.add_pod(n, a, etc_hosts=dict(zip(names, addrs))) for n, a in zip(names, addrs)]
     launch = Launch(cell, marker, out, hosts=[net._box.plugged[i] for i in range(cell.nodes)])
+    worker, volumes = _in_pod(worker, [f"{out}:/reports"])
     for pod in pods:
         if cell.nodes == 1:  # the entrypoint's store host comes with --standalone
             args = ["--standalone", f"--nproc-per-node={cell.per_node}"]
@@ -431,11 +432,22 @@ def _image(cell, parts, work, reports, worker, marker, dup) -> Launch:
                     f"--local-addr={pod.addr}"]
         launch.containers.append(_Container(net.run(
             pod, image.tag, [*args, "--", "--report-dir", "/reports", *worker],
-            volumes=[f"{out}:/reports"], env={"GLOO_SOCKET_IFNAME": "eth0",
+            volumes=volumes, env={"GLOO_SOCKET_IFNAME": "eth0",
                                               "DDP_SMOKE_STORE": "auto", "OMP_NUM_THREADS": "1",
                                               **_worker_env(marker, cell)})))
     launch.net = net
     return launch
+
+
+def _in_pod(worker: list[str], volumes: list[str]) -> tuple[list[str], list[str]]:
+    """The worker's options as a pod sees them: its --config file mounted (read-only) where
+    the options then name it, as a ConfigMap would be."""
+    worker = list(worker)
+    if "--config" in worker:
+        at = worker.index("--config") + 1
+        volumes = [*volumes, f"{worker[at]}:/campaign/config.yaml:ro"]
+        worker[at] = "/campaign/config.yaml"
+    return worker, volumes
 
 
 class _Container:

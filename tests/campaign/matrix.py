@@ -149,6 +149,10 @@ def impossible(c: Cell) -> str | None:
         return "the store lives on one node: the store's"
     if c.kind in FOLDER and c.position != "rank0":
         return "the report folder is the writer's (rank 0's)"
+    if c.kind == "read_only" and c.launcher == "image" and c.stage != "join":
+        return ("a running pod keeps its own mount of the folder: a read-only bind made over it "
+                "on the host later never reaches it (the tmpfs itself cannot be remounted "
+                "read-only while a rank writes there)")
     return None
 
 

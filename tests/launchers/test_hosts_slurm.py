@@ -20,7 +20,7 @@ import pytest
 from tests.forger import Forger, abort
 from tests.sandbox.slurm import slurm_fixture
 from tests.launchers.test_slurm import _submit
-from tests.worker.test_diagnosis_straggler import CpuQuota
+from tests.sandbox.faults import CpuQuota
 
 cluster = slurm_fixture(nodes=2)
 

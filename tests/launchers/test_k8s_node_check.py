@@ -30,7 +30,7 @@ import pytest
 
 from tests import k8s_operator as ko
 from tests.launchers.test_k8s_run import _security_options, _volumes
-from tests.sandbox import hosts
+from tests.sandbox import hosts, tools
 from tests.sandbox.docker import PodNetwork, docker_engine, worker_image  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
@@ -184,6 +184,7 @@ class ApiServer:
 def _certificate(folder: Path, addr: str) -> tuple[Path, Path]:
     """A self-signed certificate for the API server's address (the cluster's CA is its own)."""
     cert, key = folder / "ca.crt", folder / "server.key"
+    tools.ensure("openssl")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=kubernetes", "-addext", f"subjectAltName=IP:{addr}",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True,

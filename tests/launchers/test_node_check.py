@@ -18,7 +18,7 @@ import pytest
 
 from tests import report_schema
 from tests.outputs.test_report_write_failure import _full_tmpfs
-from tests.worker.test_diagnosis_straggler import CpuQuota
+from tests.sandbox.faults import CpuQuota
 
 REPO = Path(__file__).resolve().parents[2]
 HEALTH = REPO / "tests" / "data" / "health"

@@ -28,7 +28,7 @@ import pytest
 from ddp_smoke.outputs import act
 from tests.launchers.test_slurm import _submit
 from tests.sandbox.slurm import slurm_fixture
-from tests.worker.test_diagnosis_straggler import CpuQuota
+from tests.sandbox.faults import CpuQuota
 
 REPO = Path(__file__).resolve().parents[2]
 cluster = slurm_fixture(nodes=4)

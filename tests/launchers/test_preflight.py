@@ -410,6 +410,13 @@ def test_ranks_that_lost_the_store_make_the_launchers_report_naming_the_silent_n
                                   "silent"), proc.stdout
 
 
+def test_interface_mtu_is_the_kernels_for_the_address():
+    """Read through a socket (SIOCGIFMTU), not /sys/class/net: a process that entered a network
+    namespace (the jumbo test's hosts) still sees the /sys of the namespace that mounted it."""
+    assert preflight.interface_mtu("127.0.0.1") == int(Path("/sys/class/net/lo/mtu").read_text())
+    assert preflight.interface_mtu("192.0.2.254") is None  # no interface here holds it
+
+
 def test_mtu_comparison_names_the_odd_nodes_and_the_launcher_report_blames_them():
     ok, detail, odd = preflight.compare_mtus({"n1": 1500, "n2": 9000, "n3": 9000, "n4": 1500,
                                               "n5": 1500})

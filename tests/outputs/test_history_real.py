@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.launch import Spawned, torchrun
-from tests.worker.test_diagnosis_straggler import CpuQuota
+from tests.sandbox.faults import CpuQuota
 
 ARGS = ("--backend", "gloo", "--level", "quick", "--checks", "ddp_step,bandwidth,compute",
         "--timeout", "60")

@@ -65,13 +65,20 @@ class _Group:
     def add(self, pid: int) -> None:
         (self.path / "cgroup.procs").write_text(str(pid))  # every thread of the process
 
+    def release(self) -> None:
+        """Move the processes still in this group back to the group above it."""
+        with contextlib.suppress(OSError):  # the group is gone already
+            for pid in (self.path / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):  # it exited meanwhile
+                    (self.path.parent / "cgroup.procs").write_text(pid)
+
     def remove(self) -> None:
         for _ in range(100):  # its processes leave as they end (the launch ended)
+            self.release()
             try:
-                for pid in (self.path / "cgroup.procs").read_text().split():
-                    with contextlib.suppress(OSError):
-                        (self.path.parent / "cgroup.procs").write_text(pid)
                 self.path.rmdir()
+                return
+            except FileNotFoundError:
                 return
             except OSError:
                 time.sleep(0.1)
@@ -106,6 +113,12 @@ class CpuQuota:
             else:
                 (self.group.path / "cpu.cfs_quota_us").write_text(str(quota))
         self.group.add(pid)
+
+    def release(self) -> None:
+        """Lift the quota now: its processes (a slurmd that outlives the test) go back to
+        the group above; the group itself goes on exit."""
+        if self.group is not None:
+            self.group.release()
 
     def __exit__(self, *exc) -> None:
         if self.group is not None:

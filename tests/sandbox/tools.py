@@ -28,6 +28,7 @@ APT = {
     "dockerd": "docker.io", "docker": "docker.io",
     "debootstrap": "debootstrap",
     "chromium": "chromium",  # the report page's browser tests (tests/browser.py)
+    "openssl": "openssl",  # Priority optional: the k8s node-check's API server certificate
 }
 
 # Installed by `make .venv/.test` (pyproject.toml: dependencies and the [test] extra);
