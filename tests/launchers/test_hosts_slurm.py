@@ -20,7 +20,7 @@ import pytest
 from tests.forger import Forger, abort
 from tests.sandbox.slurm import slurm_fixture
 from tests.launchers.test_slurm import _submit
-from tests.worker.test_diagnosis_straggler import CpuQuota
+from tests.sandbox.faults import CpuQuota
 
 cluster = slurm_fixture(nodes=2)
 
@@ -42,7 +42,6 @@ def slow_second_node(cluster):
     with CpuQuota(0.25, name=f"ddp-smoke-slurm-{os.getpid()}") as quota:
         quota.add(cluster.pids[f"slurmd.{cluster.node_names[1]}"])
         yield cluster.node_names[1]
-        quota.release()
 
 
 @pytest.mark.timeout(240)

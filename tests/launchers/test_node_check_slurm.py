@@ -28,7 +28,7 @@ import pytest
 from ddp_smoke.outputs import act
 from tests.launchers.test_slurm import _submit
 from tests.sandbox.slurm import slurm_fixture
-from tests.worker.test_diagnosis_straggler import CpuQuota
+from tests.sandbox.faults import CpuQuota
 
 REPO = Path(__file__).resolve().parents[2]
 cluster = slurm_fixture(nodes=4)
@@ -150,7 +150,6 @@ def test_health_check_drains_faulty_nodes_leaves_the_others_and_resumes_its_own(
             assert "DRAIN" not in states[healthy]["state"], states
             assert "DRAIN" in states[by_hand]["state"] and \
                 states[by_hand]["reason"].startswith(HAND), states
-            quota.release()
         _rename(host.netns, "eth0-gone", "eth0")
         _wait("the kit's own drains resumed", lambda: not any(
             "DRAIN" in s["state"] for n, s in _states(cluster).items() if n != by_hand),
