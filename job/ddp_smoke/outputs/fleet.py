@@ -38,11 +38,11 @@ import json
 import os
 import re
 
+from ..config.launchenv import NODE_RUN_PREFIX
 from .files import write_atomic
 
 ACTIONS_FILE = "actions.json"
 FORMAT = "ddp-smoke-actions/1"
-NODE_RUN_PREFIX = "node-check-"  # node-check's run ids: node-check-<node>-<UTC time>-<hex>
 ACTIONS = ("drain", "resume", "hold", "label")
 DRAIN, RESUME, HOLD, LABEL = ACTIONS
 REBOOT, RMA = "reboot", "drain and RMA"
