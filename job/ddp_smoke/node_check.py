@@ -15,6 +15,8 @@ after 60 s):
    health check's readers and judges (NVML, HCA ports, kernel log, the CPU quota), silent data
    corruption across the ranks, exact collectives and an all_reduce/all_gather sweep among
    them. Worker options after ``--`` (``--profile h200-8gpu``, ``--config FILE``) go to it.
+   On CPU ranks, who kept whom waiting is a figure, not a finding: they share this node's
+   cores (:func:`ddp_smoke.coordination.stragglers.scheduler_paced`).
 
 The node's report is a report like any other, written through ``outputs.publish()`` into
 ``ROOT/<run id>/`` (or ``--report-dir``): report.json, junit.xml, the host lists, and
