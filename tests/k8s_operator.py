@@ -387,6 +387,9 @@ def customize(docs: Iterable[Mapping[str, Any]], *, image: str | None = None,
             _set_gpus(trainer["resourcesPerNode"], gpus_per_node)
         elif kind in ("PyTorchJob", "Job"):
             _customize_job(doc, image, nodes, gpus_per_node, nproc, reports_claim)
+        elif kind == "DaemonSet":  # one pod per node: only the image is the user's edit
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                _set_if(container, "image", image)
     return docs
 
 

@@ -214,7 +214,7 @@ def _judge(module, name: str, got: list[dict], c: Coordinator) -> CheckResult:
         result = CheckResult(name, FAIL, summary=f"judge raised {type(e).__name__}: {e}",
                              culprits=[Culprit(None, None, traceback.format_exc(limit=3))])
     result.duration_s = max(g["duration_s"] for g in got)
-    stragglers.attach(result, [g.get("waits") for g in got], ev.culprit)
+    stragglers.attach(result, [g.get("waits") for g in got], ev.culprit, c.run)
     return result
 
 

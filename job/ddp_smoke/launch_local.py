@@ -182,8 +182,12 @@ def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int,
     # The agent's "failed (exitcode …)" and "closing signal SIGTERM" lines come after the
     # kit's verdict; the exit status below says the same.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # One node: everything on loopback. Without --local-addr the agent advertises the host's
+    # name, which does not resolve in every container (a DaemonSet's pod here), and its store
+    # then stalls for its 300 s connect timeout (as docker/entrypoint.sh says for torchrun).
     args = torchrun.parse_args(["--standalone", f"--nproc-per-node={nproc}",
-                                "--start-method=fork", "-m", "ddp_smoke"])
+                                "--local-addr=127.0.0.1", "--start-method=fork", "-m",
+                                "ddp_smoke"])
     # what torchrun.run does for --standalone: a c10d rendezvous on a free local port
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = torchrun.config_from_args(args)

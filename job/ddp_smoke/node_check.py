@@ -15,13 +15,16 @@ after 60 s):
    health check's readers and judges (NVML, HCA ports, kernel log, the CPU quota), silent data
    corruption across the ranks, exact collectives and an all_reduce/all_gather sweep among
    them. Worker options after ``--`` (``--profile h200-8gpu``, ``--config FILE``) go to it.
+   On CPU ranks, who kept whom waiting is a figure, not a finding: they share this node's
+   cores (:func:`ddp_smoke.coordination.stragglers.scheduler_paced`).
 
 The node's report is a report like any other, written through ``outputs.publish()`` into
 ``ROOT/<run id>/`` (or ``--report-dir``): report.json, junit.xml, the host lists, and
 ``node-check.log`` (everything the worker printed). It is told apart by its run id,
 ``node-check-<node>-<UTC time>-<random>`` (:func:`ddp_smoke.outputs.fleet.tier`). When the
-worker never ran (preflight failed) or never wrote a report (it hung past the timeout, it
-crashed), node-check writes one itself, naming this node with why.
+worker never ran (preflight failed), never wrote a report (it crashed) or was stopped past the
+timeout (a report it wrote as it went says only that it was terminated), node-check writes one
+itself, naming this node with why.
 
 Output, as node health checkers print it: one line per finding, then one line with the verdict::
 
@@ -166,7 +169,10 @@ def check(args, node: str, cfg_args: list[str], nproc: int) -> tuple[dict, str, 
                        "--timeout", f"{max(5.0, 0.6 * args.timeout):g}", *cfg_args]
         with open(log_path, "ab") as log:
             code, why = _worker(node, rid, report_dir, nproc, worker_args, deadline, log)
-        report = launch_report.own_report(report_dir, rid)
+        # A worker node-check stopped (past its time, or on its own SIGTERM) may still write
+        # a report, saying only that it was terminated: the finding is why, node-check's own
+        # (its bound, the CPU quota's evidence). The worker's words stay in node-check.log.
+        report = launch_report.own_report(report_dir, rid) if code is not None else None
         if report is None:
             culprits = [_no_report(node, code, why, args.timeout, log_path,
                                    _throttle(quota_before, cgroup.read()))]

@@ -7,6 +7,7 @@ import json
 import random
 import socket
 import statistics
+import types
 from pathlib import Path
 
 from ddp_smoke.coordination import blame
@@ -155,6 +156,24 @@ def test_attach_leaves_out_a_rank_the_check_already_names():
     result = CheckResult("bandwidth", "fail", summary="slow node", culprits=[slow])
     stragglers.attach(result, _spent(4, 100, late=2), lambda r, why: Culprit(r, f"h{r}", why))
     assert result.culprits == [slow]
+
+
+def test_a_node_check_on_cpu_ranks_keeps_the_waits_as_a_figure_only():
+    """The node tier: CPU ranks share the node's cores (the scheduler picks who is last); GPU
+    ranks are the node's GPUs, and an acceptance run on CPU names its straggler as before."""
+    def run(run_id: str, device: str):
+        env = types.SimpleNamespace(run_id=run_id)
+        return types.SimpleNamespace(env=env, ranks=[{"device": device}] * 4)
+
+    node = "node-check-n1-20261201-100000-abcdef"
+    for got, expected in [(run(node, "cpu"), []), (run(node, "cuda:0"), [0]),
+                          (run("4711", "cpu"), [0])]:
+        result = CheckResult("collectives", "pass", summary="28/28 cases exact")
+        stragglers.attach(result, _spent(4, 100, late=0),
+                          lambda r, why: Culprit(r, f"h{r}", why), got)
+        assert [c.rank for c in result.culprits] == expected, got
+        assert result.status == ("fail" if expected else "pass"), got
+        assert result.figures["waits"]["most_last"][0]["rank"] == 0  # the figure stays
 
 
 def test_keep_per_rank_is_bounded_at_any_world_size():

@@ -42,7 +42,6 @@ def slow_second_node(cluster):
     with CpuQuota(0.25, name=f"ddp-smoke-slurm-{os.getpid()}") as quota:
         quota.add(cluster.pids[f"slurmd.{cluster.node_names[1]}"])
         yield cluster.node_names[1]
-        quota.release()
 
 
 @pytest.mark.timeout(240)

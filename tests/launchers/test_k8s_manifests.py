@@ -138,7 +138,8 @@ def test_k8s_check_passes_the_shipped_manifests_and_names_a_typo(tmp_path):
     done = _k8s_check()
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[-1].startswith(
-        "k8s-check: OK: k8s, k8s/indexed-job, k8s/trainer-v2, k8s/operator checked offline")
+        "k8s-check: OK: k8s, k8s/indexed-job, k8s/trainer-v2, k8s/operator, k8s/node-check "
+        "checked offline")
     for path in K8S.glob("*.yaml"):
         (tmp_path / path.name).write_text(path.read_text().replace(
             "activeDeadlineSeconds: 1800\n    # No retries",
@@ -148,6 +149,14 @@ def test_k8s_check_passes_the_shipped_manifests_and_names_a_typo(tmp_path):
     assert f"{tmp_path}/10-ddp-smoke-pytorchjob.yaml: PyTorchJob/ddp-smoke: spec.runPolicy: " \
         "Additional properties are not allowed ('activeDeadlineSecond' was unexpected)" \
         in done.stdout, done.stdout
+    daemonset = tmp_path / "node-check" / "10-ddp-smoke-node-check-daemonset.yaml"
+    daemonset.parent.mkdir()
+    daemonset.write_text((K8S / "node-check" / daemonset.name).read_text().replace(
+        "serviceAccountName:", "serviceAccountNme:"))
+    done = _k8s_check(daemonset.parent)
+    assert done.returncode == 1 and f"{daemonset}: DaemonSet/ddp-smoke-node-check: [1.31] " \
+        "spec.template.spec: Additional properties are not allowed ('serviceAccountNme' was " \
+        "unexpected)" in done.stdout, done.stdout
     (tmp_path / "kustomization.yaml").write_text("resources: []\n")
     done = _k8s_check(tmp_path)
     assert done.returncode == 1 and "kubectl cannot read it" in done.stdout, done.stdout

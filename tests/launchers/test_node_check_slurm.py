@@ -2,10 +2,9 @@
 
 One sandbox cluster of four nodes (tests/sandbox/slurm.py) for the module:
 
-* a full report filesystem: a real 3-node sbatch whose storage folder is a full tmpfs names
-  every rank in the storage check; ``--act slurm-drain`` drains none of them (the circuit
-  breaker, outputs/fleet.py) and says the cause is shared storage; ``ddp-smoke history`` lists
-  the refusals;
+* a full report filesystem: a real 3-node sbatch whose storage folder is a full tmpfs: the
+  storage check names the folder, no rank and no host, so ``--act slurm-drain`` drains none
+  (the circuit breaker of outputs/fleet.py is tested on recorded reasons, tests/outputs/);
 * ``slurm/node-check.sh`` as HealthCheckProgram (slurm.conf lines as docs/continuous.md gives
   them, applied with ``scontrol reconfigure``): a node whose slurmd sits under a cgroup CPU
   quota and a node whose ``eth0`` (GLOO_SOCKET_IFNAME) is gone are drained by Slurm through
@@ -86,7 +85,9 @@ def _runs(root: Path, node: str, since: float) -> list[dict]:
 
 @pytest.mark.timeout(240)
 def test_a_full_report_filesystem_drains_no_node(cluster, tmp_path):
-    """Measured before the breaker: every rank of the run named by the storage check."""
+    """The storage check names the full folder, not the ranks that wrote to it (a full,
+    read-only or over-quota filesystem fails whichever rank writes first): no host is bad, so
+    ``--act slurm-drain`` has nothing to drain (nor a breaker to trip)."""
     full = tmp_path / "full"
     full.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], check=True)
@@ -101,23 +102,14 @@ def test_a_full_report_filesystem_drains_no_node(cluster, tmp_path):
     assert report is not None and report["verdict"] == "fail", job.output[-4000:]
     storage = next(c for c in report["checks"] if c["name"] == "storage")
     print(f"\nstorage culprits: {[(k['rank'], k['host']) for k in storage['culprits']]}")
-    assert {k["rank"] for k in storage["culprits"]} == {0, 1, 2}
-    assert [h["status"] for h in report["hosts"]] == ["bad"] * 3
-    line = next(ln for ln in job.output.splitlines() if "circuit breaker" in ln)
-    print(line)
-    assert "3 of 3 nodes failed (more than 50%): drained none; the cause is likely shared " \
-           "(storage): every one failed storage" in line
-    assert "No space left on device" in line and str(full) in line
+    assert storage["culprits"] and {(k["rank"], k["host"]) for k in storage["culprits"]} == \
+        {(None, None)}, storage["culprits"]
+    assert all(k["reason"].startswith(f"unwritable folder {full}/") and
+               "No space left on device" in k["reason"] for k in storage["culprits"]), storage
+    assert [h["status"] for h in report["hosts"]] == ["good"] * 3
+    assert "--act slurm-drain" not in job.output, job.output[-4000:]
     assert not any("DRAIN" in s["state"] for s in _states(cluster).values())
-    actions = json.loads((job.report_path.parent / "actions.json").read_text())["actions"]
-    assert sorted((a["node"], a["action"]) for a in actions) == \
-        [(n, "hold") for n in sorted(cluster.node_names[:3])]
-    history = subprocess.run([sys.executable, "-m", "ddp_smoke", "history",
-                              str(job.report_path.parent.parent)], capture_output=True,
-                             text=True, timeout=60)
-    assert history.returncode == 0, history.stderr
-    holds = [ln for ln in history.stdout.splitlines() if " hold " in ln]
-    assert len(holds) == 3 and all("circuit breaker" in ln for ln in holds), history.stdout
+    assert not (job.report_path.parent / "actions.json").exists()
 
 
 @pytest.mark.timeout(420)
@@ -150,7 +142,6 @@ def test_health_check_drains_faulty_nodes_leaves_the_others_and_resumes_its_own(
             assert "DRAIN" not in states[healthy]["state"], states
             assert "DRAIN" in states[by_hand]["state"] and \
                 states[by_hand]["reason"].startswith(HAND), states
-            quota.release()
         _rename(host.netns, "eth0-gone", "eth0")
         _wait("the kit's own drains resumed", lambda: not any(
             "DRAIN" in s["state"] for n, s in _states(cluster).items() if n != by_hand),

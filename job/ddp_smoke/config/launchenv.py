@@ -43,6 +43,7 @@ from ..errors import ConfigError
 _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _HINT = "launch under torchrun, e.g. `torchrun --standalone --nproc-per-node=2 -m ddp_smoke`"
 RUN_ID_CHARS = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+NODE_RUN_PREFIX = "node-check-"  # node-check's run ids: node-check-<node>-<UTC time>-<hex>
 PENDING = ""  # a non-zero rank's run id until rank 0's arrives through the store
 MAX_WORLD = 1 << 24
 

@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import statistics
 
+from ..config.launchenv import NODE_RUN_PREFIX
+
 MIN_WAIT_S = 0.001   # a collective's wait below this says nothing about who was late
 MIN_COUNTED = 10     # fewer counted collectives: no verdict (the figure is still given)
 MIN_TOTAL_S = 0.3    # a straggler's waits without its longest add up to this (healthy <= 0.16)
@@ -125,9 +127,11 @@ def judge(spent: list[list | None]) -> tuple[dict, list[tuple[int, str]]]:
     return figure, culprits
 
 
-def attach(result, spent: list[list | None], culprit) -> None:
+def attach(result, spent: list[list | None], culprit, run=None) -> None:
     """Add the waits figure to a judged check's result, and its stragglers as culprits
-    (``culprit(rank, reason)`` makes one with the rank's host). A skipped check stays skipped.
+    (``culprit(rank, reason)`` makes one with the rank's host) unless ``run`` (the
+    :class:`~ddp_smoke.coordination.protocol.Run`) is a node-check on CPU ranks
+    (:func:`scheduler_paced`). A skipped check stays skipped.
     A rank the check's own evidence already names, alone, as an end of a slow link or on a rail
     named as a whole, is not named again: the others waited for it because of what the check found (a throttled link
     makes its two ends arrive last)."""
@@ -137,10 +141,20 @@ def attach(result, spent: list[list | None], culprit) -> None:
                                                    *((k.rail or {}).get("ranks") or [])]
              if r is not None}  # a rail slow on every node: its ranks are what was found
     slow = [(r, reason) for r, reason in slow if r not in named]
-    if slow and result.status != "skip":
+    if slow and result.status != "skip" and not scheduler_paced(run):
         result.culprits += [culprit(r, reason) for r, reason in slow]
         result.status = "fail"
         result.summary = f"straggler: {slow[0][1]}; {result.summary}"
+
+
+def scheduler_paced(run) -> bool:
+    """A node-check (the node tier: its run id) on CPU ranks. They all share this node's
+    cores, so which of them arrives last is the OS scheduler's choice under whatever else runs
+    there, not a finding about the node: the waits stay a figure, and the node's CPU is judged
+    by the health check's cgroup quota reading. On GPUs the ranks are the node's GPUs, and one
+    the others wait for is the node's fault: named as in any run."""
+    return run is not None and run.env.run_id.startswith(NODE_RUN_PREFIX) and \
+        all(str(r.get("device", "")).startswith("cpu") for r in run.ranks)
 
 
 def line(figure: dict) -> str | None:

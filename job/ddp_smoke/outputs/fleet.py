@@ -6,8 +6,8 @@ Three rules, pure, on what the reports and the history index hold (docs/continuo
   run's nodes failed, and at least two, the cause is likely one they share — the fabric, the
   storage, the image — not each node: ``--act`` then drains none, and says what the failing
   nodes have in common (the check, the words of their reasons, the folder or the network).
-  A full report filesystem makes the storage check name every rank of a run: drained one by
-  one, a cluster would lose every node to one full disk. Applied to the nodes of one run
+  A fabric fault that slows every node's links names every node of a run: drained one by
+  one, a cluster would lose every node to one switch. Applied to the nodes of one run
   (``--act slurm-drain`` of a multi-node run) and, for ``node-check``, which sees one node per
   run, to the cluster: the nodes the kit has drained already plus this one.
 * **Lemons** (:func:`lemons`). A node that failed in at least ``fleet.lemon_failures`` of its
@@ -38,11 +38,11 @@ import json
 import os
 import re
 
+from ..config.launchenv import NODE_RUN_PREFIX
 from .files import write_atomic
 
 ACTIONS_FILE = "actions.json"
 FORMAT = "ddp-smoke-actions/1"
-NODE_RUN_PREFIX = "node-check-"  # node-check's run ids: node-check-<node>-<UTC time>-<hex>
 ACTIONS = ("drain", "resume", "hold", "label")
 DRAIN, RESUME, HOLD, LABEL = ACTIONS
 REBOOT, RMA = "reboot", "drain and RMA"
