@@ -12,6 +12,11 @@ from pathlib import Path
 
 from tests import report_schema
 
+# How many times a fault test repeats where a race hides: 2 in `make test` (the suite's
+# 20-minute budget; the fault campaign adds breadth), more before a release
+# (`DDP_SMOKE_TEST_REPEAT=5 make test`).
+REPEAT = int(os.environ.get("DDP_SMOKE_TEST_REPEAT", "2"))
+
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
 

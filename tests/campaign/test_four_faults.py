@@ -28,11 +28,10 @@ from pathlib import Path
 import pytest
 
 from tests.campaign import matrix, runner
-from tests.launch import REPO
+from tests.launch import REPEAT, REPO
 from tests.multinode import Nodes, torchrun_argv
 from tests.sandbox.hosts import sandbox_fixture
 
-REPEAT = 2  # the kill races the launcher's SIGTERM: each twice, two launchers, two signals
 CELLS = ([f"{k}.middle.collectives.{launcher}.1x3" for k in ("sigkill", "sigsegv")
           for launcher in ("torchrun", "smoke_local")] * REPEAT
          + ["oom.middle.bandwidth.torchrun.1x3", "oom.middle.collectives.smoke_local.1x3",

@@ -14,9 +14,8 @@ import time
 
 import pytest
 
-from tests.launch import Spawned
+from tests.launch import REPEAT, Spawned
 
-REPEAT = 3
 # A long compute phase (every rank alike, no collective in it) to strike in the middle of.
 LONG_COMPUTE = ("--checks", "environment,compute", "--timeout", "30")
 

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import Heartbeats
+from tests.launch import Heartbeats, REPEAT
 from tests.multinode import Nodes, store_of, torchrun_argv
 from tests.sandbox.hosts import Host, HostSandbox, sandbox_fixture
 
 PREFIX, SUBNET = "dsf", "10.231.5.0/24"
 NODES = 4
-REPEAT = 3
 SLOW = ["rate", "200mbit", "burst", "64kb", "latency", "500ms"]
 # A small sweep and short pair exchanges: at 200 mbit a large buffer takes seconds per pass.
 SMALL_SWEEP = """bandwidth:

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from tests import report_schema
+from tests.launch import REPEAT
 from tests.multinode import Nodes, in_host, sh, torchrun_argv
 from tests.sandbox.hosts import Host, HostSandbox, sandbox_fixture
 
 PREFIX, SUBNET, RAIL1 = "dsl", "10.231.37.0/24", "10.231.38.0/24"
 NODES, PER_NODE = 3, 2
-REPEAT = 2
 SLOW = ["rate", "200mbit", "burst", "64kb", "latency", "500ms"]
 # Small transfers: at 200 mbit a large buffer takes seconds per exchange.
 CONFIG = """rails: [eth0, eth1]

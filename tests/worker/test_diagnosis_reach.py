@@ -27,13 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import Heartbeats
+from tests.launch import Heartbeats, REPEAT
 from tests.multinode import Nodes, store_of, torchrun_argv
 from tests.sandbox.hosts import Host, HostSandbox
 
 PREFIX, SUBNET = "dsr", "10.231.23.0/24"
 NODES = 4
-REPEAT = 3
 TIMEOUT = 15  # the deadline of each stage (--timeout): the hang is judged after it
 # compute long enough to cut the link while every rank is in it (no collective there)
 MID = "compute:\n  blocks: 30\n  block_s: 0.1\n"

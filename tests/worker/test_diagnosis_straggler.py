@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import Spawned
+from tests.launch import REPEAT, Spawned
 from tests.sandbox.faults import CpuQuota
 
-REPEAT = 3
 SLOW_RANK = 2
 QUOTA = 0.15  # of one core; the four ranks share the machine's two (about half a core each)
 CHECKS = ("--checks", "environment,collectives,bandwidth,compute", "--level", "quick",
@@ -54,7 +53,6 @@ def test_throttled_rank_is_named_and_the_same_run_without_the_quota_names_none(t
             t = time.monotonic()
             slow = _launch(tmp_path / f"slow{attempt}", quota)
         named = _named(slow)
-        waits = next(c for c in slow["checks"] if c["name"] == "bandwidth")
         said = [k["reason"] for c in slow["checks"] for k in c["culprits"]]
         print(f"\nattempt {attempt + 1}: quota {QUOTA:.0%} of a core on rank {SLOW_RANK}: report "
               f"in {time.monotonic() - t:.1f} s, named {named}; {said}")
