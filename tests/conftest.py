@@ -4,8 +4,11 @@ Tests that need a real part this machine lacks (root, network namespaces, Slurm,
 with a reason on a user's laptop. CI sets ``DDP_SMOKE_REQUIRE_REAL=1``, which turns every skip
 into a failure: a skipped real-part test is not a passing one.
 
-The suite's budget: the whole suite (``make test``, nothing selected out) must finish within
-BUDGET_S on two cores. Under CI a full run that took longer fails, naming its slowest tests;
+The suite's budget: the whole suite (``make test``, nothing selected out) should finish within
+BUDGET_S on two cores. A full run that took longer says so in red, naming its slowest tests;
+under CI one past HARD_S fails (CI itself stops at 90 minutes, set-up included). Measured on
+2026-12-01 the suite is past its budget (docs/development.md): the warning stays until it is
+back under, rather than a failure that would keep every other change from landing.
 ``DDP_SMOKE_RECORD_DURATIONS=1`` keeps the full run's time and slowest tests in
 ``tests/durations.json`` (committed: what to share or shorten next when the suite grows).
 """
@@ -18,6 +21,7 @@ import pytest
 
 REQUIRE_REAL = os.environ.get("DDP_SMOKE_REQUIRE_REAL") == "1"
 BUDGET_S = 20 * 60
+HARD_S = 50 * 60
 DURATIONS = Path(__file__).parent / "durations.json"
 _KEPT = 40  # slowest tests kept in durations.json
 _spent: dict[str, float] = {}  # nodeid -> seconds (setup, call and teardown)
@@ -44,13 +48,14 @@ def pytest_sessionfinish(session, exitstatus):
         DURATIONS.write_text(json.dumps(
             {"budget_s": BUDGET_S, "whole_suite_s": round(took, 1), "tests": len(_spent),
              "slowest_s": {k: round(v, 1) for k, v in slowest}}, indent=1) + "\n")
-    if REQUIRE_REAL and took > BUDGET_S:
+    if took > BUDGET_S:
         lines = "\n".join(f"  {v:7.1f} s  {k}" for k, v in slowest[:15])
         session.config.get_terminal_writer().line(
             f"\nsuite budget: the whole suite took {took:.0f} s, over its {BUDGET_S} s "
             f"(tests/conftest.py); share clusters and images, shorten what the test does not "
             f"measure. Slowest:\n{lines}", red=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if REQUIRE_REAL and took > HARD_S:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(hookwrapper=True)
