@@ -44,8 +44,11 @@ def prepare(report_dir: str) -> list[str]:
     return gone
 
 
-def check_writable(report_dir: str) -> None:
-    """The folder can be made and written (a probe file, removed again); else ConfigError."""
+def check_writable(report_dir: str, room: bool = True) -> None:
+    """The folder can be made and written (a probe file, removed again); else ConfigError.
+    ``room``: the probe holds a byte, so a full filesystem fails too; False (a rank that does
+    not write the report) only creates it: ranks probing at once would race for the last
+    free block of a nearly full one, and which of them failed would be chance."""
     if os.path.exists(report_dir) and not os.path.isdir(report_dir):
         raise ConfigError(f"--report-dir {report_dir}: is a file, not a folder; choose a folder "
                           "(it is made when missing)")
@@ -53,7 +56,7 @@ def check_writable(report_dir: str) -> None:
         os.makedirs(report_dir, exist_ok=True)
         probe = os.path.join(report_dir, f".write-test-{os.getpid()}")
         with open(probe, "w") as f:
-            f.write("x")  # a byte: a full filesystem still creates an empty file
+            f.write("x" if room else "")  # a full filesystem still creates an empty file
         os.unlink(probe)
     except OSError as e:
         raise ConfigError(f"--report-dir {report_dir}: not writable ({e.strerror})") from None
