@@ -57,5 +57,6 @@ def test_a_full_folder_is_bad_input_for_the_writer_only_and_leaves_no_probe(tmp_
     with _full_tmpfs(tmp_path / "full", 0) as full:
         with pytest.raises(ConfigError, match=r"not writable \(No space left on device\)"):
             outputs.check_writable(str(full / "r"))
+        assert os.listdir(full / "r") == []
         outputs.check_writable(str(full / "r"), room=False)
         assert os.listdir(full / "r") == []
