@@ -51,6 +51,7 @@ import os
 import resource
 import secrets
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -142,7 +143,7 @@ def worker(args) -> None:
                         agent_store=True, launcher="bench", run_id="bench")
         coords[r] = protocol.Coordinator(env, cfg, connect(env), lambda *a: "fail", "bench",
                                          time.monotonic())
-        coords[r].locate(env, "/nonexistent")
+        coords[r].locate(env, args.report_dir)  # where a rank that lost the store writes
     out = {r: {} for r in ranks}
     seen = {r: threading.Event() for r in ranks}  # set when the rank saw the abort
     if 0 in coords:
@@ -363,10 +364,11 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
     bounds = [0] + [1 + (world - 1) * i // procs for i in range(procs + 1)]
     t = time.monotonic()
     logs = [tempfile.TemporaryFile("w+") for _ in bounds[1:]]
+    folder = tempfile.mkdtemp(prefix="ddp-smoke-bench-")  # the ranks' lost/ records, if any
     workers = [subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--worker", "--port", str(server.port),
          "--world", str(world), "--lo", str(lo), "--hi", str(hi), "--checks", str(checks),
-         "--steady-s", str(steady_s), "--timeout", str(timeout)]
+         "--steady-s", str(steady_s), "--timeout", str(timeout), "--report-dir", folder]
         + (["--unsigned"] if unsigned else []),
         stdout=subprocess.PIPE, stderr=log, text=True,
         env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", "DDP_SMOKE_SECRET": secret},
@@ -385,6 +387,7 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
         for p in workers:
             p.kill()
             p.wait()
+        shutil.rmtree(folder, ignore_errors=True)
         tails = []
         for i, log in enumerate(logs):
             log.seek(0)
@@ -395,6 +398,7 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
                          f"({type(e).__name__}); the workers' stderr ends:\n"
                          + "\n".join(tails)) from None
     wall = time.monotonic() - t
+    shutil.rmtree(folder, ignore_errors=True)
     sampling.set()
     del server
     zero = ranks.get(0, {})
@@ -459,6 +463,7 @@ def main() -> None:
                    help="the sizes --signing-cost applies to (default: every size)")
     p.add_argument("--unsigned", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--report-dir", help=argparse.SUPPRESS)
     for k in ("port", "world", "lo", "hi"):
         p.add_argument(f"--{k}", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()

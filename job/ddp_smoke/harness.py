@@ -52,10 +52,10 @@ def run(cfg: dict[str, Any]) -> int:
     coord_t0 = time.monotonic()
     timeout = float(cfg["timeout"])
     rdir = default_report_dir(cfg, env.run_id)
-    # Every rank writes there (forensics, NCCL logs): an unwritable folder is bad input on
-    # every rank before any connects. Ranks that may not know the run id test the parent.
+    # Every rank writes there (forensics, NCCL logs): an unwritable folder is bad input on every
+    # rank before any connects; rank 0 (the writer) tests room; a rank without the id, the parent.
     known = env.rank == 0 or cfg["report_dir"] or env.run_id_shared
-    outputs.check_writable(rdir if known else os.path.dirname(rdir) or ".")
+    outputs.check_writable(rdir if known else os.path.dirname(rdir) or ".", room=env.rank == 0)
     if known:  # a fatal signal's traceback, for the judge (else once the join names the folder)
         ending.at_leave(fate.last_words(rdir, env.rank))
     if env.rank == 0:
@@ -169,7 +169,7 @@ def _join(c: Coordinator, store, faults: list) -> Context:
                                timeout)
     c.met([json.loads(v) for v in
            store.multi_get([keys.of(keys.RANK, r) for r in range(env.world_size)])])
-    return Context(env, backend, device, cfg, Injector(faults, env.rank), rdir,
+    return Context(env, backend, device, cfg, Injector(faults, env.rank, fate.drop_current), rdir,
                    cfg["storage_dir"] or os.path.join(rdir, "storage"))
 
 

@@ -165,9 +165,16 @@ def main(argv: list[str] | None = None) -> int:
         status, said = _torchrun(nproc, worker_args, hosted.raw.port)
     finally:
         own = hosted.close()  # every rank has ended: a report of last resort if none wrote
-    if said:
+    # One rank's death makes the agent stop the others, which may have reached the verdict
+    # already (the store holds it final, own == 0): that verdict line stays the last.
+    if said and not (own == 0 and said.startswith(NO_VERDICT)):
         say_once(said)
     return status or own
+
+
+# torch's loggers that speak of the ranks' ends, after their verdict
+QUIET_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+NO_VERDICT = "ddp-smoke: no verdict: "
 
 
 def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int, str | None]:
@@ -179,9 +186,10 @@ def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    # The agent's "failed (exitcode …)" and "closing signal SIGTERM" lines come after the
-    # kit's verdict; the exit status below says the same.
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # The agent's "failed (exitcode …)", "closing signal SIGTERM" and "Terminating process …"
+    # lines come after the kit's verdict; the exit status below says the same.
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     # One node: everything on loopback. Without --local-addr the agent advertises the host's
     # name, which does not resolve in every container (a DaemonSet's pod here), and its store
     # then stalls for its 300 s connect timeout (as docker/entrypoint.sh says for torchrun).
@@ -201,7 +209,7 @@ def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int,
             return 1, None
         # no worker reached its own verdict: say how they ended
         ends = ", ".join(f"rank {r} {_how(f)}" for r, f in sorted(e.failures.items()))
-        return 1, f"ddp-smoke: no verdict: {ends}"
+        return 1, NO_VERDICT + ends
     except (SignalException, KeyboardInterrupt) as e:  # Ctrl-C, or a kill of this launcher:
         # torchrun stopped the ranks; the status a shell expects from that signal
         sig = getattr(e, "sigval", signal.SIGINT)

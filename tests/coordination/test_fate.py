@@ -64,3 +64,23 @@ def test_a_neighbour_that_is_gone_or_stopped_is_seen_and_others_are_not(tmp_path
     finally:
         stopped.kill()
         stopped.wait()
+
+
+def test_a_dead_neighbours_empty_file_goes_and_its_words_stay(tmp_path):
+    """A SIGKILL or an OOM kill leaves the file faulthandler held open empty: the live rank
+    that finds the rank gone drops it (and the folder); a file with words is evidence."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = os.uname().nodename
+    folder = tmp_path / fate.FOLDER
+    folder.mkdir()
+    (folder / "rank1.txt").write_text("")
+    ranks = [{"rank": 0, "pid": os.getpid(), "host": host},
+             {"rank": 1, "pid": gone.pid, "host": host}]
+    assert fate.look(ranks, 0, str(tmp_path)) == {1: {"gone": True, "host": host,
+                                                      "pid": gone.pid}}
+    assert not folder.exists()
+    folder.mkdir()
+    (folder / "rank1.txt").write_text("Fatal Python error: Aborted\n")
+    assert fate.look(ranks, 0, str(tmp_path))[1]["signal"] == "SIGABRT"
+    assert sorted(p.name for p in folder.iterdir()) == ["rank1.txt"]

@@ -261,8 +261,12 @@ def test_render_and_history_commands(tmp_path):
     assert "ddp-smoke render" in help_text and "ddp-smoke history" in help_text
 
 
-@pytest.mark.parametrize("args", [["render"], ["render", "/nonexistent/report.json"],
-                                  ["render", __file__], ["history", "/nonexistent"],
+# a path under a regular file: it cannot exist, whatever another run left at /nonexistent
+MISSING = os.path.join(__file__, "missing")
+
+
+@pytest.mark.parametrize("args", [["render"], ["render", os.path.join(MISSING, "report.json")],
+                                  ["render", __file__], ["history", MISSING],
                                   ["history", ".", "--margin", "1.5"],
                                   ["history", ".", "--window", "0"], ["history"]])
 def test_bad_input_is_one_line_and_exit_2(args):

@@ -36,7 +36,8 @@ def test_contract_keys_and_nodes(tmp_path):
         assert key in data
     assert data["nodes"] == 2 and data["verdict"] == "fail"
     assert data["checks"][1]["culprits"] == [{"rank": 1, "host": "node2", "reason": "slow",
-                                              "ranks": None, "hosts": None, "where": None}]
+                                              "ranks": None, "hosts": None, "where": None,
+                                              "rail": None}]
     assert sorted(os.listdir(tmp_path)) == ["junit.xml", "report.json"]  # no temp files left
 
 

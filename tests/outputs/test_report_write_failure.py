@@ -8,6 +8,8 @@ import subprocess
 
 import pytest
 
+from ddp_smoke import outputs
+from ddp_smoke.errors import ConfigError
 from tests import report_schema
 from tests.launch import torchrun
 
@@ -45,3 +47,16 @@ def test_full_report_dir_keeps_the_report_on_stderr_and_releases_every_rank(tmp_
                 if line.lstrip().startswith("File ") and "ddp_smoke" in line], run.stderr[-3000:]
     assert run.wall_s < 60, run.wall_s  # rank 1 had the verdict at once, not after its timeout
     assert "report.json" not in left and "junit.xml" not in left  # never one without the other
+
+
+@pytest.mark.timeout(30)
+def test_a_full_folder_is_bad_input_for_the_writer_only_and_leaves_no_probe(tmp_path):
+    """The writer's probe holds a byte (a full disk fails it, and its empty file goes too);
+    the other ranks' probe only creates one: on a nearly full disk they would race for the
+    last block with the writer, and chance would pick who fails."""
+    with _full_tmpfs(tmp_path / "full", 0) as full:
+        with pytest.raises(ConfigError, match=r"not writable \(No space left on device\)"):
+            outputs.check_writable(str(full / "r"))
+        assert os.listdir(full / "r") == []
+        outputs.check_writable(str(full / "r"), room=False)
+        assert os.listdir(full / "r") == []

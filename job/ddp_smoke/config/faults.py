@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -79,8 +80,10 @@ def parse_faults(spec: str | None, checks: list[str]) -> list[Fault]:
 class Injector:
     """This rank's faults, consulted by the harness and by the checks' contribution points."""
 
-    def __init__(self, faults: list[Fault], rank: int):
+    def __init__(self, faults: list[Fault], rank: int,
+                 before_crash: Callable[[], None] = lambda: None):
         self._mine = {f.check: f for f in faults if f.rank == rank}
+        self._before_crash = before_crash  # the kit's own empty files: a practice run leaves none
         self.check: str | None = None  # set by the harness as each check starts
         self.iteration = 0  # repeat mode: the pass over the checks (0-based), set likewise
 
@@ -100,6 +103,7 @@ class Injector:
     def at_start(self) -> None:
         """``crash`` and ``raise`` strike as the check's work begins, after arrival."""
         if self._active("crash"):
+            self._before_crash()
             os._exit(CRASH_EXIT_CODE)
         if self._active("raise"):
             raise RuntimeError(f"injected fault: raise at check {self.check!r}")

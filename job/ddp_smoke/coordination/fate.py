@@ -54,23 +54,26 @@ def last_words(report_dir: str, rank: int):
     global _file
     path = os.path.join(report_dir, FOLDER, f"rank{rank}.txt")
     if _file is not None and _file.name == path:
-        return _drop_current
+        return drop_current
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         new = open(path, "w")  # noqa: SIM115 — held open: faulthandler writes to its fd
         faulthandler.enable(file=new, all_threads=False)
     except OSError:
-        return _drop_current
+        return drop_current
     if _file is not None:
         _file.close()
         drop_if_empty(_file.name)
     else:
-        atexit.register(_drop_current)
+        atexit.register(drop_current)
     _file = new
-    return _drop_current
+    return drop_current
 
 
-def _drop_current() -> None:
+def drop_current() -> None:
+    """This rank's last-words file, gone while it holds nothing (an empty one is no evidence,
+    and must not be left in the folder). Also on the injected crash's way out
+    (:class:`ddp_smoke.config.faults.Injector`), which skips atexit as a real death does."""
     if _file is not None:
         drop_if_empty(_file.name)
 
@@ -173,6 +176,8 @@ def look(ranks: list[dict], me: int, report_dir: str) -> dict[int, dict]:
         elif state in (None, "Z", "X"):
             gone[pid] = r
             out[r] = {"gone": True, "host": host, "pid": pid, **said(report_dir, r)}
+            # a dead rank says no more: its empty file (a SIGKILL, an OOM kill) is no evidence
+            drop_if_empty(os.path.join(report_dir, FOLDER, f"rank{r}.txt"))
     for pid, line in oom_kills(set(gone)).items():
         out[gone[pid]]["oom"] = line
     return out

@@ -142,7 +142,8 @@ def judge_as_a_rank(store, s: Stopped, silence: Silence, me: int | None = None) 
     mine = reasons.get(me) or {}
     since = silence.last_moved(mine["silent"]) if mine.get("kind") == keys.LOST else None
     dead, beats = dead_ranks(store, connected, terminated, silence, since)
-    return judge_abort(store, s, set(dead), beats)
+    # the writer is alive, whatever its heartbeat did (a busy machine can starve its thread)
+    return judge_abort(store, s, set(dead) - {me}, beats)
 
 
 def first_error(store, s: Stopped) -> dict:

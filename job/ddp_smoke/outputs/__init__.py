@@ -8,6 +8,7 @@ drains from) can be read as this run's when this run dies before writing its own
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import NamedTuple
@@ -44,19 +45,24 @@ def prepare(report_dir: str) -> list[str]:
     return gone
 
 
-def check_writable(report_dir: str) -> None:
-    """The folder can be made and written (a probe file, removed again); else ConfigError."""
+def check_writable(report_dir: str, room: bool = True) -> None:
+    """The folder can be made and written (a probe file, removed again); else ConfigError.
+    ``room``: the probe holds a byte, so a full filesystem fails too; False (a rank that does
+    not write the report) only creates it: ranks probing at once would race for the last
+    free block of a nearly full one, and which of them failed would be chance."""
     if os.path.exists(report_dir) and not os.path.isdir(report_dir):
         raise ConfigError(f"--report-dir {report_dir}: is a file, not a folder; choose a folder "
                           "(it is made when missing)")
+    probe = os.path.join(report_dir, f".write-test-{os.getpid()}")
     try:
         os.makedirs(report_dir, exist_ok=True)
-        probe = os.path.join(report_dir, f".write-test-{os.getpid()}")
         with open(probe, "w") as f:
-            f.write("x")  # a byte: a full filesystem still creates an empty file
-        os.unlink(probe)
+            f.write("x" if room else "")  # a full filesystem still creates an empty file
     except OSError as e:
         raise ConfigError(f"--report-dir {report_dir}: not writable ({e.strerror})") from None
+    finally:  # the probe goes even when writing it failed (ENOSPC at close)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
 
 
 class Published(NamedTuple):
