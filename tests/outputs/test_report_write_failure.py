@@ -31,7 +31,9 @@ def _full_tmpfs(path, free_bytes: int):
 
 @pytest.mark.timeout(180)
 def test_full_report_dir_keeps_the_report_on_stderr_and_releases_every_rank(tmp_path):
-    with _full_tmpfs(tmp_path / "full", 4096) as full:
+    # two pages free: the writer's probe byte and the ranks' fatal/ folder (their last words,
+    # coordination/fate.py; a tmpfs directory takes a page), never report.json
+    with _full_tmpfs(tmp_path / "full", 8192) as full:
         run = torchrun(2, "--checks", "environment,ddp_step", "--timeout", "60",
                        report_dir=full / "report")
         left = sorted(os.listdir(full / "report"))
