@@ -31,6 +31,7 @@ import threading
 import time
 
 from . import hosting, keys, signing
+from .store import reads
 
 FOLDER = "fatal"
 # A rank forked by its launcher (make smoke-local) shares the launcher's command line and, as
@@ -187,8 +188,15 @@ def note(c, store) -> None:
     """On an abort, every live rank: post what its node shows of its neighbours (the first
     word on a rank stands). Never raises."""
     try:
-        run = c.run.with_identities(store)
-        for r, seen in look(list(run.ranks), c.env.rank, run.report_dir).items():
+        run, env = c.run, c.env
+        if len(run.ranks) == env.world_size:
+            ranks = list(run.ranks)
+        else:  # before the join read them all: this node's ranks only, as torchrun numbers
+            # them (rank - local_rank onwards): a few reads, not the world's at 16,384 ranks
+            first = env.rank - env.local_rank
+            ranks = list(reads(store, keys.RANK,
+                               range(first, first + env.local_world_size)).values())
+        for r, seen in look(ranks, env.rank, run.report_dir).items():
             store.compare_set(keys.of(keys.FATE, r), "", json.dumps({**seen, "by": c.env.rank}))
     except Exception:  # noqa: BLE001 — evidence gathering never raises
         pass
