@@ -235,9 +235,15 @@ def commit_seed() -> str:
     return got.stdout.strip() or "0"
 
 
+def right_in(table: str) -> set[str]:
+    """The cells a campaign table (docs/campaign.md) shows right in their latest row."""
+    return {cols[1].strip() for line in table.splitlines()
+            if line.startswith("| ") and (cols := line.split("|"))[-2].strip() == "right"}
+
+
 def sample(cells: list[Cell], seed: str, budget_s: float) -> list[Cell]:
-    """CI's sample: cells of the covering set drawn in an order seeded by ``seed`` (the
-    commit), taken while their expected time fits ``budget_s``."""
+    """CI's sample: cells drawn in an order seeded by ``seed`` (the commit), taken while
+    their expected time fits ``budget_s``."""
     rng = random.Random(seed)
     order = list(cells)
     rng.shuffle(order)
