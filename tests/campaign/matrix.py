@@ -348,6 +348,19 @@ def _link(c: Cell) -> tuple:
     return ("link", a, b)
 
 
+def _slow_rank(c: Cell, me: frozenset) -> Expect:
+    """Checks up to compute measure the rank's pace; the health check after them names the
+    rank's node too when the rank is its node's local rank 0, which reads the CPU quota on
+    its own cgroups (checks/health/cpu.py)."""
+    if STAGES.index(c.stage) > STAGES.index("compute"):
+        return Expect(PASS, why="no check after it measures a rank's pace, and the quota "
+                                "lands with the health check's own reading")
+    if c.rank % c.per_node:
+        return Expect(FAIL, me, why="the health check reads its node's local rank 0's cgroups")
+    return Expect(FAIL, me | {("host", c.rank // c.per_node)}, ("CPU quota",),
+                  why="the health check's CPU quota finding names the slow rank's node")
+
+
 def expect(c: Cell) -> Expect:
     """The right outcome of a possible cell."""
     r, k, s = c.rank, c.kind, c.stage
@@ -376,9 +389,7 @@ def expect(c: Cell) -> Expect:
     if k == "stall":
         return Expect(FAIL, me, ("never issued",))
     if k == "slow_rank":
-        if STAGES.index(s) > STAGES.index("compute"):
-            return Expect(PASS, why="no check after it measures a rank's pace")
-        return Expect(FAIL, me)
+        return _slow_rank(c, me)
     if k in ("slow_link", "slow_node"):
         if STAGES.index(s) > STAGES.index("bandwidth"):
             return Expect(PASS, why="no check after it measures a link")

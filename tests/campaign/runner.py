@@ -93,9 +93,10 @@ class Row:
 
 def _show(culprits: frozenset) -> str:
     parts = []
-    for c in sorted(culprits):
+    for c in sorted(culprits, key=str):
         parts.append({"rank": lambda: f"rank {c[1]}", "link": lambda: f"link {c[1]}-{c[2]}",
-                      "host": lambda: f"host {c[1]}", "job": lambda: "the job"}[c[0]]())
+                      "host": lambda: f"node {c[1]}" if isinstance(c[1], int) else
+                      f"host {c[1]}", "job": lambda: "the job"}[c[0]]())
     return "{" + ", ".join(parts) + "}"
 
 
@@ -288,6 +289,9 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
         verdict = BAD_INPUT if "ddp-smoke: error:" in out else "none"
         return Got(verdict, frozenset(), out[-4000:], None, status, None, end_s)
     culprits, reasons = set(), []
+    # a host by its node number (machines' names differ): a node where no rank ran by name
+    nodes = {i.get("host"): i.get("group_rank") for i in report.get("ranks") or []
+             if i.get("host") and i.get("group_rank") is not None}
     for check in report.get("checks", []):
         if check.get("status") != "fail":
             continue
@@ -297,8 +301,8 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
                 culprits.add(("link", *sorted(k["ranks"])[:2]))
             elif k.get("rank") is not None:
                 culprits.add(("rank", k["rank"]))
-            elif k.get("host"):  # a node the launcher named (no rank ever ran there)
-                culprits.add(("host", k["host"]))
+            elif k.get("host"):  # a node's own finding, or one the launcher named
+                culprits.add(("host", nodes.get(k["host"], k["host"])))
             else:
                 culprits.add(("job",))
     writer = writer or report.get("written_by") or "rank 0"

@@ -110,8 +110,7 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
         figures={"arrived": sorted(snap.arrived), "finished": sorted(snap.finished),
                  "dead": sorted(dead), "victims": blamed.victims,
                  "progress": {str(r): p for r, p in sorted(beats.items())},
-                 "unreached": {str(r): p["failed"] for r, p in sorted(probed.items())
-                               if p.get("failed")},
+                 "probes": {str(r): p for r, p in sorted(probed.items())},
                  "aborts": [reasons[r] for r in sorted(reasons)], **(figures or {})})))
     return live
 

@@ -9,8 +9,9 @@ link wait, and so do the ranks waiting for them. A fresh TCP connection between 
   ``probe/listed``). It reads what a prober sends and answers with the byte count;
 * when the run is aborted, each live leader connects to other leaders' probes, all at once
   with a short timeout (``PROBE_S``), and once more to those it missed (a lost SYN is not a
-  dead link); then it sends each probe it reached ``PAYLOAD_BYTES``, dozens of full frames,
-  and waits ``PROBE_S`` for the count: a link that passes small packets and drops large ones
+  dead link); then it sends each probe it reached ``PAYLOAD_BYTES``, dozens of full frames
+  written one at a time (so they leave as frames, not as one offloaded super-packet), and
+  waits ``PROBE_S`` for the count: a link that passes small packets and drops large ones
   (jumbo frames behind a port without them, a cable corrupting long frames) opens a
   connection and never delivers the payload. At most ``3 × PROBE_S`` whatever the world
   size. Up to ``ALL_PAIRS_UP_TO``
@@ -161,7 +162,7 @@ def carry_all(addrs: dict, timeout_s: float) -> set:
         try:
             with socket.create_connection(addr, timeout=timeout_s) as s:
                 s.settimeout(timeout_s)
-                s.sendall(b"\0" * PAYLOAD_BYTES)
+                _send_frames(s, PAYLOAD_BYTES)
                 answer = b""
                 while len(answer) < 8 and (chunk := s.recv(8 - len(answer))):
                     answer += chunk
@@ -179,6 +180,17 @@ def carry_all(addrs: dict, timeout_s: float) -> set:
     for t in threads:
         t.join(max(0.0, end - time.monotonic()))
     return {k for k in addrs if results.get(k, True)}
+
+
+def _send_frames(s: socket.socket, size: int) -> None:
+    """Send ``size`` bytes one full segment per write, without Nagle's wait, so that the
+    first ones leave as single frames of the path's MSS. One large write would leave as a
+    segmentation-offload super-packet, which a virtual switch (a bridge, veths) forwards
+    whatever its ports' MTU: the jumbo-frame fault would not show."""
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    mss = max(536, s.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG))
+    for at in range(0, size, mss):
+        s.sendall(b"\0" * min(mss, size - at))
 
 
 def leaders(store) -> list[int]:
