@@ -30,10 +30,13 @@ link wait, and so do the ranks waiting for them. A fresh TCP connection between 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import random
 import selectors
 import socket
+import struct
+import termios
 import threading
 import time
 
@@ -162,7 +165,7 @@ def carry_all(addrs: dict, timeout_s: float) -> set:
         try:
             with socket.create_connection(addr, timeout=timeout_s) as s:
                 s.settimeout(timeout_s)
-                _send_frames(s, PAYLOAD_BYTES)
+                _send_frames(s, PAYLOAD_BYTES, timeout_s)
                 answer = b""
                 while len(answer) < 8 and (chunk := s.recv(8 - len(answer))):
                     answer += chunk
@@ -182,15 +185,27 @@ def carry_all(addrs: dict, timeout_s: float) -> set:
     return {k for k in addrs if results.get(k, True)}
 
 
-def _send_frames(s: socket.socket, size: int) -> None:
-    """Send ``size`` bytes one full segment per write, without Nagle's wait, so that the
-    first ones leave as single frames of the path's MSS. One large write would leave as a
-    segmentation-offload super-packet, which a virtual switch (a bridge, veths) forwards
-    whatever its ports' MTU: the jumbo-frame fault would not show."""
+def _send_frames(s: socket.socket, size: int, timeout_s: float) -> None:
+    """Send ``size`` bytes one full segment at a time, each alone on the wire (the next one
+    only once the peer acknowledged it), so that each leaves as one frame of the path's MSS.
+    Written at once, or while earlier segments wait in the queue, they would leave as
+    segmentation-offload super-packets, which a virtual switch (a bridge, veths) forwards
+    whatever its ports' MTU: the jumbo-frame fault would not show. A segment not
+    acknowledged within ``timeout_s`` raises (socket.timeout): it was dropped on the way."""
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     mss = max(536, s.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG))
+    end = time.monotonic() + timeout_s
     for at in range(0, size, mss):
         s.sendall(b"\0" * min(mss, size - at))
+        while _unacknowledged(s):
+            if time.monotonic() > end:
+                raise socket.timeout(f"a {mss} B segment was never acknowledged")
+            time.sleep(0.001)
+
+
+def _unacknowledged(s: socket.socket) -> int:
+    """Bytes of ``s`` sent or queued and not yet acknowledged (SIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
 
 
 def leaders(store) -> list[int]:
