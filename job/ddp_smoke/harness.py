@@ -45,6 +45,7 @@ def run(cfg: dict[str, Any]) -> int:
     t0 = time.monotonic()
     started_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     env = LaunchEnv.from_environ()
+    fate.mark_kernel_log()  # an OOM kill it later names must be this run's, not a reused PID's
     faults = parse_faults(cfg["fault"], cfg["checks"])
     prelaunch.check_run(cfg, env.world_size)  # what `make smoke-local` checked before launch
     rails.check(cfg, env)  # the rail interface this rank will bind exists on its node

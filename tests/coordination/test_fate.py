@@ -4,6 +4,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from ddp_smoke.coordination import fate
 
 
@@ -84,3 +86,26 @@ def test_a_dead_neighbours_empty_file_goes_and_its_words_stay(tmp_path):
     (folder / "rank1.txt").write_text("Fatal Python error: Aborted\n")
     assert fate.look(ranks, 0, str(tmp_path))[1]["signal"] == "SIGABRT"
     assert sorted(p.name for p in folder.iterdir()) == ["rank1.txt"]
+
+
+def test_an_oom_line_from_before_the_rank_started_names_no_one(monkeypatch):
+    """PIDs wrap (32,768 here): the kernel log's OOM line for an earlier process with the same
+    PID must not speak for this run's rank (a SIGSEGV was once said to be an OOM kill so).
+    Real records, written into the real kernel log, on each side of the rank's start."""
+    try:
+        kmsg = os.open("/dev/kmsg", os.O_WRONLY)
+    except OSError as e:
+        pytest.skip(f"writing the kernel log needs root: {e.strerror}")
+    monkeypatch.setattr(fate, "_log_mark", -1)
+    stale, fresh = 4_000_000 + os.getpid() % 1000, 4_100_000 + os.getpid() % 1000  # > pid_max
+    try:
+        os.write(kmsg, f"Memory cgroup out of memory: Killed process {stale} (ddp-smoke r1) "
+                       "total-vm:1kB\n".encode())
+        assert stale in fate.oom_kills({stale})  # read back before the mark: it would speak
+        fate.mark_kernel_log()
+        os.write(kmsg, f"Out of memory: Killed process {fresh} (ddp-smoke r2) "
+                       "total-vm:1kB\n".encode())
+    finally:
+        os.close(kmsg)
+    got = fate.oom_kills({stale, fresh})
+    assert list(got) == [fresh] and f"Killed process {fresh} (ddp-smoke r2)" in got[fresh], got

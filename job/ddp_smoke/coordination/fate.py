@@ -44,6 +44,7 @@ _FATAL = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "S
           "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
 _KMSG_MAX_BYTES = 4 << 20  # the kernel log's ring is a few MB at most
 _file = None
+_log_mark = -1  # the kernel log's last record when this rank started (its sequence number)
 
 
 def last_words(report_dir: str, rank: int):
@@ -135,13 +136,34 @@ def _proc_state(pid: int) -> str | None:
         return None
 
 
+def mark_kernel_log() -> None:
+    """Note where the kernel log stands as this rank starts (a millisecond or two: the ring's
+    records are read once). An OOM kill of a neighbour this run knows comes later; an older
+    line may name an earlier process with the same PID (PIDs wrap: 32,768 on many nodes).
+    Sequence numbers, not times: the log's clock drifts from the system's on long uptimes."""
+    global _log_mark
+    _log_mark = max((seq for seq, _ in _kernel_log()), default=-1)
+
+
 def oom_kills(pids: set[int]) -> dict[int, str]:
-    """The kernel log's OOM-killer line for each of ``pids`` it names (pid -> the line)."""
+    """The kernel log's OOM-killer line for each of ``pids`` it names after
+    :func:`mark_kernel_log` (pid -> the line)."""
+    found = {}
+    for seq, text in _kernel_log():
+        m = _OOM.search(text)
+        if m and seq > _log_mark and int(m.group(2)) in pids:
+            found[int(m.group(2))] = text[:200]
+    return found
+
+
+def _kernel_log():
+    """The kernel log's records, oldest first: (sequence number, text). Nothing where it
+    cannot be read (no root or CAP_SYSLOG, or no /dev/kmsg: a container)."""
     try:
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
-        return {}  # no root or CAP_SYSLOG, or no /dev/kmsg (a container)
-    found, read = {}, 0
+        return
+    read = 0
     try:
         while read < _KMSG_MAX_BYTES:
             try:
@@ -153,13 +175,14 @@ def oom_kills(pids: set[int]) -> dict[int, str]:
             if not record:
                 break
             read += len(record)
-            text = record.decode("utf-8", "replace").split(";", 1)[-1].strip()
-            m = _OOM.search(text)
-            if m and int(m.group(2)) in pids:
-                found[int(m.group(2))] = text[:200]
+            # "<prio>,<seq>,<usec since boot>,<flags>;text"
+            head, _, text = record.decode("utf-8", "replace").partition(";")
+            try:
+                yield int(head.split(",")[1]), text.strip()
+            except (IndexError, ValueError):
+                continue
     finally:
         os.close(fd)
-    return found
 
 
 def look(ranks: list[dict], me: int, report_dir: str) -> dict[int, dict]:
