@@ -3,13 +3,14 @@
 Not a test: it prints numbers. Each simulated rank is a real ``coordination.protocol.Coordinator``
 with its one store connection (a ``store.Connection`` under the signing, over a TCPStore
 client, as the harness makes it) and its own main thread; its liveness look
-(``liveness.Liveness.tick``: heartbeat and watchdog) runs at the kit's period, driven for all
-ranks of a worker by one thread (32,768 threads on 2 cores would measure the scheduler, not
-the protocol). As in the worker, a rank whose main thread holds its connection in a wait does
-its own look between the wait's slices, and the driver passes it by. No process group, no
-collective: only the store protocol. The store is one libuv TCPStore hosted by this process
-(its file descriptors are counted: one per rank); the ranks live in ``--procs`` worker
-processes (one torch import each), in a network namespace of their own where root may.
+(``liveness.Liveness.tick``: heartbeat and watchdog) runs at the kit's period, driven for
+every 64 ranks of a worker by one thread (32,768 threads on 2 cores would measure the
+scheduler, not the protocol). As in the worker, a rank whose main thread holds its
+connection in a wait does its own look between the wait's slices, and the driver passes it
+by. No process group, no collective: only the store protocol. The store is one libuv
+TCPStore hosted by this process (its file descriptors are counted: one per rank); the ranks
+live in ``--procs`` worker processes (one torch import each), in a network namespace of their
+own where root may.
 
 Per world size N it measures, in one simulated run:
 
@@ -35,7 +36,9 @@ timed out (a wait longer than a look period costs one call per period), rank 0's
 seconds per check, the liveness looks' calls per second, seconds from the death to the abort,
 seconds and store calls of ``judge_as_a_rank`` (the culprits named), how many live ranks'
 forensics the report lists and how long the writer waited for them after judging (at most
-``FORENSICS_WAIT_S``), the culprits, and the store host's file descriptors per rank.
+``FORENSICS_WAIT_S``), the store host's file descriptors per rank, the longest round of a
+driver thread's liveness looks against the heartbeat silence (a round past it starves the
+simulated heartbeats: this machine, not the protocol), and the culprits.
 ``--signing-cost PAIRS`` runs each size unsigned and signed, alternating, and prints the
 ratios of their medians; ``make bench`` runs one pair at the largest size.
 
@@ -138,8 +141,11 @@ def worker(args) -> None:
     ranks = range(args.lo, args.hi)
     coords = {}
     for r in ranks:
-        env = LaunchEnv(rank=r, world_size=world, local_rank=r, local_world_size=world,
-                        group_rank=0, master_addr="127.0.0.1", master_port=args.port,
+        # 8 ranks a node, as their identity records say (host sim<r // 8>) and torchrun
+        # numbers them: a rank's node is its block of 8, not the world
+        env = LaunchEnv(rank=r, world_size=world, local_rank=r % 8,
+                        local_world_size=min(8, world - r // 8 * 8), group_rank=r // 8,
+                        master_addr="127.0.0.1", master_port=args.port,
                         agent_store=True, launcher="bench", run_id="bench")
         coords[r] = protocol.Coordinator(env, cfg, connect(env), lambda *a: "fail", "bench",
                                          time.monotonic())
@@ -155,8 +161,12 @@ def worker(args) -> None:
     t0 = time.monotonic()
     for t in mains:
         t.start()
-    threading.Thread(target=_drive_liveness, args=(coords, seen), daemon=True,
-                     name="liveness-driver").start()
+    rounds = [0.0]  # the longest round of the liveness looks (a rank's beat gap at least)
+    ids = list(coords)
+    for i in range(0, len(ids), DRIVEN):
+        threading.Thread(target=_drive_liveness, args=({r: coords[r] for r in ids[i:i + DRIVEN]},
+                                                       seen, rounds),
+                         daemon=True, name="liveness-driver").start()
     go.set()
     print(f"worker {args.lo}: {len(mains)} ranks started in {time.monotonic() - t0:.1f} s",
           file=sys.stderr, flush=True)
@@ -166,7 +176,8 @@ def worker(args) -> None:
     for c in coords.values():
         c.liveness.stop.set()
     alive = sum(t.is_alive() for t in mains)  # a stuck rank may still write its dict: copy
-    json.dump({"ranks": {r: dict(v) for r, v in out.items()}, "alive": alive}, sys.stdout)
+    json.dump({"ranks": {r: dict(v) for r, v in out.items()}, "alive": alive,
+               "round_max": rounds[0]}, sys.stdout)
     sys.stdout.flush()
     os._exit(0)  # no interpreter teardown under threads still inside store calls
 
@@ -182,12 +193,17 @@ def _progress(out: dict, lo: int) -> None:
               f"{dict(sorted(passed.items()))}", file=sys.stderr, flush=True)
 
 
-def _drive_liveness(coords: dict, seen: dict) -> None:
-    """Every rank's liveness look (``Liveness.tick``: heartbeat and watchdog), once per
-    period, from one thread: a thread per rank would measure this machine's scheduler. A
+DRIVEN = 64  # ranks whose liveness looks one thread drives
+
+
+def _drive_liveness(coords: dict, seen: dict, rounds: list) -> None:
+    """The liveness looks (``Liveness.tick``: heartbeat and watchdog) of ``coords``' ranks,
+    once per period, from one thread: a thread per rank would measure this machine's
+    scheduler, and one per process would wait out each look's round trips to the store one
+    after another (a rank's beat late by the others' looks: 4,096 ranks read as silent). A
     rank whose connection is taken (its main thread waits on it) is passed by: it looks
     between its wait's slices, as in the worker. A rank that saw the abort is told
-    (``seen``) and looked at no more."""
+    (``seen``) and looked at no more. ``rounds[0]``: the longest round so far."""
     period = next(iter(coords.values())).liveness.period
     while True:
         t = time.monotonic()
@@ -196,7 +212,9 @@ def _drive_liveness(coords: dict, seen: dict) -> None:
                 continue
             if c.liveness.tick(c.store):
                 seen[r].set()
-        time.sleep(max(0.0, period - (time.monotonic() - t)))
+        took = time.monotonic() - t
+        rounds[0] = max(rounds[0], took)
+        time.sleep(max(0.0, period - took))
 
 
 def _rank_main(c, out, args, names, seen, go) -> None:
@@ -339,6 +357,7 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
     """One simulated run of ``world`` ranks (records signed, unless ``unsigned``); returns
     the measured figures."""
     import torch.distributed as dist
+    from ddp_smoke.coordination.store import dead_after
 
     _raise_nofile()
     base_fds = _fds()
@@ -376,13 +395,14 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
         # is theirs alone on a cluster: here thousands of ranks share two with them.
         preexec_fn=None if lo == 0 else lambda: os.nice(10))
         for (lo, hi), log in zip(zip(bounds, bounds[1:]), logs)]
-    ranks, alive, end = {}, 0, time.monotonic() + timeout * 3
+    ranks, alive, round_max, end = {}, 0, 0.0, time.monotonic() + timeout * 3
     try:
         for p in workers:
             text = p.communicate(timeout=max(1.0, end - time.monotonic()))[0]
             got = json.loads(text or "null") or {"ranks": {}, "alive": 0}
             ranks.update({int(r): v for r, v in got["ranks"].items()})
             alive += got["alive"]
+            round_max = max(round_max, got.get("round_max", 0.0))
     except (subprocess.TimeoutExpired, json.JSONDecodeError) as e:
         for p in workers:
             p.kill()
@@ -421,6 +441,9 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
         "forensics": zero.get("forensics") or [0, 0, float("nan")],
         "error": zero.get("error"),
         "rank0_beat_gap_max_s": zero.get("beat_gap_max"),
+        # the longest round of a driver's liveness looks: past the heartbeat silence, this
+        # machine cannot simulate the size (its ranks read as dead for the bench's own load)
+        "look_round_max_s": round(round_max, 3), "silence_s": dead_after(world),
         "init_slices_timed_out": sum(v.get("init_polls", 0) for v in ranks.values()),
         "phases_s": [round(b - a, 2) for a, b in zip(zero.get("marks", []),
                                                      zero.get("marks", [])[1:])],
@@ -478,7 +501,7 @@ def main() -> None:
           f"on {os.cpu_count()} cores", flush=True)
     print(f"{'N':>6} {'ops/check':>10} {'ops/check/N':>11} {'fixed/N':>7} {'coord s/check':>13} "
           f"{'beat ops/s':>10} {'detect s':>8} {'judge s':>7} {'judge ops':>9} "
-          f"{'forensics':>15} {'fds/rank':>8}  culprits",
+          f"{'forensics':>15} {'fds/rank':>8} {'look round s':>12}  culprits",
           flush=True)
     sizes = [int(x) for x in args.sizes.split(",")]
     signing_at = [int(x) for x in args.signing_at.split(",")] if args.signing_at else sizes
@@ -493,7 +516,8 @@ def main() -> None:
                   f"{r['coord_s_per_check']:>13.3f} {r['heartbeat_ops_per_s']:>10.0f} "
                   f"{r['detect_s']:>8.2f} {r['judge_s']:>7.2f} {r['judge_ops'] or 0:>9} "
                   f"{'%d/%d %.1fs' % tuple(r['forensics']):>15} "
-                  f"{r['store_fds_per_rank']:>8.2f}  "
+                  f"{r['store_fds_per_rank']:>8.2f} "
+                  f"{'%.2f/%.2f' % (r['look_round_max_s'], r['silence_s']):>12}  "
                   f"{r['culprits']}{' ' + r['error'] if r['error'] else ''}"
                   f"{' (unsigned)' if unsigned else ''}", flush=True)
             if args.json:

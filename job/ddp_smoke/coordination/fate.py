@@ -147,7 +147,10 @@ def mark_kernel_log() -> None:
 
 def oom_kills(pids: set[int]) -> dict[int, str]:
     """The kernel log's OOM-killer line for each of ``pids`` it names after
-    :func:`mark_kernel_log` (pid -> the line)."""
+    :func:`mark_kernel_log` (pid -> the line). No pids, no read: every live rank looks on an
+    abort, and the log's records cost ~2.6 ms a read (1,023 simulated ranks: 2.7 s of CPU)."""
+    if not pids:
+        return {}
     found = {}
     for seq, text in _kernel_log():
         m = _OOM.search(text)
