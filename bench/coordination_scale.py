@@ -170,7 +170,7 @@ def worker(args) -> None:
     go.set()
     print(f"worker {args.lo}: {len(mains)} ranks started in {time.monotonic() - t0:.1f} s",
           file=sys.stderr, flush=True)
-    threading.Thread(target=_progress, args=(out, args.lo), daemon=True).start()
+    threading.Thread(target=_progress, args=(out, args.lo, rounds), daemon=True).start()
     for t in mains:
         t.join(args.timeout * 3)
     for c in coords.values():
@@ -182,15 +182,16 @@ def worker(args) -> None:
     os._exit(0)  # no interpreter teardown under threads still inside store calls
 
 
-def _progress(out: dict, lo: int) -> None:
-    """Every 10 s on stderr: how many of this worker's ranks passed each phase (shown when
-    a simulation does not finish)."""
+def _progress(out: dict, lo: int, rounds: list) -> None:
+    """Every 10 s on stderr: how many of this worker's ranks passed each phase, and the
+    longest round of its liveness looks (shown when a simulation does not finish)."""
     t = time.monotonic()
     while True:
         time.sleep(10)
         passed = Counter(len(v.get("marks", ())) for v in out.values())
         print(f"worker {lo} at {time.monotonic() - t:.0f} s: ranks by phases passed "
-              f"{dict(sorted(passed.items()))}", file=sys.stderr, flush=True)
+              f"{dict(sorted(passed.items()))}, look round max {rounds[0]:.2f} s",
+              file=sys.stderr, flush=True)
 
 
 DRIVEN = 64  # ranks whose liveness looks one thread drives
