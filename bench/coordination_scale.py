@@ -200,8 +200,8 @@ DRIVEN = 64  # ranks whose liveness looks one thread drives
 def _drive_liveness(coords: dict, seen: dict, rounds: list) -> None:
     """The liveness looks (``Liveness.tick``: heartbeat and watchdog) of ``coords``' ranks,
     once per period, from one thread: a thread per rank would measure this machine's
-    scheduler, and one per process would wait out each look's round trips to the store one
-    after another (a rank's beat late by the others' looks: 4,096 ranks read as silent). A
+    scheduler, and one per process would wait out each look's round trip to the store one
+    after another. A
     rank whose connection is taken (its main thread waits on it) is passed by: it looks
     between its wait's slices, as in the worker. A rank that saw the abort is told
     (``seen``) and looked at no more. ``rounds[0]``: the longest round so far."""
