@@ -1,16 +1,19 @@
 """--act slurm-drain on a real Slurm cluster: the bad node ends DRAIN with ddp-smoke's reason.
 
 The sandbox cluster (tests/sandbox/slurm.py, two nodes) runs the real template with one rank
-per node; rank 1, on the second node, is made a compute straggler (``--fault 1:slow@compute``).
-Rank 0 drains the node its ranks recorded as SLURMD_NODENAME, and only that one; nothing at all
-when a forger wrote into the run's store (issue 27). Run under
-``flock /tmp/ddpsmoke-slurm.lock`` (one fixed cluster name on the machine).
+per node. The second node's slurmd sits under a cgroup CPU quota, so rank 1 is a real compute
+straggler: rank 0 drains the node its ranks recorded as SLURMD_NODENAME, and only that one;
+nothing at all when a forger wrote into the run's store (issue 27). With every node under the
+same quota (a shared cause: one setting pushed to all of them) every node fails, more than
+``fleet.drain_max_share``: the circuit breaker drains none and names what they share.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -67,6 +70,54 @@ def test_act_slurm_drain_drains_exactly_the_bad_node_with_the_reason(cluster, sl
         for name in cluster.node_names:  # give the nodes back to the next test
             subprocess.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"],
                            env=cluster.env(), capture_output=True, timeout=10)
+
+
+@pytest.mark.timeout(240)
+def test_act_slurm_drain_drains_no_node_when_every_node_fails_from_one_cause(cluster, tmp_path):
+    """Every node's slurmd under one CPU quota (as when a quota meant for one daemon is pushed
+    to every node): the health check fails every node of the run on that quota, more than
+    ``fleet.drain_max_share`` (0.5) of them, so ``--act slurm-drain`` drains none, says the
+    cause is likely shared and names it; actions.json and ``ddp-smoke history`` hold the
+    refusal, no drain. The same fault on one node alone is drained (the test above)."""
+    with CpuQuota(0.25, name=f"ddp-smoke-shared-{os.getpid()}") as quota:
+        for name in cluster.node_names:
+            quota.add(cluster.pids[f"slurmd.{name}"])
+        job = _submit(cluster, tmp_path, ["--checks", "environment,collectives,health",
+                                          "--act", "slurm-drain"])
+        states = {name: _node(cluster, name) for name in cluster.node_names}
+    print(f"\n{job.wall_s:.0f} s; " + "; ".join(f"{n}: State={s['State']} Reason={s['Reason']}"
+                                                for n, s in states.items()))
+    said = [ln for ln in job.output.splitlines() if "--act slurm-drain" in ln]
+    print("\n".join(said))
+    assert job.rc != 0 and job.report is not None, job.output[-4000:]
+    hosts = job.report["hosts"]
+    assert [h["status"] for h in hosts] == ["bad", "bad"], hosts
+    assert all(r["check"] == "health" and r["reason"].startswith("CPU quota: ")
+               for h in hosts for r in h["reasons"]), hosts
+    for name, state in states.items():
+        assert "DRAIN" not in state["State"] and not state["Reason"], (name, state)
+    line = "circuit breaker: 2 of 2 nodes failed (more than 50%): drained none; the cause is " \
+        "likely shared (the nodes' set-up): every one failed health: "
+    assert len(said) == 2 and "(--act slurm-drain ran none: the circuit breaker held)" in \
+        said[0] and line in said[1], job.output[-4000:]
+    assert f"cgroup {quota.group.path} allows 0.25 CPU" in said[1], said  # what they share
+    assert " drained" not in job.output.replace("drained none", ""), job.output[-4000:]
+    actions = json.loads((job.report_path.parent / "actions.json").read_text())
+    assert actions["run_id"] == job.id
+    assert sorted((a["node"], a["action"], a["done"]) for a in actions["actions"]) == \
+        [(name, "hold", True) for name in sorted(cluster.node_names)], actions
+    assert all(a["reason"] == said[1].split("--act slurm-drain: ", 1)[1]
+               for a in actions["actions"]), actions
+    history = subprocess.run([sys.executable, "-m", "ddp_smoke", "history",
+                              str(job.report_path.parent.parent)],
+                             capture_output=True, text=True, timeout=60)
+    fleet = history.stdout.split("# fleet:")[-1]
+    print(fleet)
+    assert history.returncode == 0, history.stderr[-2000:]
+    assert "\ndrained by ddp-smoke: none\n" in fleet, fleet
+    assert not re.search(r" (drain|resume) ", fleet.split("\ndrained by")[0]), fleet
+    for name in cluster.node_names:
+        assert re.search(rf" hold +{name} +run {job.id}: circuit breaker: ", fleet), fleet
 
 
 def _worker_store(tag: str, timeout_s: float) -> tuple[str, int] | None:

@@ -55,6 +55,9 @@ _SHARED_KIND = {"storage": "storage", "bandwidth": "fabric", "transport": "fabri
 _PREFLIGHT_KIND = {"report_dir": "storage", "interfaces": "fabric", "rendezvous": "fabric",
                    "joined": "fabric", "rendezvous_host": "fabric", "torch": "image",
                    "python": "image"}
+# A health finding is the hardware's, except a limit that a setting put on the node: the same
+# CPU quota on every node is one configuration pushed to all of them (a slice, a pod limit).
+_HEALTH_KIND = {"CPU quota": "the nodes' set-up"}
 
 
 def tier(report: dict) -> str:
@@ -121,6 +124,8 @@ def _first(reasons: list[dict]) -> str:
 def _kind(check: str, reason: str) -> str:
     if check in ("preflight", "node-check"):
         return _PREFLIGHT_KIND.get(reason.split(":", 1)[0].strip(), "the node's set-up")
+    if check == "health":
+        return _HEALTH_KIND.get(reason.split(":", 1)[0].strip(), _SHARED_KIND[check])
     return _SHARED_KIND.get(check, "the run itself")
 
 
