@@ -38,6 +38,15 @@ def _node(cluster, name: str) -> dict[str, str]:
 
 
 @pytest.fixture
+def resumed(cluster):
+    """The cluster, every node of it resumed after the test (given back to the next one)."""
+    yield cluster
+    for name in cluster.node_names:
+        subprocess.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"],
+                       env=cluster.env(), capture_output=True, timeout=10)
+
+
+@pytest.fixture
 def slow_second_node(cluster):
     """The second node held to a quarter of a core (a cgroup CPU quota on its slurmd, which
     every process of a job step on that node inherits): a real slow node, not an injected
@@ -48,37 +57,37 @@ def slow_second_node(cluster):
 
 
 @pytest.mark.timeout(240)
-def test_act_slurm_drain_drains_exactly_the_bad_node_with_the_reason(cluster, slow_second_node,
+def test_act_slurm_drain_drains_exactly_the_bad_node_with_the_reason(resumed, slow_second_node,
                                                                       tmp_path):
-    try:
-        job = _submit(cluster, tmp_path, ["--checks", "environment,compute",
-                                          "--act", "slurm-drain"])
-        assert job.rc != 0 and job.report is not None, job.output[-4000:]
-        ranks = job.report["ranks"]
-        assert all(r["slurm_node"] == r["host"] for r in ranks)  # NodeName = hostname here
-        bad = ranks[1]["slurm_node"]
-        good = ranks[0]["slurm_node"]
-        assert bad == slow_second_node
-        assert [h["status"] for h in job.report["hosts"]] == ["good", "bad"]
-        assert f"--act slurm-drain: {bad} drained" in job.output, job.output[-4000:]
-        state = _node(cluster, bad)
-        print(f"\n{bad}: State={state['State']} Reason={state['Reason']}")
-        assert "DRAIN" in state["State"]
-        assert state["Reason"].startswith(f"ddp-smoke {job.id}: compute: fp32 matmul ")
-        assert "DRAIN" not in _node(cluster, good)["State"]
-    finally:
-        for name in cluster.node_names:  # give the nodes back to the next test
-            subprocess.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"],
-                           env=cluster.env(), capture_output=True, timeout=10)
+    cluster = resumed
+    job = _submit(cluster, tmp_path, ["--checks", "environment,compute",
+                                      "--act", "slurm-drain"])
+    assert job.rc != 0 and job.report is not None, job.output[-4000:]
+    ranks = job.report["ranks"]
+    assert all(r["slurm_node"] == r["host"] for r in ranks)  # NodeName = hostname here
+    bad = ranks[1]["slurm_node"]
+    good = ranks[0]["slurm_node"]
+    assert bad == slow_second_node
+    assert [h["status"] for h in job.report["hosts"]] == ["good", "bad"]
+    assert f"--act slurm-drain: {bad} drained" in job.output, job.output[-4000:]
+    state = _node(cluster, bad)
+    print(f"\n{bad}: State={state['State']} Reason={state['Reason']}")
+    assert "DRAIN" in state["State"]
+    assert state["Reason"].startswith(f"ddp-smoke {job.id}: compute: fp32 matmul ")
+    assert "DRAIN" not in _node(cluster, good)["State"]
+    actions = json.loads((job.report_path.parent / "actions.json").read_text())["actions"]
+    assert [(a["node"], a["action"], a["done"]) for a in actions] == [(bad, "drain", True)]
+    assert state["Reason"].startswith(actions[0]["reason"][:60]), (state, actions)
 
 
 @pytest.mark.timeout(240)
-def test_act_slurm_drain_drains_no_node_when_every_node_fails_from_one_cause(cluster, tmp_path):
+def test_act_slurm_drain_drains_no_node_when_every_node_fails_from_one_cause(resumed, tmp_path):
     """Every node's slurmd under one CPU quota (as when a quota meant for one daemon is pushed
     to every node): the health check fails every node of the run on that quota, more than
     ``fleet.drain_max_share`` (0.5) of them, so ``--act slurm-drain`` drains none, says the
     cause is likely shared and names it; actions.json and ``ddp-smoke history`` hold the
     refusal, no drain. The same fault on one node alone is drained (the test above)."""
+    cluster = resumed
     with CpuQuota(0.25, name=f"ddp-smoke-shared-{os.getpid()}") as quota:
         for name in cluster.node_names:
             quota.add(cluster.pids[f"slurmd.{name}"])
@@ -142,10 +151,11 @@ def _worker_store(tag: str, timeout_s: float) -> tuple[str, int] | None:
 
 @pytest.mark.timeout(240)
 def test_act_slurm_drain_drains_nothing_in_a_run_whose_store_held_a_forged_record(
-        cluster, slow_second_node, tmp_path):
+        resumed, slow_second_node, tmp_path):
     """The same job as above (rank 1 slow: its node is bad), with a forger on the network that
     posts rank 0 "terminated by SIGTERM" into the run's store. The forged abort names no one,
     the report carries the finding, and nothing is drained, not even the genuinely bad node."""
+    cluster = resumed
     tag = uuid.uuid4().hex
     found: dict = {}
 
@@ -156,25 +166,20 @@ def test_act_slurm_drain_drains_nothing_in_a_run_whose_store_held_a_forged_recor
             found["forger"].run()
     thread = threading.Thread(target=forge, daemon=True)
     thread.start()
-    try:
-        job = _submit(cluster, tmp_path, ["--checks", "environment,compute",
-                                          "--act", "slurm-drain"], FORGE_TAG=tag)
-        forger = found.get("forger")
-        if forger:
-            forger.stop.set()
-        assert forger is not None and forger.done, (forger and forger.error, job.output[-3000:])
-        assert job.rc != 0 and job.report is not None, job.output[-4000:]
-        culprits = {k["rank"] for c in job.report["checks"] for k in c["culprits"]}
-        assert culprits == {1}, job.report["checks"]
-        assert [h["status"] for h in job.report["hosts"]] == ["good", "bad"]
-        findings = job.report["security"]["findings"]
-        print(f"\nforged {forger.done}; findings {findings}")
-        assert {(f["key"], f["rank"]) for f in findings} >= {("abort/listed", 0)}, findings
-        assert "--act slurm-drain: nothing drained: the store held" in job.output
-        assert " drained" not in job.output.replace("nothing drained", "")
-        for name in cluster.node_names:
-            assert "DRAIN" not in _node(cluster, name)["State"]
-    finally:
-        for name in cluster.node_names:
-            subprocess.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"],
-                           env=cluster.env(), capture_output=True, timeout=10)
+    job = _submit(cluster, tmp_path, ["--checks", "environment,compute",
+                                      "--act", "slurm-drain"], FORGE_TAG=tag)
+    forger = found.get("forger")
+    if forger:
+        forger.stop.set()
+    assert forger is not None and forger.done, (forger and forger.error, job.output[-3000:])
+    assert job.rc != 0 and job.report is not None, job.output[-4000:]
+    culprits = {k["rank"] for c in job.report["checks"] for k in c["culprits"]}
+    assert culprits == {1}, job.report["checks"]
+    assert [h["status"] for h in job.report["hosts"]] == ["good", "bad"]
+    findings = job.report["security"]["findings"]
+    print(f"\nforged {forger.done}; findings {findings}")
+    assert {(f["key"], f["rank"]) for f in findings} >= {("abort/listed", 0)}, findings
+    assert "--act slurm-drain: nothing drained: the store held" in job.output
+    assert " drained" not in job.output.replace("nothing drained", "")
+    for name in cluster.node_names:
+        assert "DRAIN" not in _node(cluster, name)["State"]
