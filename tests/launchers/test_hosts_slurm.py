@@ -88,11 +88,16 @@ def test_act_slurm_drain_drains_no_node_when_every_node_fails_from_one_cause(res
     cause is likely shared and names it; actions.json and ``ddp-smoke history`` hold the
     refusal, no drain. The same fault on one node alone is drained (the test above)."""
     cluster = resumed
-    with CpuQuota(0.25, name=f"ddp-smoke-shared-{os.getpid()}") as quota:
+    # 16.8 MB collectives too: seconds of work inside the health check's window, so the
+    # quota's counters pass its floor of 10 periods with room (36 periods measured, 2x the
+    # time of the default sizes; a lower quota takes as long again, most of it in start-up)
+    longer = tmp_path / "longer.yaml"
+    longer.write_text("collectives:\n  sizes_bytes: [256, 4200000, 16800000]\n")
+    with CpuQuota(0.5, name=f"ddp-smoke-shared-{os.getpid()}") as quota:
         for name in cluster.node_names:
             quota.add(cluster.pids[f"slurmd.{name}"])
         job = _submit(cluster, tmp_path, ["--checks", "environment,collectives,health",
-                                          "--act", "slurm-drain"])
+                                          "--config", str(longer), "--act", "slurm-drain"])
         states = {name: _node(cluster, name) for name in cluster.node_names}
     print(f"\n{job.wall_s:.0f} s; " + "; ".join(f"{n}: State={s['State']} Reason={s['Reason']}"
                                                 for n, s in states.items()))
@@ -100,6 +105,7 @@ def test_act_slurm_drain_drains_no_node_when_every_node_fails_from_one_cause(res
     print("\n".join(said))
     assert job.rc != 0 and job.report is not None, job.output[-4000:]
     hosts = job.report["hosts"]
+    print("\n".join(f"{h['host']}: {r['reason'][:260]}" for h in hosts for r in h["reasons"]))
     assert [h["status"] for h in hosts] == ["bad", "bad"], hosts
     assert all(r["check"] == "health" and r["reason"].startswith("CPU quota: ")
                for h in hosts for r in h["reasons"]), hosts
@@ -109,7 +115,7 @@ def test_act_slurm_drain_drains_no_node_when_every_node_fails_from_one_cause(res
         "likely shared (the nodes' set-up): every one failed health: "
     assert len(said) == 2 and "(--act slurm-drain ran none: the circuit breaker held)" in \
         said[0] and line in said[1], job.output[-4000:]
-    assert f"cgroup {quota.group.path} allows 0.25 CPU" in said[1], said  # what they share
+    assert f"cgroup {quota.group.path} allows 0.5 CPU" in said[1], said  # what they share
     assert " drained" not in job.output.replace("drained none", ""), job.output[-4000:]
     actions = json.loads((job.report_path.parent / "actions.json").read_text())
     assert actions["run_id"] == job.id

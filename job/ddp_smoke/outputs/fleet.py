@@ -136,14 +136,27 @@ def _masked(reason: str, node: str) -> str:
 
 
 def _shared(texts: list[str]) -> str:
-    """The longest run of words every text has (at least _MIN_SHARED characters), or ""."""
+    """The longest run of whole words every text has (at least _MIN_SHARED characters), or ""."""
     common = texts[0]
     for other in texts[1:]:
         m = difflib.SequenceMatcher(None, common, other, autojunk=False).find_longest_match(
             0, len(common), 0, len(other))
         common = common[m.a:m.a + m.size]
-    common = common.strip(" ;,:")
+    common = _whole_words(common, texts).strip(" ;,:")
     return common if len(common) >= _MIN_SHARED else ""
+
+
+def _whole_words(common: str, texts: list[str]) -> str:
+    """``common`` less a word that a text goes on with past either end ("36 of 36 periods"
+    and "37 of 37 periods" share "3", not a number; "100%" and "98%" share "%", not one)."""
+    head = tail = False
+    for text in texts:
+        i = text.find(common)
+        j = i + len(common)
+        head |= i > 0 and not text[i - 1].isspace() and not common[:1].isspace()
+        tail |= j < len(text) and not text[j].isspace() and not common[-1:].isspace()
+    common = re.sub(r"^\S+", "", common) if head else common
+    return re.sub(r"\S+$", "", common) if tail else common
 
 
 # -- lemons (pure) --------------------------------------------------------------------------
