@@ -11,7 +11,11 @@ under CI one past HARD_S fails (CI itself stops at 90 minutes, set-up included).
 back under, rather than a failure that would keep every other change from landing.
 ``DDP_SMOKE_RECORD_DURATIONS=1`` keeps the full run's time and slowest tests in
 ``tests/durations.json`` (committed: what to share or shorten next when the suite grows).
+
+In parallel: ``make test`` runs the suite in TEST_WORKERS pytest-xdist workers; whatever the
+``--dist`` mode, :func:`parallel_group` says which tests must share a worker.
 """
+import functools
 import json
 import os
 import time
@@ -26,6 +30,50 @@ DURATIONS = Path(__file__).parent / "durations.json"
 _KEPT = 40  # slowest tests kept in durations.json
 _spent: dict[str, float] = {}  # nodeid -> seconds (setup, call and teardown)
 _started = time.monotonic()
+
+
+# Modules that make a real part under a fixed name share one worker, one module after another:
+# the campaign's parts (prefixes dcp, dcs, dcu, dcd, dsj), the Slurm sandbox (dss), the Docker
+# engine's pods (dsd, dsk, dsn). Every other module is a group of its own: its module-scoped
+# sandbox (a prefix and subnet of its own: tests/test_parallel.py) is made once, in one worker.
+SHARED_GROUPS = ("campaign", "slurm", "docker")  # the order they start in: the longest first
+_USES = {"slurm": ("slurm_fixture", "SlurmSandbox"),
+         "docker": ("docker_engine", "worker_image", "pod_network", "sandbox.docker")}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parallel_group(path: Path) -> str:
+    """The xdist group of a test module: a shared part's name, or the module's own path."""
+    rel = path.resolve().relative_to(ROOT).as_posix()
+    if rel.startswith("tests/campaign/"):
+        return "campaign"
+    text = path.read_text()
+    return next((g for g, marks in _USES.items() if any(m in text for m in marks)), rel)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler, its work units the parallel groups (not its xdist_group
+    markers: pytest 9.2 no longer reads the node id suffix they work by)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedPartScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(nodeid.split("::", 1)[0])
+
+    return SharedPartScheduling(config, log)
+
+
+@functools.cache
+def _group_of(rel: str) -> str:
+    return parallel_group(ROOT / rel)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the shared parts' long queues start first
+        def rank(item):
+            group = _group_of(item.path.relative_to(ROOT).as_posix())
+            return SHARED_GROUPS.index(group) if group in SHARED_GROUPS else len(SHARED_GROUPS)
+        items.sort(key=rank)  # stable: a module's tests keep their order
 
 
 def pytest_runtest_logreport(report):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 
 class ConfigError(ValueError):
@@ -27,10 +28,19 @@ class ReportWriteError(RuntimeError):
         super().__init__(f"cannot write {path}: {self.strerror}" + (f" ({name})" if name else ""))
 
 
+# A quiet rank's exit reaches torchrun's agent, which stops the node's ranks and prints its own
+# lines: the quiet ranks wait this long first, so the speaking rank's line comes before them
+# (under torchrun on a loaded node, the agent's lines came first).
+QUIET_RANK_WAIT_S = 3.0
+
+
 def say_once(line: str) -> None:
     """Bad flags or config are the same on every rank: only the first local rank of each node
     says so (one line per node, not one per rank), in one write, so no two lines run
-    together."""
+    together; the node's other ranks wait up to QUIET_RANK_WAIT_S (torchrun stops them as
+    soon as the first leaves)."""
     local = os.environ.get("LOCAL_RANK", "0")
     if local == "0" or not local.isdigit():
         os.write(2, (line.replace("\n", " ") + "\n").encode())
+    else:
+        time.sleep(QUIET_RANK_WAIT_S)

@@ -243,8 +243,7 @@ def _publish(run: Run, store, error: dict | None, found: dict[int, dict]) -> str
 
 
 def _store(env: LaunchEnv, timeout: float, may_host: bool):
-    """The rank's one connection to the coordination store: shared by its threads in turns,
-    every record signed."""
+    """The rank's one connection to the store: its threads share it in turns; records signed."""
     raw = runtime.connect_store(env, timeout, may_host=may_host)
     scope = f"ddp_smoke/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     shared = Connection(dist.PrefixStore(scope, raw), look_period(env.world_size))

@@ -1,6 +1,6 @@
 """A throttled node among three real hosts ends up in bad_hosts.txt, the others in good_hosts.txt.
 
-Three network-namespace hosts (prefix dse, 10.231.9.0/24), one torchrun each, one rank per
+Three network-namespace hosts (prefix dse, 10.231.14.0/24), one torchrun each, one rank per
 host, gloo over the hosts' eth0. The second host's link is throttled in both directions with
 tc tbf (its root-side veth and its own eth0, as a slow NIC or a bad cable would): the
 bandwidth check's node pairs find it slow with every partner, and the report's hosts section,
@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.sandbox.hosts import Host, sandbox_fixture
 from tests.worker.test_multihost import _Nodes, _torchrun
 
-PREFIX, SUBNET = "dse", "10.231.9.0/24"
+PREFIX, SUBNET = "dse", "10.231.14.0/24"
 PORTS = {"node": 29491, "link": 29492}  # one per test: no wait on a closing port
 RATE = "200mbit"  # ~25 MB/s: far below the ~1 GB/s gloo gets over an unthrottled veth here
 SMALL = {"bandwidth": {"max_bytes_cpu": 1 << 20, "iters": 3, "time_per_size_s": 0.05,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import os
 import shutil
@@ -36,7 +37,11 @@ from tests.sandbox.hosts import (HostSandbox, SandboxError, is_alive, missing_re
                                  stop_pids, teardown_by_name)
 
 PREFIX, SUBNET = "dss", "10.231.2.0/24"
-CTLD_PORT = 6917  # not Slurm's 6817, so a real slurmctld on this machine stays untouched
+# slurmctld listens in this machine's own network namespace, on every address: each cluster's
+# port is 6900 + its subnet's third byte (dss: 6902), unique as the subnets are
+# (tests/test_parallel.py), so clusters in parallel test workers never meet, and a real
+# slurmctld (6817) stays untouched.
+CTLD_PORT_BASE = 6900
 # Installed from slurm-wlm and munge (tests/sandbox/tools.py APT); the tests run these too.
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "scancel",
             "squeue")
@@ -136,6 +141,7 @@ class SlurmSandbox:
         self.run_dir = Path(run_dir or f"/tmp/ddp-smoke-slurm-{os.getpid()}").resolve()
         self.conf = self.run_dir / "slurm.conf"
         self.hosts = HostSandbox(prefix, subnet, nodes)
+        self.port = CTLD_PORT_BASE + ipaddress.ip_network(subnet).network_address.packed[2]
         self.cpus, self.keep_run_dir = cpus, keep_run_dir
         self.node_name_prefix = node_name_prefix
         self.same_hostname = same_hostname
@@ -230,7 +236,7 @@ class SlurmSandbox:
         nodes = "\n".join(f"NodeName={n} NodeHostname={h.name} NodeAddr={h.addr}"
                           for n, h in zip(self.node_names, self.hosts.hosts))
         gw = self.hosts.gateway
-        self.conf.write_text(_CONF.format(ctld=gw.name, ctld_addr=gw.addr, port=CTLD_PORT,
+        self.conf.write_text(_CONF.format(ctld=gw.name, ctld_addr=gw.addr, port=self.port,
                                           run=run, cpus=self.cpus, nodes=nodes,
                                           extra=self.extra_conf))
 
