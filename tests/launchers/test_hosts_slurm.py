@@ -89,8 +89,8 @@ def test_act_slurm_drain_drains_no_node_when_every_node_fails_from_one_cause(res
     refusal, no drain. The same fault on one node alone is drained (the test above)."""
     cluster = resumed
     # 8.4 MB collectives too: seconds of work inside the health check's window, so the quota's
-    # counters pass its floor of 10 periods with room (the default sizes: 14 periods measured;
-    # a quota of 0.25 instead: 36 periods, but 54 s, most of it start-up)
+    # counters pass its floor of 10 periods with room (measured: 47-48 periods, the test 28 s;
+    # the default sizes alone 14; a quota of 0.25 instead 36, but 54 s, most of it start-up)
     longer = tmp_path / "longer.yaml"
     longer.write_text("collectives:\n  sizes_bytes: [256, 4200000, 8400000]\n")
     with CpuQuota(0.5, name=f"ddp-smoke-shared-{os.getpid()}") as quota:
