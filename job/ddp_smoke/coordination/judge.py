@@ -117,8 +117,13 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
 
 def _fates(store, s: Stopped, dead: list[int]) -> dict[int, dict]:
     """How each dead rank ended: its node's word (posted with the forensics the judge has
-    waited for), its launcher's, else its own last words in a shared report folder."""
+    waited for), its launcher's (waited for, where the launcher witnesses), else its own last
+    words in a shared report folder."""
     seen, ended = reads(store, keys.FATE, dead), reads(store, keys.EXIT, dead)
+    end = time.monotonic() + (fate.WITNESS_WAIT_S if fate.witnessed() else 0)
+    while set(ended) < set(dead) and time.monotonic() < end:  # the launcher's word: a moment
+        time.sleep(0.05)
+        ended = reads(store, keys.EXIT, dead)
     out = {}
     for r in dead:
         got = {**(seen.get(r) or (fate.said(s.report_dir, r) if s.report_dir else {})),
