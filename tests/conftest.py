@@ -6,9 +6,8 @@ into a failure: a skipped real-part test is not a passing one.
 
 The suite's budget: the whole suite (``make test``, nothing selected out) should finish within
 BUDGET_S on two cores. A full run that took longer says so in red, naming its slowest tests;
-under CI one past HARD_S fails (CI itself stops at 90 minutes, set-up included). Measured on
-2026-12-01 the suite is past its budget (docs/development.md): the warning stays until it is
-back under, rather than a failure that would keep every other change from landing.
+under CI one past HARD_S fails (CI itself stops at 90 minutes, set-up included): a run a few
+minutes over on a slower machine is a warning to act on, not a change kept from landing.
 ``DDP_SMOKE_RECORD_DURATIONS=1`` keeps the full run's time and slowest tests in
 ``tests/durations.json`` (committed: what to share or shorten next when the suite grows).
 

@@ -182,3 +182,27 @@ def test_a_rank_inside_a_collective_it_never_issued_holds_the_others_there():
     assert [c.rank for c in blame.judge(s).culprits] == [2]
     s.issued = {0: 9, 1: 9, 2: 9, 3: 9}  # all issued it: the collective itself is stuck
     assert [c.rank for c in blame.judge(s).culprits] == [None]
+
+
+def test_rank_the_others_waited_for_until_the_deadline_is_named_when_none_is_blocked():
+    """The fault campaign's slow rank (15 % of a core) past the collectives deadline, as
+    judged: rank 0 between two collectives, rank 1 one behind, neither inside one. Their waits
+    until the abort say who held whom: rank 0 spent 0.45 s inside each, rank 1 a hundredth."""
+    stopped = dict(world_size=2, hosts=["vm", "vm"], connected={0, 1}, arrived={0, 1},
+                   stage="collectives",
+                   progress={0: beat(38, False, op="all_to_all", stage="collectives"),
+                             1: beat(37, False, op="broadcast", stage="collectives")},
+                   aborts={r: {"kind": "timeout", "at": T} for r in (0, 1)})
+    waits = {0: [0.45] * 21 + [None], 1: [0.01] * 21 + [None]}
+    v = blame.judge(snap(**stopped, waits=waits))
+    assert [c.rank for c in v.culprits] == [1]
+    assert v.culprits[0].reason.startswith("did not finish collectives within 10.0 s: ranks 0 "
+                                           "waited for rank 1 9.2 s in all")
+    assert [x["rank"] for x in v.victims] == [0]
+    # waits that name nobody, or a rank's missing: both unfinished, as before
+    even = {0: [0.2, 0.01] * 11, 1: [0.01, 0.2] * 11}
+    for w in (even, {0: waits[0]}):
+        assert culprits(snap(**stopped, waits=w)) == [(0, None), (1, None)]
+    # no deadline passed (a rank's abort stopped the check early): the waits are no verdict
+    early = {**stopped, "aborts": {0: {"kind": "lost", "silent": [], "at": T}}}
+    assert culprits(snap(**early, waits=waits)) == [(0, None), (1, None)]

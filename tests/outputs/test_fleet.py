@@ -61,6 +61,24 @@ def test_the_breaker_names_the_fabric_when_every_node_lost_its_interface():
     assert "NCCL_SOCKET_IFNAME=ib0: matches no interface with an address" in tripped["common"]
 
 
+def test_a_cpu_quota_on_every_node_is_their_set_up_and_a_gpu_finding_their_hardware():
+    """The health check's CPU quota finding is a limit a setting put on the nodes (one
+    configuration pushed to all); its other findings are the hardware's or the driver's."""
+    quota = {n: _reasons("health", f"CPU quota: this node's processes were held back in {pc}% "
+                                   "of the periods they could run; evidence: cgroup "
+                                   f"/sys/fs/cgroup/cpu/slurmd allows 0.25 CPU; {p} of {p} "
+                                   "periods throttled")
+             for n, pc, p in (("gpu1", 100, 36), ("gpu2", 98, 37))}
+    tripped = fleet.breaker(quota, 2, 0.5)
+    assert tripped["kind"] == "the nodes' set-up"
+    # whole words only: not the "%" of 100% and 98%, nor the "3" of 36 and 37
+    assert tripped["common"] == ("every one failed health: 'of the periods they could run; "
+                                 "evidence: cgroup /sys/fs/cgroup/cpu/slurmd allows 0.25 CPU'")
+    gpus = {n: _reasons("health", f"GPU 0 (bus 0000:1b:00.0, serial {i}): XID 79: fell off the "
+                                  "bus") for i, n in enumerate(("gpu1", "gpu2"))}
+    assert fleet.breaker(gpus, 2, 0.5)["kind"] == "hardware or driver"
+
+
 def test_different_checks_on_each_node_are_said_as_unclear():
     bad = {"a": _reasons("compute", "slow"), "b": _reasons("storage", "corrupt"),
            "c": _reasons("health", "XID 79")}

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from ddp_smoke.outputs.hosts import (DRAIN_BUDGET_S, REASON_CHARS, drain, drain_argv, drain_reason, host_lists, hosts_section, next_commands, render)
+from ddp_smoke.outputs.hosts import (DRAIN_BUDGET_S, REASON_CHARS, drain, drain_argv, drain_reason, held_by_breaker, host_lists, hosts_section, next_commands, render)
 from ddp_smoke.outputs.report import as_dict
 from ddp_smoke.model import FAIL, PASS, CheckResult, Culprit, Report
 from tests.launch import torchrun
@@ -139,6 +139,25 @@ def test_a_suspect_link_is_re_tested_with_a_good_host_as_reference():
     assert printed[0] == ("# hosts: 0 bad, 2 suspect, 2 good; lists (bad_hosts.txt, "
                           "suspect_hosts.txt, good_hosts.txt) in /r")
     assert printed[3] == "# next steps, not run:"  # nothing to drain: --act would do nothing
+
+
+def test_next_steps_say_whether_act_ran_the_drains_or_the_circuit_breaker_held():
+    """Every host bad (more than fleet.drain_max_share): --act drains none, so the commands stay
+    for a person and the line above them says so; one bad host of four is drained."""
+    quota = "CPU quota: held back in 100% of the periods they could run"
+    every = hosts_section(_report(CheckResult("health", FAIL, culprits=[
+        Culprit(None, f"node{r + 1}", quota) for r in range(4)])))
+    tripped = held_by_breaker(every, 0.5)
+    assert tripped["failing"] == ["gpu01", "gpu02", "gpu03", "gpu04"]
+    assert tripped["kind"] == "the nodes' set-up", tripped
+    printed = render(every, "1", "/r", "slurm-drain", held=True)
+    assert "# next steps, not run (--act slurm-drain ran none: the circuit breaker held):" in \
+        printed, printed
+    one = hosts_section(_report(CheckResult("compute", FAIL,
+                                            culprits=[Culprit(1, "node2", "slow")])))
+    assert held_by_breaker(one, 0.5) is None
+    assert "# next steps, not run (--act slurm-drain ran the scontrol lines):" in render(
+        one, "1", "/r", "slurm-drain")
 
 
 def test_drain_reason_is_one_bounded_shell_safe_line():

@@ -18,7 +18,9 @@ order; the first kind found names the culprits, every other rank that stopped is
 5. did not arrive at the check the others were waiting in (process alive);
 6. collective progress (:mod:`ddp_smoke.coordination.progress`): ranks that never *entered* the collective the
    others are blocked in, or are stuck in an older one; for a point-to-point exchange, the
-   peer that is not in it; ranks that did not finish a check with no collective in flight;
+   peer that is not in it; the ranks the others waited for in the check's collectives
+   until its deadline passed (:mod:`ddp_smoke.coordination.stragglers`); ranks that did not
+   finish a check with no collective in flight;
 7. communication errors alone (a rank saw its peer vanish, nobody else was seen at fault).
 
 Reasons say what happened; "within N s" only where that deadline really passed.
@@ -28,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..model import Culprit
-from . import fate, reach
+from . import fate, reach, stragglers
 
 
 @dataclass
@@ -54,6 +56,8 @@ class Snapshot:
         reach: each live node leader's probes of the others (``tried``, ``failed``).
         issued: each live rank's last collective handed to its backend (Flight Recorder).
         fates: how each dead rank ended, where a witness saw it (:mod:`.fate`).
+        waits: each live rank's seconds inside each collective of ``stage`` until the abort
+            (:mod:`.stragglers`).
     """
 
     stage: str
@@ -72,6 +76,7 @@ class Snapshot:
     reach: dict = field(default_factory=dict)
     issued: dict = field(default_factory=dict)
     fates: dict = field(default_factory=dict)
+    waits: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -85,7 +90,7 @@ def judge(s: Snapshot) -> Blame:
     net = reach.judge(s.reach, s.hosts)
     culprits = (_terminated_first(s) or _silenced_by(net, s)
                 or (_raised(s) + _died(s) + _never(s)) or net or _absent(s)
-                or _by_progress(s) or _unfinished(s) or _comm_only(s)
+                or _by_progress(s) or _slowed(s) or _unfinished(s) or _comm_only(s)
                 or [Culprit(None, None, "aborted: " + "; ".join(
                     f"rank {r} {a['kind']}" for r, a in sorted(s.aborts.items())) or "unknown")])
     named = {c.rank for c in culprits} | {r for c in culprits for r in (c.ranks or [])}
@@ -261,6 +266,21 @@ def _never_issued(s: Snapshot, ranks, k: int, what: str) -> list:
                            f"issued it to the backend: its Flight Recorder ends at collective "
                            f"{s.issued[r]}, the other ranks' at {top}, inside which they wait")
             for r in low]
+
+
+def _slowed(s: Snapshot) -> list:
+    """Every rank alive and inside the check past its deadline, none blocked in a collective
+    another never entered: the ranks the others waited for in the check's collectives until
+    the abort, by the rule a finished check's stragglers are named by (:mod:`.stragglers`).
+    A rank too slow for the deadline (a CPU quota, a throttled GPU) held the others, and at
+    the abort it may be between two collectives as they are."""
+    ranks = range(s.world_size)
+    if not _deadline_passed(s) or _live(s) != set(ranks) or s.finished \
+            or any(r not in s.waits for r in ranks):
+        return []
+    _, slow = stragglers.judge([s.waits[r] for r in ranks])
+    return [_culprit(s, r, f"did not finish {s.stage} within {s.timeout_s} s: {reason}")
+            for r, reason in slow]
 
 
 def _unfinished(s: Snapshot) -> list:

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Callable
 
-from . import keys, lost, progress, records, runtime
+from . import keys, lost, records, runtime
 from .judge import FORENSICS_WAIT_S, first_error, judge_as_a_rank
 from .store import DEAD_AFTER_S, beat_of, look_period, next_waiting, posted, try_get, wait_key
 
@@ -132,7 +132,7 @@ def give_up(c, e: BaseException) -> None:
     gone = isinstance(e, (RuntimeError, OSError))  # c10d's store errors are RuntimeErrors
     stage = run.stage
     record = records.Lost(ddp_smoke_rank=run.env.rank, run_id=run.env.run_id, stage=stage,
-                          progress=progress.progress(), error=f"{type(e).__name__}: {e}"[:300],
+                          progress=c.progress(), error=f"{type(e).__name__}: {e}"[:300],
                           store=store, host=runtime.hostname(), world_size=run.env.world_size,
                           hosts=[r.get("host") for r in run.ranks] if run.ranks else None
                           ).to_dict()

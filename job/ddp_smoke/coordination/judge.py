@@ -95,6 +95,7 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
         progress=beats, where={r: f["where"] for r, f in found.items() if f.get("where")},
         reach=probed, issued={r: f["issued"] for r, f in found.items()
                               if f.get("issued") is not None},
+        waits={r: f["waits"] for r, f in found.items() if f.get("waits") is not None},
         fates=_fates(store, s, sorted(dead)), store=s.store_address,
         dead_after_s=dead_after(s.world_size))
     blamed = blame.judge(snap)
@@ -121,8 +122,13 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
 
 def _fates(store, s: Stopped, dead: list[int]) -> dict[int, dict]:
     """How each dead rank ended: its node's word (posted with the forensics the judge has
-    waited for), its launcher's, else its own last words in a shared report folder."""
+    waited for), its launcher's (waited for, where the launcher witnesses), else its own last
+    words in a shared report folder."""
     seen, ended = reads(store, keys.FATE, dead), reads(store, keys.EXIT, dead)
+    end = time.monotonic() + (fate.WITNESS_WAIT_S if fate.witnessed() else 0)
+    while set(ended) < set(dead) and time.monotonic() < end:  # the launcher's word: a moment
+        time.sleep(0.05)
+        ended = reads(store, keys.EXIT, dead)
     out = {}
     for r in dead:
         got = {**(seen.get(r) or (fate.said(s.report_dir, r) if s.report_dir else {})),
@@ -181,7 +187,8 @@ def report_of(s: Stopped, *, started_at: str, backend: str, config: dict, timing
     return Report(version=__version__, started_at=started_at, backend=backend,
                   world_size=s.world_size, ranks=s.ranks, checks=results, config=config,
                   timings=timings, error=error, run_id=run_id, written_by=s.writer,
-                  forensics=[{"rank": r, "host": s.host(r), **f}
+                  forensics=[{"rank": r, "host": s.host(r),
+                              **{k: v for k, v in f.items() if k != "waits"}}  # the judge's
                              for r, f in sorted((forensics or {}).items())],
                   security=security or {})
 

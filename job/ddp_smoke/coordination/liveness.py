@@ -20,7 +20,7 @@ import time
 
 import torch.distributed as dist
 
-from . import keys, progress, records
+from . import keys, records
 from .ending import exit_aborted, give_up
 from .store import beat_of, look_period, read_beats, try_get
 
@@ -69,7 +69,7 @@ class Liveness:
         rank = self.coord.env.rank
         store.set(keys.of(keys.BEAT, rank),
                   records.Beat(n=self._n, t=time.time(), stage=self.coord.stage,
-                               progress=progress.progress()).to_json())
+                               progress=self.coord.progress()).to_json())
         if self._n == 1:
             store.append(keys.listed(keys.BEAT), f"{rank},")
 

@@ -79,6 +79,11 @@ class Recorder:
             got, self._spent = self._spent, []
         return [None if s is None else round(s, 6) for s in got]
 
+    def spent_so_far(self) -> list[float | None]:
+        """:meth:`spent` without starting anew: the current check's durations until now."""
+        with self._lock:
+            return [None if s is None else round(s, 6) for s in self._spent]
+
     def snapshot(self) -> dict:
         """JSON-able progress: ``seq``, ``op``, ``bytes``, ``peer``, ``inside``, ``for_s``."""
         with self._lock:

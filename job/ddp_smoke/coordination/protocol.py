@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from ..config.launchenv import LaunchEnv
 from ..model import CheckResult, check_from_dict
-from . import fate, forensics, judge, keys, liveness, reach, records, runtime, signing
+from . import (fate, forensics, judge, keys, liveness, progress, reach, records, runtime,
+               signing)
 from .store import POLL_MAX_S, STORE_OPS_PER_S, Silence, Stop, dead_after, listed, try_get
 
 GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watchdog acts first
@@ -135,6 +136,7 @@ class Coordinator:
         self._lock = threading.Lock()
         self._finishing = self._exiting = False
         self._forensics: dict | None = None  # this rank's own
+        self._stopped_in: tuple[dict, list] | None = None  # (progress, waits) at the abort
         # the verdict's pollers use a quarter of the store's budget: 0.82 s apart at 4,096
         self.poll_max = max(POLL_MAX_S, 4 * env.world_size / STORE_OPS_PER_S)
         # another rank's blocking read of rank 0's flag looks every half heartbeat silence:
@@ -257,8 +259,24 @@ class Coordinator:
                 keys.every(keys.of(keys.ARRIVE, keys.stage(*after))), keys.of(keys.NEXT, it)]
 
     def aborted(self, store) -> bool:
-        """A rank listed a genuine abort (a list written from outside the run is no abort)."""
-        return store.check([keys.listed(keys.ABORT)]) and bool(listed(store, keys.ABORT))
+        """A rank listed a genuine abort (a list written from outside the run is no abort).
+        The first time it is seen, this rank's collective progress is held as it stands."""
+        if not (store.check([keys.listed(keys.ABORT)]) and bool(listed(store, keys.ABORT))):
+            return False
+        with self._lock:
+            if self._stopped_in is None:
+                self._stopped_in = (progress.progress(), progress.RECORDER.spent_so_far())
+        return True
+
+    def progress(self) -> dict:
+        """This rank's collective progress for its heartbeat: as it was when the rank learnt
+        that the run stopped, from then on. What its collectives do afterwards (one that
+        completes, or fails, as the other ranks leave) is the abort's consequence, not
+        evidence of who stopped the run (measured: a rank inside the collective a slow rank
+        had not entered was read, after the slow rank entered it, as "not in a collective"
+        and named with it)."""
+        held = self._stopped_in
+        return held[0] if held else progress.progress()
 
     def arrive(self, store, prefix: str, what: str, mine: str = "1") -> None:
         """Post ``prefix/<rank>`` (``mine``) and wait until every rank has (or raise Stop). Rank 0
@@ -376,8 +394,10 @@ class Coordinator:
                 return
             self._forensics = {}
         fate.note(self, store)  # before the forensics: the judge waits for those
-        self._forensics = found = records.wire(forensics.dump(self._run.report_dir or ".",
-                                                              self.env.rank))
+        # with this check's collective durations until the abort: who the others waited for
+        waits = (self._stopped_in or (None, progress.RECORDER.spent_so_far()))[1]
+        self._forensics = found = records.wire(dataclasses.replace(
+            forensics.dump(self._run.report_dir or ".", self.env.rank), waits=waits))
         try:
             store.set(keys.of(keys.FORENSICS, self.env.rank), json.dumps(found))
             store.append(keys.listed(keys.FORENSICS), f"{self.env.rank},")

@@ -159,6 +159,9 @@ class Forensics:
     flight_recorder_error: str | None = None
     nccl_flight_recorder: str | None = None
     issued: int | None = None  # the last world collective its Flight Recorder handed over
+    # seconds inside each world collective of the stopped check until the abort
+    # (progress.Recorder.spent): evidence for the judge, not kept in the report
+    waits: list | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,6 +55,9 @@ _SHARED_KIND = {"storage": "storage", "bandwidth": "fabric", "transport": "fabri
 _PREFLIGHT_KIND = {"report_dir": "storage", "interfaces": "fabric", "rendezvous": "fabric",
                    "joined": "fabric", "rendezvous_host": "fabric", "torch": "image",
                    "python": "image"}
+# A health finding is the hardware's, except a limit that a setting put on the node: the same
+# CPU quota on every node is one configuration pushed to all of them (a slice, a pod limit).
+_HEALTH_KIND = {"CPU quota": "the nodes' set-up"}
 
 
 def tier(report: dict) -> str:
@@ -121,6 +124,8 @@ def _first(reasons: list[dict]) -> str:
 def _kind(check: str, reason: str) -> str:
     if check in ("preflight", "node-check"):
         return _PREFLIGHT_KIND.get(reason.split(":", 1)[0].strip(), "the node's set-up")
+    if check == "health":
+        return _HEALTH_KIND.get(reason.split(":", 1)[0].strip(), _SHARED_KIND[check])
     return _SHARED_KIND.get(check, "the run itself")
 
 
@@ -131,14 +136,27 @@ def _masked(reason: str, node: str) -> str:
 
 
 def _shared(texts: list[str]) -> str:
-    """The longest run of words every text has (at least _MIN_SHARED characters), or ""."""
+    """The longest run of whole words every text has (at least _MIN_SHARED characters), or ""."""
     common = texts[0]
     for other in texts[1:]:
         m = difflib.SequenceMatcher(None, common, other, autojunk=False).find_longest_match(
             0, len(common), 0, len(other))
         common = common[m.a:m.a + m.size]
-    common = common.strip(" ;,:")
+    common = _whole_words(common, texts).strip(" ;,:")
     return common if len(common) >= _MIN_SHARED else ""
+
+
+def _whole_words(common: str, texts: list[str]) -> str:
+    """``common`` less a word that a text goes on with past either end ("36 of 36 periods"
+    and "37 of 37 periods" share "3", not a number; "100%" and "98%" share "%", not one)."""
+    head = tail = False
+    for text in texts:
+        i = text.find(common)
+        j = i + len(common)
+        head |= i > 0 and not text[i - 1].isspace() and not common[:1].isspace()
+        tail |= j < len(text) and not text[j].isspace() and not common[-1:].isspace()
+    common = re.sub(r"^\S+", "", common) if head else common
+    return re.sub(r"\S+$", "", common) if tail else common
 
 
 # -- lemons (pure) --------------------------------------------------------------------------

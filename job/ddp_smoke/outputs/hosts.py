@@ -236,10 +236,11 @@ def next_commands(hosts: list[dict], run_id: str) -> list[str]:
 
 
 def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None,
-           injected: str | None = None) -> list[str]:
+           injected: str | None = None, held: bool = False) -> list[str]:
     """What rank 0 prints just before the verdict when a host is not good (nothing otherwise).
     ``injected``: the run's ``--fault``; its failures were made on purpose, so no command that
-    takes a host out of service is printed for them, and the lists are empty."""
+    takes a host out of service is printed for them, and the lists are empty. ``held``: the
+    circuit breaker stopped ``--act slurm-drain`` (:func:`held_by_breaker`): it ran none."""
     split = by_status(hosts)
     if not split[BAD] and not split[SUSPECT]:
         return []
@@ -262,7 +263,8 @@ def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None,
         return lines + ["# next steps: take the bad hosts out of service before the next job "
                         "(no Slurm or Kubernetes node names in this run: no commands for them)"]
     ran = "" if not any(c.startswith("scontrol ") for c in commands) else \
-        " (--act slurm-drain ran the scontrol lines)" if act == "slurm-drain" else \
+        " (--act slurm-drain ran none: the circuit breaker held)" if act == "slurm-drain" and \
+        held else " (--act slurm-drain ran the scontrol lines)" if act == "slurm-drain" else \
         "; --act slurm-drain runs the scontrol lines"
     lines.append(f"# next steps, not run{ran}:")
     return lines + [f"  {c}" for c in commands]
@@ -287,8 +289,7 @@ def drain(hosts: list[dict], run_id: str, environ=os.environ, report_dir: str | 
         return []
     if not environ.get("SLURM_JOB_ID"):
         return ["--act slurm-drain: not inside a Slurm job (no SLURM_JOB_ID); nothing drained"]
-    tripped = fleet.breaker({h.get("slurm_node") or h["host"]: h["reasons"] for h in bad},
-                            len(hosts), max_share, where)
+    tripped = held_by_breaker(hosts, max_share, where)
     if tripped:
         _record(report_dir, run_id, [fleet.entry(n, fleet.HOLD, tripped["line"], True)
                                      for n in tripped["failing"]])
@@ -308,6 +309,15 @@ def drain(hosts: list[dict], run_id: str, environ=os.environ, report_dir: str | 
                                           f"{shlex.join(argv)}"))
     _record(report_dir, run_id, done)
     return out
+
+
+def held_by_breaker(hosts: list[dict], max_share: float,
+                    where: dict | None = None) -> dict | None:
+    """The circuit breaker on this run's bad hosts (:func:`ddp_smoke.outputs.fleet.breaker`):
+    None when they may be drained (pure)."""
+    bad = by_status(hosts)[BAD]
+    return fleet.breaker({h.get("slurm_node") or h["host"]: h["reasons"] for h in bad},
+                         len(hosts), max_share, where)
 
 
 def _record(report_dir: str | None, run_id: str, entries: list[dict]) -> None:
@@ -379,13 +389,15 @@ def finish(report, report_dir: str, run_id: str) -> list[str]:
         config = get_field(report, "config") or {}
         act = config.get("act")
         refused = _untrusted(get_field(report, "security") or {}) if act else None
-        lines = render(hosts, run_id, report_dir, None if refused else act, injected=practice)
+        share = (config.get("fleet") or {}).get("drain_max_share", 1.0)
+        where = shared_parts(report)
+        lines = render(hosts, run_id, report_dir, None if refused else act, injected=practice,
+                       held=bool(held_by_breaker(hosts, share, where)))
         if refused:
             lines.append(f"# {refused}")
         elif act == "slurm-drain":
-            share = (config.get("fleet") or {}).get("drain_max_share", 1.0)
             lines += [f"# {m}" for m in drain(hosts, run_id, report_dir=report_dir,
-                                              max_share=share, where=shared_parts(report))]
+                                              max_share=share, where=where)]
         return lines
     except Exception as e:  # noqa: BLE001
         print(f"ddp-smoke: host lists not written: {type(e).__name__}: {e}", file=sys.stderr)
