@@ -74,12 +74,14 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
     connected = {r for r, i in enumerate(s.ranks) if "missing" not in i}  # genuine records
     live = connected - dead
     reasons = posted(store, keys.ABORT)
-    # The forensics of the live ranks inside a collective by their own count: their Flight
-    # Recorder's last collective is evidence (blame's never-issued rule reads no other). The
-    # rest are the report's, and its writer waits for them after judging: waiting here for
-    # every live rank held the verdict at 1,024 simulated ranks for FORENSICS_WAIT_S.
-    inside = {r for r in live if (beats.get(r) or {}).get("inside")}
-    found = posted(store, keys.FORENSICS, inside, FORENSICS_WAIT_S)
+    # The forensics blame reads: the Flight Recorder's last collective of the live ranks
+    # inside one by their own count (never issued), and every rank's waits when the deadline
+    # passed with all of them alive (slowed). The rest are the report's, and its writer waits
+    # for them after judging: waiting here for every live rank held the verdict at 1,024
+    # simulated ranks for FORENSICS_WAIT_S.
+    slowed = live == set(world) and any(a["kind"] == keys.TIMEOUT for a in reasons.values())
+    needed = live if slowed else {r for r in live if (beats.get(r) or {}).get("inside")}
+    found = posted(store, keys.FORENSICS, needed, FORENSICS_WAIT_S)
     # every live node leader's probes of the others (reach.py)
     probed = posted(store, keys.REACH, live & set(reach.leaders(store)), reach.WAIT_S)
     arrive = keys.CONNECT if s.stage == "init" else keys.of(keys.ARRIVE, s.key(s.stage))
