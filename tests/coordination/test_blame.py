@@ -206,3 +206,23 @@ def test_rank_the_others_waited_for_until_the_deadline_is_named_when_none_is_blo
     # no deadline passed (a rank's abort stopped the check early): the waits are no verdict
     early = {**stopped, "aborts": {0: {"kind": "lost", "silent": [], "at": T}}}
     assert culprits(snap(**early, waits=waits)) == [(0, None), (1, None)]
+
+
+def test_a_rank_moving_through_an_older_collective_is_not_named_beside_the_one_that_held():
+    """Measured in a full parallel suite: rank 1 stalled before barrier #11 that ranks 0 and 3
+    were blocked in; rank 2's progress at the abort showed it inside all_reduce #10 for 9 ms
+    (moving, not stuck) and it was named too. A rank that held the others sat there for most
+    of the deadline."""
+    def snap(for_s):
+        return blame.Snapshot(
+            stage="bandwidth", world_size=4, timeout_s=10.0, hosts=["vm"] * 4,
+            connected={0, 1, 2, 3}, arrived={0, 1, 2, 3}, finished=set(), dead=set(),
+            aborts={0: {"kind": "timeout"}},
+            progress={0: {"seq": 11, "op": "barrier", "inside": True, "for_s": 9.8},
+                      3: {"seq": 11, "op": "barrier", "inside": True, "for_s": 9.8},
+                      1: {"seq": 10, "op": "all_reduce", "bytes": 1024, "inside": False,
+                          "for_s": 9.9},
+                      2: {"seq": 10, "op": "all_reduce", "bytes": 1024, "inside": True,
+                          "for_s": for_s}})
+    assert [k.rank for k in blame.judge(snap(0.009)).culprits] == [1]
+    assert [k.rank for k in blame.judge(snap(9.7)).culprits] == [1, 2]  # stuck: named
