@@ -81,6 +81,10 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
     # simulated ranks for FORENSICS_WAIT_S.
     slowed = live == set(world) and any(a["kind"] == keys.TIMEOUT for a in reasons.values())
     needed = live if slowed else {r for r in live if (beats.get(r) or {}).get("inside")}
+    # and a dead rank's node mates: their word on how it ended (fate.note) comes just before
+    # their forensics (measured: an OOM kill judged without it, "no heartbeat" alone)
+    dead_hosts = {s.host(d) for d in dead}
+    needed |= {r for r in live if s.host(r) in dead_hosts}
     found = posted(store, keys.FORENSICS, needed, FORENSICS_WAIT_S)
     # every live node leader's probes of the others (reach.py)
     probed = posted(store, keys.REACH, live & set(reach.leaders(store)), reach.WAIT_S)
