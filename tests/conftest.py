@@ -8,8 +8,9 @@ The suite's budget: the whole suite (``make test``, nothing selected out) should
 BUDGET_S on two cores. A full run that took longer says so in red, naming its slowest tests;
 under CI one past HARD_S fails (CI itself stops at 90 minutes, set-up included): a run a few
 minutes over on a slower machine is a warning to act on, not a change kept from landing.
-``DDP_SMOKE_RECORD_DURATIONS=1`` keeps the full run's time and slowest tests in
-``tests/durations.json`` (committed: what to share or shorten next when the suite grows).
+``DDP_SMOKE_RECORD_DURATIONS=1`` keeps the full run's time, each worker's and each parallel
+group's seconds and the slowest tests in ``tests/durations.json`` (committed: what to share
+or shorten next when the suite grows).
 
 In parallel: ``make test`` runs the suite in TEST_WORKERS pytest-xdist workers; whatever the
 ``--dist`` mode, :func:`parallel_group` says which tests must share a worker.
@@ -28,6 +29,7 @@ HARD_S = 30 * 60  # half as much again: a slower machine warns, a suite grown ba
 DURATIONS = Path(__file__).parent / "durations.json"
 _KEPT = 40  # slowest tests kept in durations.json
 _spent: dict[str, float] = {}  # nodeid -> seconds (setup, call and teardown)
+_workers: dict[str, float] = {}  # xdist worker -> seconds of tests it ran (their balance)
 _started = time.monotonic()
 
 
@@ -77,6 +79,8 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_logreport(report):
     _spent[report.nodeid] = _spent.get(report.nodeid, 0.0) + report.duration
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "main")
+    _workers[worker] = _workers.get(worker, 0.0) + report.duration
 
 
 def _whole_suite(config) -> bool:
@@ -92,8 +96,14 @@ def pytest_sessionfinish(session, exitstatus):
     took = time.monotonic() - _started
     slowest = sorted(_spent.items(), key=lambda kv: -kv[1])[:_KEPT]
     if os.environ.get("DDP_SMOKE_RECORD_DURATIONS") == "1":
+        groups: dict[str, float] = {}
+        for nodeid, spent in _spent.items():
+            group = _group_of(nodeid.split("::", 1)[0])
+            groups[group] = groups.get(group, 0.0) + spent
         DURATIONS.write_text(json.dumps(
             {"budget_s": BUDGET_S, "whole_suite_s": round(took, 1), "tests": len(_spent),
+             "workers_s": {k: round(v, 1) for k, v in sorted(_workers.items())},
+             "groups_s": {k: round(v, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
              "slowest_s": {k: round(v, 1) for k, v in slowest}}, indent=1) + "\n")
     if took > BUDGET_S:
         lines = "\n".join(f"  {v:7.1f} s  {k}" for k, v in slowest[:15])

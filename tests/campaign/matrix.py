@@ -241,17 +241,30 @@ def right_in(table: str) -> set[str]:
             if line.startswith("| ") and (cols := line.split("|"))[-2].strip() == "right"}
 
 
-def sample(cells: list[Cell], seed: str, budget_s: float) -> list[Cell]:
+def measured_in(table: str) -> dict[str, float]:
+    """Each cell's measured seconds in a campaign table (its latest row's "cell (s)")."""
+    out = {}
+    for line in table.splitlines():
+        cols = line.split("|")
+        if line.startswith("| ") and len(cols) > 3:
+            try:
+                out[cols[1].strip()] = float(cols[-3])
+            except ValueError:
+                continue
+    return out
+
+
+def sample(cells: list[Cell], seed: str, budget_s: float, cost=cost_s) -> list[Cell]:
     """CI's sample: cells drawn in an order seeded by ``seed`` (the commit), taken while
-    their expected time fits ``budget_s``."""
+    their time (``cost(cell)``: by default the model's :func:`cost_s`) fits ``budget_s``."""
     rng = random.Random(seed)
     order = list(cells)
     rng.shuffle(order)
     out, used = [], 0.0
     for c in order:
-        if used + cost_s(c) <= budget_s:
+        if used + cost(c) <= budget_s:
             out.append(c)
-            used += cost_s(c)
+            used += cost(c)
     return out
 
 

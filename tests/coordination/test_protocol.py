@@ -158,6 +158,43 @@ def test_the_judge_names_the_rank_whose_heartbeat_stopped(world):
     assert [k.rank for k in result.culprits] == [2] and result.culprits[0].host == "h2"
 
 
+def test_a_rank_terminated_while_the_judge_waits_is_a_victim_not_dead(world):
+    """torchrun stops the others when one rank dies, the writer too: it judges at once, and a
+    loaded peer, its heartbeat already still, says it was terminated only while the judge
+    waits on the heartbeats. That peer is a victim; the rank that died first is the culprit,
+    alone."""
+    coords = world(3, checks=("alpha",))
+    for c in coords:
+        c.enter("alpha", 5.0)
+        c.store.set(f"rank/{c.env.rank}", json.dumps(c.run.ranks[c.env.rank]))
+        c.liveness.beat(c.store)
+    run = coords[0].run.replace(silence=Silence(0.3))
+    run.silence.update({r: beat_of(coords[0].store, r)["n"] for r in range(3)})
+    time.sleep(0.05)  # rank 2 is gone; the launcher signals ranks 0 and 1
+    coords[0].abort(coords[0].store, records.TerminatedAbort, signal="SIGTERM")
+    done = threading.Event()
+
+    def beat_on():  # the writer beats on; rank 1 says it was terminated after 0.1 s
+        t0, said = time.monotonic(), False
+        while not done.is_set():
+            coords[0].liveness.beat(coords[0].store)
+            if time.monotonic() - t0 > 0.1 and not said:
+                coords[1].abort(coords[1].store, records.TerminatedAbort, signal="SIGTERM")
+                said = True
+            done.wait(0.05)
+    beating = threading.Thread(target=beat_on)
+    beating.start()
+    stopped = run.with_identities(coords[0].store).stopped()
+    try:
+        judge.judge_as_a_rank(coords[0].store, stopped, run.silence, me=0)
+    finally:
+        done.set()
+        beating.join()
+    result = stopped.judged[-1][1]
+    assert [k.rank for k in result.culprits] == [2], result.culprits
+    assert [v["rank"] for v in result.figures["victims"]] == [0, 1]
+
+
 class _Left(Exception):
     """ending.leave, which would end this process, raises this instead."""
 

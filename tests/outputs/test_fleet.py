@@ -71,9 +71,12 @@ def test_a_cpu_quota_on_every_node_is_their_set_up_and_a_gpu_finding_their_hardw
              for n, pc, p in (("gpu1", 100, 36), ("gpu2", 98, 37))}
     tripped = fleet.breaker(quota, 2, 0.5)
     assert tripped["kind"] == "the nodes' set-up"
-    # whole words only: not the "%" of 100% and 98%, nor the "3" of 36 and 37
-    assert tripped["common"] == ("every one failed health: 'of the periods they could run; "
-                                 "evidence: cgroup /sys/fs/cgroup/cpu/slurmd allows 0.25 CPU'")
+    # whole words, "…" where they differ: not the "%" of 100% and 98%, nor the "3" of 36
+    # and 37; and the words after a difference are said too
+    assert tripped["common"] == ("every one failed health: \"CPU quota: this node's processes "
+                                 "were held back in … of the periods they could run; evidence: "
+                                 "cgroup /sys/fs/cgroup/cpu/slurmd allows 0.25 CPU; … of … "
+                                 "periods throttled\"")
     gpus = {n: _reasons("health", f"GPU 0 (bus 0000:1b:00.0, serial {i}): XID 79: fell off the "
                                   "bus") for i, n in enumerate(("gpu1", "gpu2"))}
     assert fleet.breaker(gpus, 2, 0.5)["kind"] == "hardware or driver"

@@ -152,13 +152,17 @@ def judge_as_a_rank(store, s: Stopped, silence: Silence, me: int | None = None) 
     saw moving since their last move was alive after the trouble began: no look to wait for.
     Appends the stopped stage's result; returns the ranks found alive."""
     connected = [r for r, i in enumerate(s.ranks) if "missing" not in i]
-    reasons = posted(store, keys.ABORT)
-    terminated = {r for r, a in reasons.items() if a["kind"] == keys.TERMINATED}
-    mine = reasons.get(me) or {}
+    mine = posted(store, keys.ABORT).get(me) or {}
     since = silence.last_moved(mine["silent"]) if mine.get("kind") == keys.LOST else None
-    dead, beats = dead_ranks(store, connected, terminated, silence, since)
-    # the writer is alive, whatever its heartbeat did (a busy machine can starve its thread)
-    return judge_abort(store, s, set(dead) - {me}, beats)
+    dead, beats = dead_ranks(store, connected, silence, since)
+    # Read after the heartbeats' wait: a launcher that stops the others when one rank dies
+    # signals this rank too, and this one may judge before a loaded peer has said it was
+    # terminated (measured: torchrun's SIGTERM judged as rank 1's death beside rank 2's
+    # SIGSEGV). The writer is alive, whatever its heartbeat did (a busy machine can starve
+    # its thread).
+    terminated = {r for r, a in posted(store, keys.ABORT).items()
+                  if a["kind"] == keys.TERMINATED}
+    return judge_abort(store, s, set(dead) - terminated - {me}, beats)
 
 
 def first_error(store, s: Stopped) -> dict:

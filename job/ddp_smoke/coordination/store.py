@@ -332,10 +332,10 @@ def read_beats(store, ranks, forged: set | None = None) -> dict[int, dict]:
         return {}
 
 
-def dead_ranks(store, ranks, exclude, silence: Silence,
+def dead_ranks(store, ranks, silence: Silence,
                since: float | None = None) -> tuple[list[int], dict[int, dict]]:
-    """Ranks whose heartbeat has not moved for ``silence.after_s`` (``exclude``d ones left
-    out), and every rank's last published progress. A rank is alive when seen moving after
+    """Ranks whose heartbeat has not moved for ``silence.after_s``, and every rank's last
+    published progress. A rank is alive when seen moving after
     ``since`` (monotonic; default: now): looks every BEAT_S until each rank is silent or seen
     moving — at once when rank 0's watchdog was watching since the trouble began, after the
     silence when a rank is dead and nobody was."""
@@ -349,7 +349,7 @@ def dead_ranks(store, ranks, exclude, silence: Silence,
         if not silence.undecided(ranks, since) or time.monotonic() > end:
             break
         time.sleep(BEAT_S)
-    return [r for r in silent if r not in exclude], {r: p for r, p in latest.items() if p}
+    return silent, {r: p for r, p in latest.items() if p}
 
 
 def posted(store, prefix: str, wait_for=(), timeout_s: float = 0.0) -> dict[int, dict]:

@@ -47,6 +47,7 @@ ACTIONS = ("drain", "resume", "hold", "label")
 DRAIN, RESUME, HOLD, LABEL = ACTIONS
 REBOOT, RMA = "reboot", "drain and RMA"
 _MIN_SHARED = 12  # characters two reasons must share to be quoted as their common words
+_GAP = "…"        # where the failing nodes' reasons differ
 # What a check's failure on many nodes at once most likely points at.
 _SHARED_KIND = {"storage": "storage", "bandwidth": "fabric", "transport": "fabric",
                 "collectives": "fabric", "launch": "fabric", "environment": "image",
@@ -136,27 +137,23 @@ def _masked(reason: str, node: str) -> str:
 
 
 def _shared(texts: list[str]) -> str:
-    """The longest run of whole words every text has (at least _MIN_SHARED characters), or ""."""
-    common = texts[0]
+    """The words every text has, in their order, "…" where the texts differ ("held back in
+    100%" and "in 98%": "held back in …"; "36 of 36 periods" and "37 of 37": "… of …
+    periods"); "" when they share under _MIN_SHARED characters. Whole words only: two
+    numbers never share a stray digit, and words past the first difference are still said
+    (the quota's cgroup and its action, after two nodes' differing throttled counts)."""
+    words = texts[0].split()
     for other in texts[1:]:
-        m = difflib.SequenceMatcher(None, common, other, autojunk=False).find_longest_match(
-            0, len(common), 0, len(other))
-        common = common[m.a:m.a + m.size]
-    common = _whole_words(common, texts).strip(" ;,:")
-    return common if len(common) >= _MIN_SHARED else ""
-
-
-def _whole_words(common: str, texts: list[str]) -> str:
-    """``common`` less a word that a text goes on with past either end ("36 of 36 periods"
-    and "37 of 37 periods" share "3", not a number; "100%" and "98%" share "%", not one)."""
-    head = tail = False
-    for text in texts:
-        i = text.find(common)
-        j = i + len(common)
-        head |= i > 0 and not text[i - 1].isspace() and not common[:1].isspace()
-        tail |= j < len(text) and not text[j].isspace() and not common[-1:].isspace()
-    common = re.sub(r"^\S+", "", common) if head else common
-    return re.sub(r"\S+$", "", common) if tail else common
+        theirs, kept, a0, b0 = other.split(), [], 0, 0
+        matcher = difflib.SequenceMatcher(None, words, theirs, autojunk=False)
+        for a, b, size in matcher.get_matching_blocks():
+            if (a > a0 or b > b0) and kept[-1:] != [_GAP]:
+                kept.append(_GAP)
+            kept += words[a:a + size]
+            a0, b0 = a + size, b + size
+        words = kept
+    said = sum(len(w) + 1 for w in words if w != _GAP)
+    return " ".join(words).strip(" ;,:") if said > _MIN_SHARED else ""
 
 
 # -- lemons (pure) --------------------------------------------------------------------------
