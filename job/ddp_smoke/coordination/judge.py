@@ -156,10 +156,10 @@ def judge_as_a_rank(store, s: Stopped, silence: Silence, me: int | None = None) 
     since = silence.last_moved(mine["silent"]) if mine.get("kind") == keys.LOST else None
     dead, beats = dead_ranks(store, connected, silence, since)
     # Read after the heartbeats' wait: a launcher that stops the others when one rank dies
-    # signals this rank too, and this one may judge before a loaded peer has said it was
-    # terminated (measured: torchrun's SIGTERM judged as rank 1's death beside rank 2's
-    # SIGSEGV). The writer is alive, whatever its heartbeat did (a busy machine can starve
-    # its thread).
+    # signals this rank too, which may judge before a loaded peer has said it was terminated;
+    # that peer then leaves, silent by the end of the wait (CI once named rank 1, "no
+    # heartbeat", beside rank 2's SIGSEGV under torchrun). The writer is alive, whatever its
+    # heartbeat did (a busy machine can starve its thread).
     terminated = {r for r, a in posted(store, keys.ABORT).items()
                   if a["kind"] == keys.TERMINATED}
     return judge_abort(store, s, set(dead) - terminated - {me}, beats)
