@@ -109,3 +109,42 @@ def test_an_oom_line_from_before_the_rank_started_names_no_one(monkeypatch):
         os.close(kmsg)
     got = fate.oom_kills({stale, fresh})
     assert list(got) == [fresh] and f"Killed process {fresh} (ddp-smoke r2)" in got[fresh], got
+
+
+# /proc/<pid>/stat of a process killed by SIGKILL while the kernel freed its 3 GB, recorded
+# here: still "R", its flags 0x40040c (PF_EXITING 0x4, PF_SIGNALED 0x400)
+EXITING = ("12716 (python3) R 12675 12671 18684 0 -1 4195340 788747 0 0 0 22 180 0 0 20 0 1 0 "
+           "4008572 0 0 18446744073709551615 0 0 0 0 0 0 0 16781312 2 0 0 0 17 1 0 0 0 0 0 0 "
+           "0 0 0 0 0 0 9")
+
+
+def test_a_process_that_has_begun_to_exit_is_not_running():
+    assert fate.state_of(EXITING) == "X"
+    running = EXITING.replace(" 4195340 ", " 4194560 ")  # the same flags less those two
+    assert fate.state_of(running) == "R"
+    assert fate.state_of(EXITING.replace(") R ", ") Z ")) == "X"
+    assert fate.state_of("12716 (a) b) S 1 1 1 0 -1 4194560 0") == "S"  # a name with ")"
+    assert fate.state_of("garbage") is None
+
+
+def test_a_killed_rank_whose_files_are_closed_is_gone_to_its_node(tmp_path):
+    """Its peers see their connections reset as its files close, before it is a zombie;
+    from then on its node sees it gone, not running."""
+    r, w = os.pipe()
+    code = ("import time; b = bytearray(512 << 20); b[::4096] = b'x' * (len(b) // 4096); "
+            "print('ready', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                             pass_fds=(w,))
+    os.close(w)
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        os.kill(child.pid, signal.SIGKILL)
+        assert os.read(r, 1) == b""  # its files are closed (what a peer's reset shows)
+        seen = fate.look([{"rank": 1, "pid": child.pid, "host": os.uname().nodename}], 0,
+                         str(tmp_path))
+        assert seen[1]["gone"], seen
+    finally:
+        os.close(r)
+        child.kill()
+        child.wait()
+

@@ -7,6 +7,9 @@ are tested here alone (the worker tests run them end to end).
 import dataclasses
 import datetime
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -127,35 +130,71 @@ def test_silence_tells_silent_moving_and_undecided_ranks(monkeypatch):
     assert s.update({0: 3, 1: 1}) == [1] and s.undecided([0, 1], since=100.5) == []
 
 
-def test_the_judge_names_the_rank_whose_heartbeat_stopped(world):
-    coords = world(3, checks=("alpha",))
+def _entered(coords, ranks=None):
+    """Every rank inside check alpha, its identity posted, one heartbeat; the writer's run,
+    with a 0.3 s silence that has seen that beat."""
     for c in coords:
+        if ranks:
+            c.met(ranks)
         c.enter("alpha", 5.0)
         c.store.set(f"rank/{c.env.rank}", json.dumps(c.run.ranks[c.env.rank]))
         c.liveness.beat(c.store)
-    _threads(lambda c: c.arrive(c.store, "arrive/alpha/0", "all"), coords)
     run = coords[0].run.replace(silence=Silence(0.3))
-    run.silence.update({r: beat_of(coords[0].store, r)["n"] for r in range(3)})
-    time.sleep(0.4)
+    run.silence.update({r: beat_of(coords[0].store, r)["n"] for r in range(len(coords))})
+    return run
+
+
+def _judge(coords, run, meanwhile, me=None):
+    """Rank 0 judges the stopped run while ``meanwhile()`` runs every 0.05 s (the live
+    ranks' heartbeats); the stopped run, its result appended, and the ranks found alive."""
+    stopped = run.with_identities(coords[0].store).stopped()
     done = threading.Event()
 
-    def beat_on():  # ranks 0 and 1 beat on while the judge looks; rank 2 is gone
+    def loop():
         while not done.is_set():
-            for c in coords[:2]:
-                c.liveness.beat(c.store)
-            done.wait(0.1)
-    beating = threading.Thread(target=beat_on)
+            meanwhile()
+            done.wait(0.05)
+    beating = threading.Thread(target=loop)
     beating.start()
-    coords[0].abort(coords[0].store, records.LostAbort, silent=[2], waiting_for="alpha")
-    stopped = run.with_identities(coords[0].store).stopped()
     try:
-        live = judge.judge_as_a_rank(coords[0].store, stopped, run.silence)
+        live = judge.judge_as_a_rank(coords[0].store, stopped, run.silence, me)
     finally:
         done.set()
         beating.join()
+    return stopped, live
+
+
+def _beat(coords):
+    return lambda: [c.liveness.beat(c.store) for c in coords]
+
+
+def test_the_judge_names_the_rank_whose_heartbeat_stopped(world):
+    coords = world(3, checks=("alpha",))
+    run = _entered(coords)
+    _threads(lambda c: c.arrive(c.store, "arrive/alpha/0", "all"), coords)
+    time.sleep(0.4)
+    coords[0].abort(coords[0].store, records.LostAbort, silent=[2], waiting_for="alpha")
+    # ranks 0 and 1 beat on while the judge looks; rank 2 is gone
+    stopped, live = _judge(coords, run, _beat(coords[:2]))
     result = stopped.judged[-1][1]
     assert live == {0, 1} and result.name == "alpha" and result.status == "fail"
     assert [k.rank for k in result.culprits] == [2] and result.culprits[0].host == "h2"
+
+
+def test_the_writer_looks_itself_at_a_dead_node_mate_nobody_had_a_word_on(world):
+    """Its node mates looked as they saw the abort, maybe while it was still exiting, and
+    posted no word on it: the writer, on that node, sees now that its process is gone."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    coords = world(3, checks=("alpha",))
+    host = os.uname().nodename
+    run = _entered(coords, [{"rank": r, "host": host, "group_rank": 0, "pid": pid}
+                            for r, pid in enumerate((os.getpid(), os.getpid(), gone.pid))])
+    coords[0].abort(coords[0].store, records.LostAbort, silent=[2], waiting_for="alpha")
+    stopped, _ = _judge(coords, run, _beat(coords[:2]), me=0)
+    [culprit] = stopped.judged[-1][1].culprits
+    assert culprit.rank == 2 and f"its process {gone.pid} is gone from {host}" in \
+        culprit.reason, culprit
 
 
 def test_a_rank_terminated_while_the_judge_waits_is_a_victim_not_dead(world):
@@ -164,32 +203,16 @@ def test_a_rank_terminated_while_the_judge_waits_is_a_victim_not_dead(world):
     waits on the heartbeats. That peer is a victim; the rank that died first is the culprit,
     alone."""
     coords = world(3, checks=("alpha",))
-    for c in coords:
-        c.enter("alpha", 5.0)
-        c.store.set(f"rank/{c.env.rank}", json.dumps(c.run.ranks[c.env.rank]))
-        c.liveness.beat(c.store)
-    run = coords[0].run.replace(silence=Silence(0.3))
-    run.silence.update({r: beat_of(coords[0].store, r)["n"] for r in range(3)})
+    run = _entered(coords)
     time.sleep(0.05)  # rank 2 is gone; the launcher signals ranks 0 and 1
     coords[0].abort(coords[0].store, records.TerminatedAbort, signal="SIGTERM")
-    done = threading.Event()
+    t0 = time.monotonic()
 
-    def beat_on():  # the writer beats on; rank 1 says it was terminated after 0.1 s
-        t0, said = time.monotonic(), False
-        while not done.is_set():
-            coords[0].liveness.beat(coords[0].store)
-            if time.monotonic() - t0 > 0.1 and not said:
-                coords[1].abort(coords[1].store, records.TerminatedAbort, signal="SIGTERM")
-                said = True
-            done.wait(0.05)
-    beating = threading.Thread(target=beat_on)
-    beating.start()
-    stopped = run.with_identities(coords[0].store).stopped()
-    try:
-        judge.judge_as_a_rank(coords[0].store, stopped, run.silence, me=0)
-    finally:
-        done.set()
-        beating.join()
+    def meanwhile():  # the writer beats on; rank 1 says it was terminated after 0.1 s
+        coords[0].liveness.beat(coords[0].store)
+        if time.monotonic() - t0 > 0.1 and not coords[1].store.check(["abort/1"]):
+            coords[1].abort(coords[1].store, records.TerminatedAbort, signal="SIGTERM")
+    stopped, _ = _judge(coords, run, meanwhile, me=0)
     result = stopped.judged[-1][1]
     assert [k.rank for k in result.culprits] == [2], result.culprits
     assert [v["rank"] for v in result.figures["victims"]] == [0, 1]
