@@ -171,8 +171,9 @@ def table(path: Path = TABLE) -> str:
         "- CI (`make test`) runs `tests/campaign/test_campaign.py`: a sample of the cells this "
         "table shows right, seeded by the commit (the seed is in pytest's header; `python -m "
         f"tests.campaign --sample SEED --list` shows the cells), within {SAMPLE_BUDGET_S:g} s of "
-        "the times this table measured: a cell that goes wrong fails the commit that broke it. Each commit samples other "
-        "cells; the WRONG and not-run rows are `make campaign`'s to run and fix.",
+        "the times this table measured: a cell that goes wrong fails the commit that broke it. "
+        "Each commit samples other cells; the WRONG and not-run rows are `make campaign`'s to "
+        "run and fix.",
         "",
         "Dimensions: " + "; ".join(f"**{k}** ({len(v)}): {', '.join(v)}"
                                    for k, v in matrix.DIMENSIONS.items()) + ".",

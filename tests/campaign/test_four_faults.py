@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.campaign import matrix, runner
-from tests.launch import REPEAT, REPO
+from tests.launch import HELD_REPEAT, REPEAT, REPO
 from tests.multinode import Nodes, torchrun_argv
 from tests.sandbox.hosts import sandbox_fixture
 
@@ -62,7 +62,7 @@ def _jumbo(host) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attempt", range(REPEAT))
+@pytest.mark.parametrize("attempt", range(HELD_REPEAT))
 def test_jumbo_frames_behind_a_port_without_them_name_the_link(box, tmp_path, attempt):
     a, b = box.hosts[1], box.hosts[2]  # node 1 holds the store: its links stay clean
     for h in (a, b):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import Heartbeats, REPEAT
+from tests.launch import Heartbeats, HELD_REPEAT
 from tests.multinode import Nodes, store_of, torchrun_argv
 from tests.sandbox.hosts import Host, HostSandbox, sandbox_fixture
 
@@ -117,7 +117,7 @@ def _check(report: dict, name: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attempt", range(REPEAT))
+@pytest.mark.parametrize("attempt", range(HELD_REPEAT))
 def test_throttled_node_is_named(box, tmp_path, attempt):
     slow = box.hosts[2]
     with _slow_node(slow):
@@ -130,7 +130,7 @@ def test_throttled_node_is_named(box, tmp_path, attempt):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attempt", range(REPEAT))
+@pytest.mark.parametrize("attempt", range(HELD_REPEAT))
 def test_throttled_link_is_named_with_both_ends(box, tmp_path, attempt):
     a, b = box.hosts[0], box.hosts[1]
     with _slow_link(a, b):
@@ -144,7 +144,7 @@ def test_throttled_link_is_named_with_both_ends(box, tmp_path, attempt):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attempt", range(REPEAT))
+@pytest.mark.parametrize("attempt", range(HELD_REPEAT))
 def test_partitioned_node_is_named(box, tmp_path, attempt):
     cut = box.hosts[3]
     # The deadline is far: rank 0 must notice the silent node by its heartbeat, not wait.

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests import report_schema
-from tests.launch import REPEAT
+from tests.launch import HELD_REPEAT
 from tests.multinode import Nodes, in_host, sh, torchrun_argv
 from tests.sandbox.hosts import Host, HostSandbox, sandbox_fixture
 
@@ -140,7 +140,7 @@ def test_one_network_is_node_pairs_as_before(box, tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attempt", range(REPEAT))
+@pytest.mark.parametrize("attempt", range(HELD_REPEAT))
 def test_one_nodes_slow_rail_is_named_as_that_rail(box, tmp_path, attempt):
     slow = box.hosts[2]
     with _slow_rail([slow]):
@@ -165,7 +165,7 @@ def test_one_nodes_slow_rail_is_named_as_that_rail(box, tmp_path, attempt):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("attempt", range(REPEAT))
+@pytest.mark.parametrize("attempt", range(HELD_REPEAT))
 def test_one_nodes_dead_rail_is_named_and_the_run_goes_on(box, tmp_path, attempt):
     dead = box.hosts[1]
     with _dead_rail(dead):

@@ -13,8 +13,8 @@ leaders then probe each other outside the process group (ddp_smoke/coordination/
 * node 4 cut mid-run from every other node but the coordination stores' ports (a data network
   down, the management network up: its heartbeats go on) → that node.
 
-Each case runs three times in one test (a race shows as a wrong culprit set); each prints the
-time from the deadline to the report.
+Each case runs HELD_REPEAT times in one test (tests/launch.py; a race shows as a wrong culprit
+set); each prints the time from the deadline to the report.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import Heartbeats, REPEAT
+from tests.launch import Heartbeats, HELD_REPEAT
 from tests.multinode import Nodes, store_of, torchrun_argv
 from tests.sandbox.hosts import Host, HostSandbox
 
@@ -127,12 +127,12 @@ def _link(report: dict, a: Host, b: Host) -> list:
 
 
 def _attempts(name: str):
-    for attempt in range(REPEAT):
-        print(f"\n{name}, attempt {attempt + 1} of {REPEAT}:")
+    for attempt in range(HELD_REPEAT):
+        print(f"\n{name}, attempt {attempt + 1} of {HELD_REPEAT}:")
         yield attempt
 
 
-@pytest.mark.timeout(REPEAT * 170)
+@pytest.mark.timeout(HELD_REPEAT * 170)
 def test_link_dropping_every_packet_from_the_start_is_named(box, tmp_path):
     a, b = box.hosts[1], box.hosts[2]
     for attempt in _attempts("link down from the start"):
@@ -159,7 +159,7 @@ def _in_compute(box: HostSandbox, nodes: Nodes) -> int:
     return port
 
 
-@pytest.mark.timeout(REPEAT * 170)
+@pytest.mark.timeout(HELD_REPEAT * 170)
 def test_link_cut_mid_run_is_named_not_its_two_ends(box, tmp_path):
     a, b = box.hosts[1], box.hosts[2]
     for attempt in _attempts("link cut mid-run"):
@@ -174,7 +174,7 @@ def test_link_cut_mid_run_is_named_not_its_two_ends(box, tmp_path):
         assert stopped["status"] == "fail" and any(p["failed"] for p in probes), probes
 
 
-@pytest.mark.timeout(REPEAT * 170)
+@pytest.mark.timeout(HELD_REPEAT * 170)
 def test_node_cut_from_every_other_node_is_named(box, tmp_path):
     cut = box.hosts[3]
     for attempt in _attempts("node cut from the others mid-run, stores reachable"):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPEAT, Spawned
+from tests.launch import HELD_REPEAT, Spawned
 from tests.sandbox.faults import CpuQuota
 
 SLOW_RANK = 2
@@ -44,11 +44,11 @@ def _named(report: dict) -> dict[str, list]:
             if c["culprits"]}
 
 
-@pytest.mark.timeout(REPEAT * 240)
+@pytest.mark.timeout(HELD_REPEAT * 240)
 def test_throttled_rank_is_named_and_the_same_run_without_the_quota_names_none(tmp_path):
     if CpuQuota.missing():
         pytest.skip(CpuQuota.missing())
-    for attempt in range(REPEAT):
+    for attempt in range(HELD_REPEAT):
         with CpuQuota(QUOTA) as quota:
             t = time.monotonic()
             slow = _launch(tmp_path / f"slow{attempt}", quota)
