@@ -208,11 +208,14 @@ def cover(seed: int = 0) -> Cover:
     return Cover(chosen, why, len(wanted))
 
 
+# Each launcher's start on a loaded 2-core machine, to its first rank (seconds)
+START_S = {"torchrun": 10, "smoke_local": 10, "slurm": 18, "image": 16, "submit": 18}
+
+
 def cost_s(c: Cell) -> float:
     """Expected seconds of one cell on a loaded 2-core machine (start-up, the checks up to
     the stage, the fault's own bound, the launcher's ending)."""
-    start = {"torchrun": 10, "smoke_local": 10, "slurm": 18, "image": 16, "submit": 18}
-    t = start[c.launcher] + 4 * c.world + (6 if c.nodes > 1 else 0)
+    t = START_S[c.launcher] + 4 * c.world + (6 if c.nodes > 1 else 0)
     t += 1.5 * STAGES.index(c.stage)
     if c.kind in ("hang", "stall", "dead_link", "dead_node", "blackhole") or (
             c.kind == "sigstop" and c.stage in COLLECTIVE):
@@ -288,6 +291,13 @@ def select(cells: list[Cell], spec: str) -> list[Cell]:
 
 PASS, FAIL, BAD_INPUT, LOST = "pass", "fail", "bad_input", "lost"
 REPORT_BOUND_S = TIMEOUT_S + 20  # fault to report (or to the last rank's word), at most
+
+
+def report_bound_s(c: Cell) -> float:
+    """A cell's bound from its fault to the report: REPORT_BOUND_S, and for a fault there
+    before the launch (stage ``join``) its launcher's start too (measured: a Slurm cell's
+    cloned host names reported after 36.3 s under a loaded suite, its ranks up after ~18)."""
+    return REPORT_BOUND_S + (START_S[c.launcher] if c.stage == "join" else 0)
 END_BOUND_S = 120.0  # fault to the launcher's own end, at most (torchrun's 30 s grace included)
 
 

@@ -80,8 +80,9 @@ class Row:
             out.append(f"written by {g.writer}, expected {'/'.join(sorted(e.writers))}")
         if e.ends and g.status not in e.exits(self.cell.launcher):
             out.append(f"exit {g.status}, expected {sorted(e.exits(self.cell.launcher))}")
-        if e.verdict in (FAIL, LOST) and (g.report_s is None or g.report_s > matrix.REPORT_BOUND_S):
-            out.append(f"report after {g.report_s} s, bound {matrix.REPORT_BOUND_S:g} s")
+        bound = matrix.report_bound_s(self.cell)
+        if e.verdict in (FAIL, LOST) and (g.report_s is None or g.report_s > bound):
+            out.append(f"report after {g.report_s} s, bound {bound:g} s")
         if e.ends and g.end_s > matrix.END_BOUND_S:
             out.append(f"launcher ended after {g.end_s:.0f} s, bound {matrix.END_BOUND_S:g} s")
         return out

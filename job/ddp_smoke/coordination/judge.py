@@ -132,17 +132,20 @@ def _fates(store, s: Stopped, dead: list[int]) -> dict[int, dict]:
     writer sees of it now where it shares the writer's host (its node mates looked as they
     saw the abort, maybe while it was still exiting), else its own last words in a shared
     report folder."""
-    seen, ended = reads(store, keys.FATE, dead), reads(store, keys.EXIT, dead)
-    end = time.monotonic() + (fate.WITNESS_WAIT_S if fate.witnessed() else 0)
-    while set(ended) < set(dead) and time.monotonic() < end:  # the launcher's word: a moment
-        time.sleep(0.05)
-        ended = reads(store, keys.EXIT, dead)
+    seen = reads(store, keys.FATE, dead)
     # (a rank of the writer's node: its host name, and the launcher's node number, since a
     # cloned host name is not one machine)
     me = s.ranks[int(s.writer.split()[1])] if s.writer.startswith("rank ") else {}
     mates = [s.ranks[r] for r in dead if r not in seen and "group_rank" in me
              and s.ranks[r].get("group_rank") == me["group_rank"]]
     seen.update(fate.look(mates, -1, s.report_dir or "."))
+    # A witnessing launcher's word on each rank whose process is gone is on its way
+    ended = reads(store, keys.EXIT, dead)
+    owed = {r for r in dead if (seen.get(r) or {}).get("gone")} if fate.witnessed() else set()
+    end = time.monotonic() + fate.WITNESS_WAIT_S
+    while owed - set(ended) and time.monotonic() < end:
+        time.sleep(0.05)
+        ended = reads(store, keys.EXIT, dead)
     out = {}
     for r in dead:
         got = {**(seen.get(r) or (fate.said(s.report_dir, r) if s.report_dir else {})),
