@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from tests.campaign import launchers, matrix
-from tests.campaign.matrix import BAD_INPUT, FAIL, LOST, Cell, Expect
+from tests.campaign.matrix import BAD_INPUT, FAIL, LOST, PASS, Cell, Expect
+from tests.launch import paced
 from tests.sandbox import faults
 
 CONFIG = """\
@@ -55,6 +56,20 @@ class Got:
     end_s: float            # fault to the launcher's end
     note: str = ""
     lost: int = 0           # ranks that left their word in lost/
+    paced: frozenset = frozenset()  # named only by checks that failed on pace alone
+
+
+def _judged(e: Expect, g: Got, cell: Cell) -> tuple[str, frozenset]:
+    """The verdict and culprits to compare. A check failed on pace alone (every culprit a
+    rank the others waited for: tests.launch.paced) in a cell whose fault is not about pace
+    is what these two shared cores' scheduler did beside another test (measured: a healthy
+    rank 2 named for 0.6 s of waits before rank 1's OOM kill): left out. For the slow kinds
+    pace is the finding."""
+    if cell.kind in matrix.SLOW:
+        return g.verdict, g.culprits | g.paced
+    if g.verdict == FAIL and not g.culprits and g.paced:
+        return PASS, g.culprits
+    return g.verdict, g.culprits
 
 
 @dataclasses.dataclass
@@ -69,17 +84,21 @@ class Row:
         e, g, out = self.expect, self.got, []
         if g.note.startswith("error"):
             return [g.note]
-        if g.verdict != e.verdict:
-            out.append(f"verdict {g.verdict}, expected {e.verdict}")
-        if g.culprits != e.culprits:
-            out.append(f"culprits {_show(g.culprits)}, expected {_show(e.culprits)}")
+        verdict, culprits = _judged(e, g, self.cell)
+        if verdict != e.verdict:
+            out.append(f"verdict {verdict}, expected {e.verdict}")
+        if culprits != e.culprits:
+            out.append(f"culprits {_show(culprits)}, expected {_show(e.culprits)}")
         out += [f"no {w!r}" for w in e.words if w not in g.text]
         if e.verdict == LOST and g.lost != e.lost:
             out.append(f"{g.lost} ranks left their word in lost/, expected {e.lost}")
         if e.writers and g.writer not in e.writers:
             out.append(f"written by {g.writer}, expected {'/'.join(sorted(e.writers))}")
-        if e.ends and g.status not in e.exits(self.cell.launcher):
-            out.append(f"exit {g.status}, expected {sorted(e.exits(self.cell.launcher))}")
+        exits = e.exits(self.cell.launcher)
+        if verdict != g.verdict:  # a pass but for pace: the kit's status says fail
+            exits |= dataclasses.replace(e, verdict=g.verdict).exits(self.cell.launcher)
+        if e.ends and g.status not in exits:
+            out.append(f"exit {g.status}, expected {sorted(exits)}")
         bound = matrix.report_bound_s(self.cell)
         if e.verdict in (FAIL, LOST) and (g.report_s is None or g.report_s > bound):
             out.append(f"report after {g.report_s} s, bound {bound:g} s")
@@ -289,26 +308,28 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
                        end_s, f"{len(lost)} lost records", len(lost))
         verdict = BAD_INPUT if "ddp-smoke: error:" in out else "none"
         return Got(verdict, frozenset(), out[-4000:], None, status, None, end_s)
-    culprits, reasons = set(), []
+    culprits, slow, reasons = set(), set(), []
     # a host by its node number (machines' names differ): a node where no rank ran by name
     nodes = {i.get("host"): i.get("group_rank") for i in report.get("ranks") or []
              if i.get("host") and i.get("group_rank") is not None}
+    on_pace = paced(report)
     for check in report.get("checks", []):
         if check.get("status") != "fail":
             continue
+        named = slow if check["name"] in on_pace else culprits
         for k in check.get("culprits", []):
             reasons.append(k.get("reason", ""))
             if k.get("ranks"):
-                culprits.add(("link", *sorted(k["ranks"])[:2]))
+                named.add(("link", *sorted(k["ranks"])[:2]))
             elif k.get("rank") is not None:
-                culprits.add(("rank", k["rank"]))
+                named.add(("rank", k["rank"]))
             elif k.get("host"):  # a node's own finding, or one the launcher named
-                culprits.add(("host", nodes.get(k["host"], k["host"])))
+                named.add(("host", nodes.get(k["host"], k["host"])))
             else:
-                culprits.add(("job",))
+                named.add(("job",))
     writer = writer or report.get("written_by") or "rank 0"
     return Got(report.get("verdict", "none"), frozenset(culprits), " | ".join(
-        reasons + said), writer, status, report_s, end_s)
+        reasons + said), writer, status, report_s, end_s, paced=frozenset(slow))
 
 
 def _status(cell: Cell, launch, out: str) -> int | None:
