@@ -56,8 +56,9 @@ def ci_sample(seed: str, budget_s: float) -> tuple[list, dict]:
     and not-run rows."""
     text = TABLE.read_text() if TABLE.exists() else ""
     right, measured = matrix.right_in(text), matrix.measured_in(text)
-    cost = {c.id: measured.get(c.id) or matrix.cost_s(c) for c in matrix.cover().cells}
-    cells = matrix.sample([c for c in matrix.cover().cells if c.id in right], seed, budget_s,
+    cover = matrix.cover().cells
+    cost = {c.id: measured.get(c.id) or matrix.cost_s(c) for c in cover}
+    cells = matrix.sample([c for c in cover if c.id in right], seed, budget_s,
                           lambda c: cost[c.id])
     return cells, {c.id: cost[c.id] for c in cells}
 

@@ -238,22 +238,27 @@ def commit_seed() -> str:
     return got.stdout.strip() or "0"
 
 
+def _rows(table: str):
+    """A campaign table's rows, each as its columns (the cell's id first)."""
+    for line in table.splitlines():
+        cols = line.split("|")[1:-1]
+        if line.startswith("| ") and len(cols) > 2:
+            yield [c.strip() for c in cols]
+
+
 def right_in(table: str) -> set[str]:
     """The cells a campaign table (docs/campaign.md) shows right in their latest row."""
-    return {cols[1].strip() for line in table.splitlines()
-            if line.startswith("| ") and (cols := line.split("|"))[-2].strip() == "right"}
+    return {cols[0] for cols in _rows(table) if cols[-1] == "right"}
 
 
 def measured_in(table: str) -> dict[str, float]:
     """Each cell's measured seconds in a campaign table (its latest row's "cell (s)")."""
     out = {}
-    for line in table.splitlines():
-        cols = line.split("|")
-        if line.startswith("| ") and len(cols) > 3:
-            try:
-                out[cols[1].strip()] = float(cols[-3])
-            except ValueError:
-                continue
+    for cols in _rows(table):
+        try:
+            out[cols[0]] = float(cols[-2])
+        except ValueError:
+            continue
     return out
 
 
@@ -291,6 +296,7 @@ def select(cells: list[Cell], spec: str) -> list[Cell]:
 
 PASS, FAIL, BAD_INPUT, LOST = "pass", "fail", "bad_input", "lost"
 REPORT_BOUND_S = TIMEOUT_S + 20  # fault to report (or to the last rank's word), at most
+END_BOUND_S = 120.0  # fault to the launcher's own end, at most (torchrun's 30 s grace included)
 
 
 def report_bound_s(c: Cell) -> float:
@@ -298,7 +304,6 @@ def report_bound_s(c: Cell) -> float:
     before the launch (stage ``join``) its launcher's start too (measured: a Slurm cell's
     cloned host names reported after 36.3 s under a loaded suite, its ranks up after ~18)."""
     return REPORT_BOUND_S + (START_S[c.launcher] if c.stage == "join" else 0)
-END_BOUND_S = 120.0  # fault to the launcher's own end, at most (torchrun's 30 s grace included)
 
 
 @dataclasses.dataclass(frozen=True)

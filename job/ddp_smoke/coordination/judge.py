@@ -62,13 +62,14 @@ def identities(store, world_size: int) -> list[dict]:
 
 
 def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
-                figures: dict | None = None) -> set[int]:
+                figures: dict | None = None, me: int | None = None) -> set[int]:
     """Append the stopped stage's result to ``s.judged``; return the ranks found alive.
 
     ``dead``: the ranks the writer found dead (its own looks at the heartbeats); ``beats``:
     every rank's last heartbeat (stage and collective progress); ``figures``: the writer's own
-    figures for the result. A few store calls per kind of key, not one per rank: 16,384 ranks
-    are judged in a fraction of a second (bench/coordination_scale.py).
+    figures for the result; ``me``: the writer's rank (None: the store host). A few store
+    calls per kind of key, not one per rank: 16,384 ranks are judged in a fraction of a
+    second (bench/coordination_scale.py).
     """
     world = range(s.world_size)
     connected = {r for r, i in enumerate(s.ranks) if "missing" not in i}  # genuine records
@@ -102,7 +103,7 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
         reach=probed, issued={r: f["issued"] for r, f in found.items()
                               if f.get("issued") is not None},
         waits={r: f["waits"] for r, f in found.items() if f.get("waits") is not None},
-        fates=_fates(store, s, sorted(dead)), store=s.store_address,
+        fates=_fates(store, s, sorted(dead), me), store=s.store_address,
         dead_after_s=dead_after(s.world_size))
     blamed = blame.judge(snap)
     # Each live rank leaves its forensics once it sees the abort, maybe after this judge
@@ -126,7 +127,7 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
     return live
 
 
-def _fates(store, s: Stopped, dead: list[int]) -> dict[int, dict]:
+def _fates(store, s: Stopped, dead: list[int], me: int | None) -> dict[int, dict]:
     """How each dead rank ended: its node's word (posted with the forensics the judge has
     waited for), its launcher's (waited for, where the launcher witnesses), else what the
     writer sees of it now where it shares the writer's host (its node mates looked as they
@@ -135,9 +136,9 @@ def _fates(store, s: Stopped, dead: list[int]) -> dict[int, dict]:
     seen = reads(store, keys.FATE, dead)
     # (a rank of the writer's node: its host name, and the launcher's node number, since a
     # cloned host name is not one machine)
-    me = s.ranks[int(s.writer.split()[1])] if s.writer.startswith("rank ") else {}
-    mates = [s.ranks[r] for r in dead if r not in seen and "group_rank" in me
-             and s.ranks[r].get("group_rank") == me["group_rank"]]
+    mine = s.ranks[me] if me is not None else {}
+    mates = [s.ranks[r] for r in dead if r not in seen and "group_rank" in mine
+             and s.ranks[r].get("group_rank") == mine["group_rank"]]
     seen.update(fate.look(mates, -1, s.report_dir or "."))
     # A witnessing launcher's word on each rank whose process is gone is on its way
     ended = reads(store, keys.EXIT, dead)
@@ -173,7 +174,7 @@ def judge_as_a_rank(store, s: Stopped, silence: Silence, me: int | None = None) 
     # heartbeat did (a busy machine can starve its thread).
     terminated = {r for r, a in posted(store, keys.ABORT).items()
                   if a["kind"] == keys.TERMINATED}
-    return judge_abort(store, s, set(dead) - terminated - {me}, beats)
+    return judge_abort(store, s, set(dead) - terminated - {me}, beats, me=me)
 
 
 def first_error(store, s: Stopped) -> dict:

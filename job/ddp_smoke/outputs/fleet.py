@@ -152,8 +152,8 @@ def _shared(texts: list[str]) -> str:
             kept += words[a:a + size]
             a0, b0 = a + size, b + size
         words = kept
-    said = sum(len(w) + 1 for w in words if w != _GAP)
-    return " ".join(words).strip(" ;,:") if said > _MIN_SHARED else ""
+    said = " ".join(w for w in words if w != _GAP)
+    return " ".join(words).strip(" ;,:") if len(said) >= _MIN_SHARED else ""
 
 
 # -- lemons (pure) --------------------------------------------------------------------------
