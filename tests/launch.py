@@ -60,6 +60,16 @@ def torchrun(nproc: int, *args: str, report_dir: Path, timeout_s: float = 120,
     return _run(cmd, report_dir, timeout_s, env)
 
 
+def smoke_local(nproc: int, *args: str, report_dir: Path, timeout_s: float = 120,
+                env: dict | None = None, oversubscribe: bool = False) -> Run:
+    """``make smoke-local``'s launcher: torchrun's agent in-process, the ranks forked with the
+    worker imported (one torch import for the whole run, not one per rank)."""
+    cmd = [sys.executable, "-m", "ddp_smoke.launch_local", f"--nproc-per-node={nproc}",
+           *(["--oversubscribe"] if oversubscribe else []), "--",
+           "--report-dir", str(report_dir), *args]
+    return _run(cmd, report_dir, timeout_s, env)
+
+
 def single(*args: str, report_dir: Path, timeout_s: float = 60, env: dict | None = None) -> Run:
     """One process with the plain env contract (as submitit exports it), no torchrun agent."""
     contract = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",

@@ -308,10 +308,11 @@ def test_verify_reads_real_files(tmp_path):
 # -- real torchrun runs --------------------------------------------------------------------
 
 def torchrun(report_dir: Path, nproc: int, *args: str) -> tuple[int, dict, str]:
-    """Run the worker under torchrun; return its exit status, report.json, and its output."""
-    run = launch.torchrun(nproc, "--backend", "gloo", "--timeout", "60", *args,
-                          report_dir=report_dir, timeout_s=RUN_TIMEOUT_S,
-                          env={"OMP_NUM_THREADS": "1"})
+    """Run the worker under torchrun (make smoke-local's launcher: the subject here is the
+    checks, not the launch); return its exit status, report.json, and its output."""
+    run = launch.smoke_local(nproc, "--backend", "gloo", "--timeout", "60", *args,
+                             report_dir=report_dir, timeout_s=RUN_TIMEOUT_S,
+                             env={"OMP_NUM_THREADS": "1"})
     output = f"exit {run.returncode}\n{run.stdout}\n{run.stderr}"
     assert run.report is not None, f"no report; {output[-3000:]}"
     return run.returncode, run.report, output

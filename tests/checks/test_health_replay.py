@@ -16,7 +16,7 @@ import pytest
 from ddp_smoke.checks.health.readers import REPLAY_ENV
 
 from tests.checks.health_replay import DATA
-from tests.launch import torchrun
+from tests.launch import smoke_local
 
 _GPU = re.compile(r"^GPU (\d+) \(bus ([^,]+), serial ([^)]+)\): ")
 
@@ -40,9 +40,9 @@ def gpu_profile(tmp_path_factory):
 
 
 def replayed(name, tmp_path, config_file, ranks=2, *args):
-    run = torchrun(ranks, "--checks", "compute,health", "--level", "quick", "--config",
-                   str(config_file), *args, report_dir=tmp_path, timeout_s=180,
-                   env={REPLAY_ENV: str(DATA / f"{name}.json")})
+    run = smoke_local(ranks, "--checks", "compute,health", "--level", "quick", "--config",
+                      str(config_file), *args, report_dir=tmp_path, timeout_s=180,
+                      env={REPLAY_ENV: str(DATA / f"{name}.json")})
     assert run.report is not None, run.stderr[-3000:]
     return run, run.check("health")
 
@@ -143,8 +143,8 @@ def test_an_old_binding_reads_what_it_can_and_says_the_fix(tmp_path, config_file
 
 
 def test_clean_cpu_run_skips_health_with_its_reasons(tmp_path):
-    run = torchrun(2, "--backend", "gloo", "--checks", "environment,health",
-                   report_dir=tmp_path, timeout_s=120)
+    run = smoke_local(2, "--backend", "gloo", "--checks", "environment,health",
+                      report_dir=tmp_path, timeout_s=120)
     assert run.returncode == 0, run.stderr[-2000:]
     check = run.check("health")
     assert check["status"] in ("skip", "pass")  # pass where this machine has GPUs or HCAs
@@ -154,8 +154,8 @@ def test_clean_cpu_run_skips_health_with_its_reasons(tmp_path):
 
 
 def test_sdc_fault_names_exactly_the_perturbed_rank_every_time(tmp_path):
-    run = torchrun(3, "--backend", "gloo", "--checks", "health", "--repeat", "3",
-                   "--fault", "1:sdc@health", report_dir=tmp_path, timeout_s=120)
+    run = smoke_local(3, "--backend", "gloo", "--checks", "health", "--repeat", "3",
+                      "--fault", "1:sdc@health", report_dir=tmp_path, timeout_s=120)
     assert run.returncode == 1, run.stderr[-2000:]
     check = run.check("health")
     assert [c["rank"] for c in check["culprits"]] == [1]

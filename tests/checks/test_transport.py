@@ -17,7 +17,7 @@ from ddp_smoke.checks import _nccl_log as nccl_log
 from ddp_smoke.coordination import runtime
 from ddp_smoke.checks import transport
 from ddp_smoke.checks.api import Evidence
-from tests.launch import torchrun
+from tests.launch import smoke_local
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "nccl"
 
@@ -147,8 +147,8 @@ def test_bad_expectation_is_one_line_exit_2(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_gloo_run_skips_with_its_reason(tmp_path):
-    run = torchrun(2, "--checks", "environment,transport", "--expect-transport", "ib",
-                   report_dir=tmp_path / "r")
+    run = smoke_local(2, "--checks", "environment,transport", "--expect-transport", "ib",
+                      report_dir=tmp_path / "r")
     assert run.returncode == 0, run.stderr[-3000:]
     check = run.check("transport")
     assert (check["status"], check["summary"]) == ("skip", "backend gloo: NCCL is not used")

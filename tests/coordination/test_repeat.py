@@ -5,13 +5,13 @@ import pytest
 
 from ddp_smoke.coordination import repeat
 from ddp_smoke.model import FAIL, PASS, CheckResult, Culprit
-from tests.launch import torchrun
+from tests.launch import smoke_local
 
 
 @pytest.mark.timeout(240)
 def test_fault_in_some_iterations_is_flagged_intermittent(tmp_path):
-    run = torchrun(2, "--checks", "environment,ddp_step,collectives", "--repeat", "4",
-                   "--fault", "1:corrupt@collectives#2-3", report_dir=tmp_path)
+    run = smoke_local(2, "--checks", "environment,ddp_step,collectives", "--repeat", "4",
+                      "--fault", "1:corrupt@collectives#2-3", report_dir=tmp_path)
     assert run.returncode != 0
     report = run.report
     assert report["timings"]["iterations"] == 4
@@ -33,8 +33,8 @@ def test_fault_in_some_iterations_is_flagged_intermittent(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_duration_keeps_starting_iterations_until_it_has_passed(tmp_path):
-    run = torchrun(2, "--checks", "environment,ddp_step", "--duration", "2",
-                   report_dir=tmp_path)
+    run = smoke_local(2, "--checks", "environment,ddp_step", "--duration", "2",
+                      report_dir=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.report["timings"]["iterations"] >= 2
     assert run.check("ddp_step")["summary"].startswith(

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.launch import Spawned, torchrun
+from tests.launch import Spawned, smoke_local
 from tests.sandbox.faults import CpuQuota
 
 ARGS = ("--backend", "gloo", "--level", "quick", "--checks", "ddp_step,bandwidth,compute",
@@ -51,11 +51,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs") / "reports"
     out = {}
     for name in ("healthy1", "healthy2"):
-        out[name] = torchrun(2, *ARGS, report_dir=root / name, env=ENV)
+        out[name] = smoke_local(2, *ARGS, report_dir=root / name, env=ENV)
         assert out[name].returncode == 0, out[name].stdout[-3000:] + out[name].stderr[-3000:]
     prom = root.parent / "ddp-smoke.prom"
-    out["practice"] = torchrun(2, *ARGS, "--fault", FAULT, "--prometheus", str(prom),
-                               report_dir=root / "practice", env=ENV)
+    out["practice"] = smoke_local(2, *ARGS, "--fault", FAULT, "--prometheus", str(prom),
+                                  report_dir=root / "practice", env=ENV)
     out["prom"] = prom.read_text()
     out["after_practice"] = _history(root, "--min-runs", "2")
     out["after_practice_included"] = _history(root, "--min-runs", "2", "--include-practice")

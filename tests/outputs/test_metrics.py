@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ddp_smoke.outputs import metrics
 from ddp_smoke.model import FAIL, PASS, CheckResult, Culprit, Report
-from tests.launch import torchrun
+from tests.launch import smoke_local
 
 SMALL = {"bandwidth": {"min_bytes": 1024, "max_bytes_cpu": 65536, "iters": 3,
                        "time_per_size_s": 0.05}}
@@ -73,8 +73,8 @@ def test_real_run_writes_a_textfile_prometheus_reads(tmp_path):
     config.write_text(yaml.safe_dump(SMALL))
     textfile = tmp_path / "textfile" / "ddp_smoke.prom"
     textfile.parent.mkdir()
-    run = torchrun(2, "--checks", "environment,bandwidth,compute", "--config", str(config),
-                   "--prometheus", str(textfile), report_dir=tmp_path / "report")
+    run = smoke_local(2, "--checks", "environment,bandwidth,compute", "--config", str(config),
+                      "--prometheus", str(textfile), report_dir=tmp_path / "report")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = run.report
     got = parse(textfile.read_text())
@@ -103,8 +103,8 @@ def test_real_run_writes_a_textfile_prometheus_reads(tmp_path):
 def test_unwritable_textfile_is_one_line_and_keeps_the_verdict(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    run = torchrun(1, "--checks", "environment", "--prometheus", str(blocker / "x.prom"),
-                   report_dir=tmp_path / "report")
+    run = smoke_local(1, "--checks", "environment", "--prometheus", str(blocker / "x.prom"),
+                      report_dir=tmp_path / "report")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert f"ddp-smoke: --prometheus {blocker / 'x.prom'}: not written:" in run.stderr
     assert run.report["verdict"] == "pass"

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests import browser
-from tests.launch import torchrun
+from tests.launch import smoke_local
 from tests.multinode import Nodes, torchrun_argv
 from tests.sandbox.hosts import sandbox_fixture
 from tests.worker.test_diagnosis_network import SMALL_SWEEP, _slow_node
@@ -60,7 +60,7 @@ def single_runs(tmp_path_factory) -> Path:
     """One folder of runs (ROOT/<name>/), so that later runs' pages draw history too."""
     root = tmp_path_factory.mktemp("single")
     for name, args in SINGLE.items():
-        run = torchrun(2, *QUICK, *args, report_dir=root / name, timeout_s=120)
+        run = smoke_local(2, *QUICK, *args, report_dir=root / name, timeout_s=120)
         assert run.report is not None, run.stderr[-3000:]
         assert (run.report["verdict"] == "pass") == (name == "pass"), run.stdout[-2000:]
     return root

@@ -1,10 +1,12 @@
 """Moderate scale, for real: 16 ranks on this one machine pass the default suite.
 
-One ``torchrun --standalone --nproc-per-node=16`` at the quick level (what `make smoke-local`
-runs), every check selected, one thread per rank. Sixteen processes share the machine's cores
-(two in CI), so the bound is generous and nothing is timed: the test proves that nothing in
-the checks or the coordination breaks between 2-4 ranks and 16 (world-size arithmetic,
-shards with padding, exact sums over 16 contributions, 16 observations gathered and judged).
+One ``make smoke-local`` launch of 16 ranks (``launch_local --nproc-per-node=16
+--oversubscribe``: torchrun's agent, the ranks forked with the worker imported, so the 16 do
+not each spend seconds of the two cores importing torch) at the quick level, every check
+selected, one thread per rank. Sixteen processes share the machine's cores (two in CI), so
+the bound is generous and nothing is timed: the test proves that nothing in the checks or the
+coordination breaks between 2-4 ranks and 16 (world-size arithmetic, shards with padding,
+exact sums over 16 contributions, 16 observations gathered and judged).
 Marked ``scale``: ``pytest -m 'not scale'`` leaves it out of a quick local round.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from ddp_smoke.checks import REGISTRY
-from tests.launch import paced, torchrun
+from tests.launch import paced, smoke_local
 
 RANKS = 16
 BOUND_S = 480  # the whole launch; each wait inside it is bounded by --timeout
@@ -21,9 +23,9 @@ BOUND_S = 480  # the whole launch; each wait inside it is bounded by --timeout
 @pytest.mark.scale
 @pytest.mark.timeout(BOUND_S + 60)
 def test_sixteen_ranks_pass_every_check(tmp_path):
-    run = torchrun(RANKS, "--level", "quick", "--backend", "gloo", "--timeout", "240",
-                   report_dir=tmp_path / "report", timeout_s=BOUND_S,
-                   env={"OMP_NUM_THREADS": "1"})
+    run = smoke_local(RANKS, "--level", "quick", "--backend", "gloo", "--timeout", "240",
+                      report_dir=tmp_path / "report", timeout_s=BOUND_S, oversubscribe=True,
+                      env={"OMP_NUM_THREADS": "1"})
     report = run.report
     assert report, f"no report (exit {run.returncode}); output:\n{run.stderr[-3000:]}"
     failed = {c["name"]: c["culprits"] for c in report["checks"] if c["status"] == "fail"}
