@@ -320,16 +320,22 @@ def _torchrun(cell, parts, work, reports, worker, marker, dup) -> Launch:
             procs.append(subprocess.Popen(host_command(shown, argv), env=_env(marker, cell),
                                           stdout=f, stderr=subprocess.STDOUT,
                                           start_new_session=True, cwd=REPO))
-    launch.proc = _Group(procs)
+    launch.proc = _Group(procs, lambda: launch.workers().values())
     return launch
 
 
 class _Group:
     """Several node launchers as one: like srun --kill-on-bad-exit, once one fails the
-    others get SIGTERM, then SIGKILL 5 s later; the status is the first failed node's."""
+    others get SIGTERM, then SIGKILL KILL_WAIT_S later, their workers too (srun kills a
+    step's whole cgroup; torchrun starts each worker in a session of its own, which a signal
+    to the node's process group misses: a stopped one would outlive its killed agent). The
+    status is the first failed node's."""
 
-    def __init__(self, procs):
+    KILL_WAIT_S = 30  # Slurm's default KillWait, and torchrun's own grace for its workers
+
+    def __init__(self, procs, workers):
         self.procs, self.pid, self.failed_at, self.first = procs, procs[0].pid, None, None
+        self.workers = workers  # () -> the run's worker PIDs still alive
 
     def poll(self):
         codes = [p.poll() for p in self.procs]
@@ -337,8 +343,11 @@ class _Group:
             self.failed_at = time.monotonic()
             self.first = next(c for c in codes if c not in (None, 0))
             self._signal(signal.SIGTERM)
-        elif self.failed_at and time.monotonic() - self.failed_at > 5:
+        elif self.failed_at and time.monotonic() - self.failed_at > self.KILL_WAIT_S:
             self._signal(signal.SIGKILL)
+            for pid in self.workers():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         # like srun: the status of the first node that failed (the others were stopped)
         return None if any(c is None for c in codes) else (self.first or codes[0])
 

@@ -294,7 +294,7 @@ def select(cells: list[Cell], spec: str) -> list[Cell]:
 
 # -- the expected outcome ------------------------------------------------------------------------
 
-PASS, FAIL, BAD_INPUT, LOST = "pass", "fail", "bad_input", "lost"
+PASS, FAIL, BAD_INPUT, LOST, NONE = "pass", "fail", "bad_input", "lost", "none"
 REPORT_BOUND_S = TIMEOUT_S + 20  # fault to report (or to the last rank's word), at most
 END_BOUND_S = 120.0  # fault to the launcher's own end, at most (torchrun's 30 s grace included)
 
@@ -311,8 +311,9 @@ class Expect:
     """A cell's right outcome.
 
     Attributes:
-        verdict: ``pass``, ``fail``, ``bad_input`` (one line, no report) or ``lost`` (the
-            store is gone: no report, every rank's own word in ``lost/``).
+        verdict: ``pass``, ``fail``, ``bad_input`` (one line, no report), ``lost`` (the
+            store is gone: no report, every rank's own word in ``lost/``) or ``none`` (no rank
+            ever started: no report, the launcher's own error says why).
         culprits: the exact set: ``("rank", r)``, ``("link", a, b)`` (a < b), ``("job",)``.
         words: each must appear in the culprits' reasons (bad input, lost: in the output).
         writers: who may have written the report (its ``written_by``; ``stderr`` when the
@@ -371,6 +372,12 @@ def _agents_wait(c: Cell) -> bool:
     return c.launcher in _AGENTS and (c.kind == "dead_node" or 0 in (c.node, c.peer_node))
 
 
+def _before_rendezvous(c: Cell) -> bool:
+    """A cut between a node and node 0, where plain torchrun's agents meet (its rendezvous
+    store) before any rank starts."""
+    return c.launcher == "torchrun" and (c.kind == "dead_node" or 0 in (c.node, c.peer_node))
+
+
 def _link(c: Cell) -> tuple:
     a, b = sorted((c.node * c.per_node, c.peer_node * c.per_node))
     return ("link", a, b)
@@ -425,6 +432,13 @@ def expect(c: Cell) -> Expect:
             return Expect(FAIL, frozenset({_link(c)}), ("below the reference",))
         return Expect(FAIL, frozenset({("rank", c.node * c.per_node)}),
                       ("slow with every partner",))
+    if k in ("dead_link", "dead_node") and s == "join" and _before_rendezvous(c):
+        return Expect(NONE, words=("The connection to the C10d store has failed",),
+                      writers=frozenset(), why=(
+                          "plain torchrun: a node cut from the rendezvous host before the start "
+                          "never starts a rank, so no part of the kit runs to report; torchrun's "
+                          "own error on that node says so (Slurm's and the image's launchers "
+                          "name the node in their report)"))
     if k in ("blackhole", "dead_link", "dead_node"):
         ends, why = not _agents_wait(c), _AGENT_WAIT if _agents_wait(c) else ""
         # The store lives on node 0: its link carries every rank's records there, and a

@@ -255,8 +255,10 @@ def _wait_end(launch, at: float, ends: bool = True) -> float | None:
         if seen is None and report.exists():
             seen = time.monotonic()
         # the launcher's end, and its workers' (a killed launcher leaves them orphaned: they
-        # still have their word to leave)
-        if not launch.workers() and (not launch.running() or (not ends and seen)):
+        # still have their word to leave). Polled every round: a group of node launchers
+        # stops the others once one failed, as srun does, only when polled.
+        running = launch.running()
+        if not launch.workers() and (not running or (not ends and seen)):
             break
         time.sleep(0.2)
     if seen is None and report.exists():

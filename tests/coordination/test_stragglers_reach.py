@@ -4,9 +4,15 @@ probe's connects on loopback."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import socket
 import statistics
+import subprocess
+import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -257,16 +263,53 @@ def test_a_link_that_connects_and_drops_large_payloads_is_named_with_the_mtu_hin
     assert [(c.rank, c.ranks) for c in got] == [(3, None)] and "drops large" in got[0].reason
 
 
-def test_carry_all_tells_a_probe_that_counts_from_one_that_never_answers():
+def test_carry_all_leaves_out_a_probe_that_counts_nothing_a_stopped_one_included():
+    """A probe that does not count even one byte is no link dropping large packets: a listener
+    that never reads, a real probe whose process is stopped (SIGSTOP: the campaign's
+    sigstop.rank0.collectives.torchrun.4x1 named the stopped rank's node as dropping large
+    packets, its kernel having accepted the connection), one that refuses."""
     probe = reach.Probe("127.0.0.1")
-    with socket.socket() as deaf, socket.socket() as closed:
-        deaf.bind(("127.0.0.1", 0))
-        deaf.listen(8)  # accepts into its backlog, never reads nor answers
-        closed.bind(("127.0.0.1", 0))  # refused: nothing listens, a payload cannot tell
-        got = reach.carry_all({1: ("127.0.0.1", probe.port),
-                               2: ("127.0.0.1", deaf.getsockname()[1]),
-                               3: ("127.0.0.1", closed.getsockname()[1])}, 1.0)
-    assert got == {2}
+    stopped = subprocess.Popen(
+        [sys.executable, "-c", "import time; from ddp_smoke.coordination import reach; "
+         "print(reach.Probe('127.0.0.1').port, flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(stopped.stdout.readline())
+        os.kill(stopped.pid, signal.SIGSTOP)
+        with socket.socket() as deaf, socket.socket() as closed:
+            deaf.bind(("127.0.0.1", 0))
+            deaf.listen(8)  # accepts into its backlog, never reads nor answers
+            closed.bind(("127.0.0.1", 0))  # refused: nothing listens
+            got = reach.carry_all({1: ("127.0.0.1", probe.port),
+                                   2: ("127.0.0.1", deaf.getsockname()[1]),
+                                   3: ("127.0.0.1", closed.getsockname()[1]),
+                                   4: ("127.0.0.1", port)}, 1.0)
+    finally:
+        stopped.kill()  # this test's own child, by handle
+        stopped.wait(10)
+    assert got == set()
+
+
+def test_carry_all_names_a_probe_that_counts_a_byte_and_not_the_payload():
+    """What a link dropping large frames looks like from the prober (the real one, jumbo
+    frames behind a port without them: tests/campaign/test_four_faults.py): the byte is
+    counted, the payload never is."""
+    with socket.socket() as small_only:
+        small_only.bind(("127.0.0.1", 0))
+        small_only.listen(8)
+
+        def serve():
+            for _ in range(2):
+                conn, _ = small_only.accept()
+                with conn:
+                    got = len(conn.recv(1 << 17))
+                    if got < 1024:  # as if frames past a small MTU never arrived
+                        conn.recv(1)  # the end of what is sent
+                        conn.sendall(got.to_bytes(8, "big"))
+                    else:
+                        time.sleep(2)
+        threading.Thread(target=serve, daemon=True).start()
+        assert reach.carry_all({5: small_only.getsockname()}, 1.0) == {5}
 
 
 def test_silent_ranks_on_a_node_the_probes_name_are_the_network_not_deaths():

@@ -9,12 +9,14 @@ link wait, and so do the ranks waiting for them. A fresh TCP connection between 
   ``probe/listed``). It reads what a prober sends and answers with the byte count;
 * when the run is aborted, each live leader connects to other leaders' probes, all at once
   with a short timeout (``PROBE_S``), and once more to those it missed (a lost SYN is not a
-  dead link); then it sends each probe it reached ``PAYLOAD_BYTES``, dozens of full frames
-  written one at a time (so they leave as frames, not as one offloaded super-packet), and
-  waits ``PROBE_S`` for the count: a link that passes small packets and drops large ones
-  (jumbo frames behind a port without them, a cable corrupting long frames) opens a
-  connection and never delivers the payload. At most ``3 × PROBE_S`` whatever the world
-  size. Up to ``ALL_PAIRS_UP_TO``
+  dead link); then it sends each probe it reached one byte and, once that is counted,
+  ``PAYLOAD_BYTES``, dozens of full frames written one at a time (so they leave as frames,
+  not as one offloaded super-packet), and waits ``PROBE_S`` for the count: a link that passes
+  small packets and drops large ones (jumbo frames behind a port without them, a cable
+  corrupting long frames) opens a connection, carries the byte and never the payload. A probe
+  that does not count even the byte is no link's doing: its process is stopped or frozen
+  (its kernel still accepts and acknowledges), which the heartbeats tell. At most
+  ``4 × PROBE_S`` whatever the world size. Up to ``ALL_PAIRS_UP_TO``
   nodes every leader tries every other; beyond, its ``RING`` neighbours on each side and
   ``SAMPLE`` more drawn at random (seeded by its rank), so each node is still tried by about
   ``2·RING + SAMPLE`` others at thousands of nodes. It posts what it tried, what it could
@@ -48,7 +50,8 @@ ROUNDS = 2             # a target missed twice is unreachable
 PAYLOAD_BYTES = 1 << 16  # 64 KiB: 44 full 1500-byte frames, 7 jumbo ones; ms on any link
 ALL_PAIRS_UP_TO = 64   # nodes: every leader tries every other
 RING, SAMPLE = 4, 16   # beyond: neighbours each side in rank order, and a random sample
-WAIT_S = (ROUNDS + 1) * PROBE_S + 1.5  # how long the judge waits for the live leaders' findings
+# how long the judge waits for the live leaders' findings: the connects, the byte, the payload
+WAIT_S = (ROUNDS + 2) * PROBE_S + 1.5
 _REACHED = {0, errno.ECONNREFUSED}  # the host answered: the path is there
 
 
@@ -156,33 +159,39 @@ def connect_all(addrs: dict[int, tuple[str, int]], timeout_s: float) -> set[int]
 
 
 def carry_all(addrs: dict, timeout_s: float) -> set:
-    """The keys of ``addrs`` (each reached) that did not take PAYLOAD_BYTES and answer with
-    the count within ``timeout_s``, all at once; a target that refuses is left out (nothing
-    listens there: a payload cannot tell)."""
-    results: dict = {}
+    """The keys of ``addrs`` (each reached) whose probe counted one byte and not
+    PAYLOAD_BYTES, each within ``timeout_s``, all at once. A probe that counts not even the
+    byte (refused; its process stopped or frozen) is left out: a payload cannot tell there."""
+    dropped: dict = {}
 
     def one(key, addr):
-        try:
-            with socket.create_connection(addr, timeout=timeout_s) as s:
-                s.settimeout(timeout_s)
-                _send_frames(s, PAYLOAD_BYTES, timeout_s)
-                answer = b""
-                while len(answer) < 8 and (chunk := s.recv(8 - len(answer))):
-                    answer += chunk
-                results[key] = int.from_bytes(answer, "big") != PAYLOAD_BYTES if answer \
-                    else True
-        except ConnectionRefusedError:
-            results[key] = False
-        except OSError:
-            results[key] = True  # no answer in time: the payload never arrived
+        if _counted(addr, 1, timeout_s):
+            dropped[key] = True  # until the payload is counted
+            dropped[key] = not _counted(addr, PAYLOAD_BYTES, timeout_s)
 
     threads = [threading.Thread(target=one, args=(k, a), daemon=True) for k, a in addrs.items()]
     for t in threads:
         t.start()
-    end = time.monotonic() + timeout_s + 0.5
+    end = time.monotonic() + 2 * timeout_s + 0.5
     for t in threads:
         t.join(max(0.0, end - time.monotonic()))
-    return {k for k in addrs if results.get(k, True)}
+    return {k for k, v in dict(dropped).items() if v}
+
+
+def _counted(addr: tuple[str, int], size: int, timeout_s: float) -> bool:
+    """Whether the probe at ``addr`` took ``size`` bytes and answered with their count, within
+    ``timeout_s`` for the connection, each segment and the answer."""
+    try:
+        with socket.create_connection(addr, timeout=timeout_s) as s:
+            s.settimeout(timeout_s)
+            _send_frames(s, size, timeout_s)
+            s.shutdown(socket.SHUT_WR)  # the probe counts until the end of what is sent
+            answer = b""
+            while len(answer) < 8 and (chunk := s.recv(8 - len(answer))):
+                answer += chunk
+            return int.from_bytes(answer, "big") == size
+    except OSError:
+        return False
 
 
 def _send_frames(s: socket.socket, size: int, timeout_s: float) -> None:
