@@ -1,7 +1,7 @@
 """--act slurm-drain on a real Slurm cluster: the bad node ends DRAIN with ddp-smoke's reason.
 
 The sandbox cluster (tests/sandbox/slurm.py, two nodes) runs the real template with one rank
-per node. The second node's slurmd sits under a cgroup CPU quota, so rank 1 is a real compute
+per node. Rank 1, on the second node, runs under a cgroup CPU quota, so it is a real compute
 straggler: rank 0 drains the node its ranks recorded as SLURMD_NODENAME, and only that one;
 nothing at all when a forger wrote into the run's store (issue 27). With every node under the
 same quota (a shared cause: one setting pushed to all of them) every node fails, more than
@@ -48,27 +48,38 @@ def resumed(cluster):
 
 @pytest.fixture
 def slow_second_node(cluster):
-    """The second node held to 15 % of a core (a cgroup CPU quota on its slurmd, which every
-    process of a job step on that node inherits): a real slow node, not an injected fault,
-    since --act slurm-drain never drains on an injected one. (A quarter of a core passed
-    once, on a host loaded enough that the other node's rank got little more.)"""
+    """Rank 1, on the second node, held to 15 % of a core (a cgroup CPU quota its process
+    joins as soon as it exists: the job must carry ``SLOW_TAG=tag``); yields (node, tag). A
+    real slow rank, not an injected fault, since --act slurm-drain never drains on an
+    injected one. Not the node's slurmd, whose quota every process of the job on that node
+    inherits: the preflight's and torchrun's own imports at 15 % cost ~20 s a test. (A
+    quarter of a core passed once, on a host loaded enough that the other node's rank got
+    little more.)"""
+    tag, stop = uuid.uuid4().hex, threading.Event()
     with CpuQuota(0.15, name=f"ddp-smoke-slurm-{os.getpid()}") as quota:
-        quota.add(cluster.pids[f"slurmd.{cluster.node_names[1]}"])
-        yield cluster.node_names[1]
+        def hold():
+            pid = _worker(tag, "1", 120, stop)
+            if pid:
+                quota.add(pid)
+        thread = threading.Thread(target=hold, daemon=True)
+        thread.start()
+        yield cluster.node_names[1], tag
+        stop.set()
+        thread.join(10)
 
 
 @pytest.mark.timeout(240)
 def test_act_slurm_drain_drains_exactly_the_bad_node_with_the_reason(resumed, slow_second_node,
                                                                       tmp_path):
-    cluster = resumed
+    cluster, (slow, tag) = resumed, slow_second_node
     job = _submit(cluster, tmp_path, ["--checks", "environment,compute",
-                                      "--act", "slurm-drain"])
+                                      "--act", "slurm-drain"], SLOW_TAG=tag)
     assert job.rc != 0 and job.report is not None, job.output[-4000:]
     ranks = job.report["ranks"]
     assert all(r["slurm_node"] == r["host"] for r in ranks)  # NodeName = hostname here
     bad = ranks[1]["slurm_node"]
     good = ranks[0]["slurm_node"]
-    assert bad == slow_second_node
+    assert bad == slow
     assert [h["status"] for h in job.report["hosts"]] == ["good", "bad"]
     assert f"--act slurm-drain: {bad} drained" in job.output, job.output[-4000:]
     state = _node(cluster, bad)
@@ -139,22 +150,42 @@ def test_act_slurm_drain_drains_no_node_when_every_node_fails_from_one_cause(res
         assert re.search(rf" hold +{name} +run {job.id}: circuit breaker: ", fleet), fleet
 
 
+def _workers(tag: str) -> dict[int, dict[str, str]]:
+    """PID -> environment of the job's workers: the processes whose environment carries
+    ``SLOW_TAG=tag`` and a torchrun rank."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read()
+                       .decode(errors="replace").split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if env.get("SLOW_TAG") == tag and "RANK" in env and "MASTER_PORT" in env:
+            found[int(pid)] = env
+    return found
+
+
+def _worker(tag: str, rank: str, timeout_s: float, stop: threading.Event) -> int | None:
+    """The PID of the job's worker of rank ``rank``, as soon as it exists."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and not stop.is_set():
+        pid = next((p for p, env in _workers(tag).items() if env["RANK"] == rank), None)
+        if pid:
+            return pid
+        time.sleep(0.05)
+    return None
+
+
 def _worker_store(tag: str, timeout_s: float) -> tuple[str, int] | None:
-    """The store's address as anyone on a node finds it: in a worker's environment (here the
-    worker whose environment carries ``FORGE_TAG=tag``). Never its secret: the forger has none."""
+    """The store's address as anyone on a node finds it: in a worker's environment. Never its
+    secret: the forger has none."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                env = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ", "rb").read()
-                           .decode(errors="replace").split("\0") if "=" in kv)
-            except OSError:
-                continue
-            if env.get("FORGE_TAG") == tag and "RANK" in env and "MASTER_PORT" in env:
-                if env.get("DDP_SMOKE_STORE"):  # the kit's store is the store host's
-                    host, _, port = env["DDP_SMOKE_STORE"].rpartition(":")
-                    return host, int(port)
-                return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        for env in _workers(tag).values():
+            if env.get("DDP_SMOKE_STORE"):  # the kit's store is the store host's
+                host, _, port = env["DDP_SMOKE_STORE"].rpartition(":")
+                return host, int(port)
+            return env["MASTER_ADDR"], int(env["MASTER_PORT"])
         time.sleep(0.1)
     return None
 
@@ -165,8 +196,7 @@ def test_act_slurm_drain_drains_nothing_in_a_run_whose_store_held_a_forged_recor
     """The same job as above (rank 1 slow: its node is bad), with a forger on the network that
     posts rank 0 "terminated by SIGTERM" into the run's store. The forged abort names no one,
     the report carries the finding, and nothing is drained, not even the genuinely bad node."""
-    cluster = resumed
-    tag = uuid.uuid4().hex
+    cluster, (_, tag) = resumed, slow_second_node
     found: dict = {}
 
     def forge():
@@ -177,7 +207,7 @@ def test_act_slurm_drain_drains_nothing_in_a_run_whose_store_held_a_forged_recor
     thread = threading.Thread(target=forge, daemon=True)
     thread.start()
     job = _submit(cluster, tmp_path, ["--checks", "environment,compute",
-                                      "--act", "slurm-drain"], FORGE_TAG=tag)
+                                      "--act", "slurm-drain"], SLOW_TAG=tag)
     forger = found.get("forger")
     if forger:
         forger.stop.set()
