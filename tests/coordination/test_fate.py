@@ -148,3 +148,48 @@ def test_a_killed_rank_whose_files_are_closed_is_gone_to_its_node(tmp_path):
         child.kill()
         child.wait()
 
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_the_witness_tells_each_end_before_an_agent_reaping_every_tenth_of_a_second(attempt):
+    """The Witness in make smoke-local's launcher posts a worker's exit status or signal; the
+    launcher's torchrun agent reaps its workers every 0.1 s (Popen.poll, here too), and a
+    status reaped first is lost (the campaign's exit.store_node.health.smoke_local named a
+    rank that exited with status 13 only "gone")."""
+    import datetime
+    import json
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from ddp_smoke.coordination import keys
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10))
+    witness = fate.Witness(lambda: store)
+    witness.start()
+    ends = {5: "import sys, time; time.sleep(0.5); sys.exit(13)",
+            6: "import os, time; time.sleep(0.5); os.kill(os.getpid(), 9)"}
+    children = [subprocess.Popen([sys.executable, "-c", code],
+                                 env={**os.environ, "RANK": str(rank)})
+                for rank, code in ends.items()]
+    done = threading.Event()
+
+    def agent():  # as torchrun's agent: each child reaped at its 0.1 s monitor interval
+        while not done.is_set() and any(c.poll() is None for c in children):
+            time.sleep(0.1)
+    reaper = threading.Thread(target=agent)
+    reaper.start()
+    try:
+        for c in children:
+            c.wait(30)
+        key = {rank: keys.of(keys.EXIT, rank) for rank in ends}
+        end = time.monotonic() + 5
+        while not store.check(list(key.values())) and time.monotonic() < end:
+            time.sleep(0.05)
+        said = {rank: json.loads(store.get(k)) for rank, k in key.items() if store.check([k])}
+    finally:
+        done.set()
+        witness.stopped.set()
+        reaper.join(10)
+    assert said == {5: {"code": 13}, 6: {"signal": "SIGKILL"}}

@@ -25,6 +25,7 @@ import faulthandler
 import json
 import os
 import re
+import selectors
 import signal
 import socket
 import threading
@@ -273,17 +274,27 @@ def _oom(fate: dict, stage: str) -> str:
             f"(kernel log on {fate.get('host')}: {fate['oom']})")
 
 
+_LOOK_S = 0.02  # how often the Witness looks for new workers (and, without pidfds, deaths)
+
+
 class Witness(threading.Thread):
     """In the launcher that is the workers' parent: each worker's end, seen the moment it
     dies (``waitid`` with WNOWAIT leaves it for torchrun's agent to reap), posted as
-    ``exit/<rank>`` to the run's store (``store_of()`` makes the client, as it starts)."""
+    ``exit/<rank>`` to the run's store (``store_of()`` makes the client, as it starts).
+
+    Woken by each worker's pidfd (readable once the process has exited), not by a poll: the
+    agent reaps every 0.1 s, and a status it reaps first is lost to this thread (an exit
+    status missed once on a loaded machine: the campaign's exit.store_node.health.smoke_local
+    named the rank "gone", without its status). Kernels without pidfds (< 5.3) poll."""
 
     def __init__(self, store_of):
         super().__init__(name="ddp-smoke-witness", daemon=True)
-        self.store_of, self.ranks = store_of, {}
+        self.store_of, self.ranks, self.stopped = store_of, {}, threading.Event()
 
-    def _learn(self) -> None:
-        """pid -> rank of this process's live children (a zombie's environment is gone)."""
+    def _learn(self) -> list[int]:
+        """pid -> rank of this process's live children (a zombie's environment is gone); the
+        pids learned now."""
+        new = []
         for task in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{task}/children") as f:
@@ -302,24 +313,54 @@ class Witness(threading.Thread):
                         self.ranks[pid] = int(env[b"RANK"])
                     elif (named := rank_named(pid)) is not None:  # a forked rank
                         self.ranks[pid] = named
+                    else:
+                        continue
+                    new.append(pid)
+        return new
 
     def run(self) -> None:
         try:  # connected before a worker dies: its word then costs one call
             self.store_of()
         except Exception:  # noqa: BLE001 — the store may not be there yet; tried again on a death
             pass
-        while True:
+        try:
+            self._watch()
+        except (AttributeError, OSError):  # no pidfd_open / P_PIDFD here
+            self._poll()
+
+    def _watch(self) -> None:
+        exits = selectors.DefaultSelector()
+        while not self.stopped.is_set():
+            for pid in self._learn():
+                try:
+                    exits.register(os.pidfd_open(pid), selectors.EVENT_READ, pid)
+                except ProcessLookupError:
+                    continue  # gone before it was watched
+            for key, _ in exits.select(_LOOK_S):
+                exits.unregister(key.fileobj)
+                try:
+                    got = os.waitid(os.P_PIDFD, key.fileobj,
+                                    os.WEXITED | os.WNOWAIT | os.WNOHANG)
+                except ChildProcessError:
+                    got = None  # reaped already
+                finally:
+                    os.close(key.fileobj)
+                if got is not None:
+                    self._tell(got)
+
+    def _poll(self) -> None:
+        while not self.stopped.is_set():
             self._learn()
             try:
                 got = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT | os.WNOHANG)
             except ChildProcessError:
                 got = None
             if got is None:
-                time.sleep(0.02)
+                time.sleep(_LOOK_S)
                 continue
             self._tell(got)
             while _waitable(got.si_pid):  # until the agent reaps it
-                time.sleep(0.02)
+                time.sleep(_LOOK_S)
 
     def _tell(self, got) -> None:
         rank = self.ranks.get(got.si_pid)
