@@ -23,7 +23,10 @@ never returned: ``TaskDied`` is raised instead. A requeued job writes under a hi
 count; any restart of the submitted job is its own.
 
 Waiting uses its own timeout: without Slurm accounting a cancelled job never finishes in
-submitit's eyes. On timeout the job is cancelled and SmokeTimeout raised.
+submitit's eyes. On timeout the job is cancelled and SmokeTimeout raised. Once the job's own
+report is there, its tasks get ``AFTER_REPORT_S`` more to end; a task still running then (a
+rank stopped by SIGSTOP or a debugger, frozen in the kernel) is cancelled with the job and the
+report returned: its verdict never waits for the wait timeout.
 
 Containers (``container_image``, through pyxis): submitit starts each task as
 ``<python> -u -m submitit.core._submit <folder>``, by default with *this* interpreter's path,
@@ -63,6 +66,8 @@ IMAGE_PYTHON = "/opt/ddp-smoke/venv/bin/python"  # the interpreter of the image 
 # 8 CPUs per GPU: data loading and NCCL's proxy threads per rank; 8-GPU nodes have >= 64 cores.
 GPU_CPUS_PER_PROC = 8
 LAST_RESORT_S = 15.0  # after the job: the store host's report of last resort comes within this
+AFTER_REPORT_S = 15.0  # after the job's report: the tasks still running then are cancelled
+CANCEL_WAIT_S = 10.0  # and then waited for this long at most
 MAX_WAIT_S = 7 * 86400.0  # a week: longer is a typo, and time.monotonic arithmetic stays sane
 _NODE_LOCAL = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
@@ -235,7 +240,7 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     say = _progress(sys.stderr.isatty() if progress is None else progress)
     say(f"submitted job {job.job_id} ({cluster}, {p.parameters['nodes']} node(s) x "
         f"{p.parameters['tasks_per_node']}); folder {p.folder}")
-    _wait(job, wait_timeout_s, say)
+    _wait(job, wait_timeout_s, say, p.report_dir / "report.json")
     report = _own_report(p.report_dir / "report.json", job.job_id)
     end = time.monotonic() + (LAST_RESORT_S if _store_hosted(p, job) else 0)
     while report is None and time.monotonic() < end:  # every rank died: the store host writes
@@ -282,14 +287,25 @@ def _foreign(path: Path) -> str:
     return f"\n{path} is another run's report (run id {rid!r}); not this job's verdict"
 
 
-def _wait(job, timeout_s: float, say) -> None:
-    start, state = time.monotonic(), None
+def _wait(job, timeout_s: float, say, report: Path) -> None:
+    """Until the job finishes, AFTER_REPORT_S past its own report, or timeout_s (raises)."""
+    start, state, reported = time.monotonic(), None, None
     while not _finished(job):
         elapsed = time.monotonic() - start
         if elapsed > timeout_s:
             job.cancel(check=False)
             raise SmokeTimeout(f"ddp-smoke job {job.job_id} did not finish within {timeout_s:.0f}"
                                " s; it was cancelled", job_id=job.job_id)
+        if reported is None and _own_report(report, job.job_id) is not None:
+            reported = elapsed
+        elif reported is not None and elapsed - reported > AFTER_REPORT_S:
+            job.cancel(check=False)
+            say(f"job {job.job_id}: cancelled {AFTER_REPORT_S:.0f} s after its report, a task "
+                "still running (stopped or frozen?)")
+            end = time.monotonic() + CANCEL_WAIT_S
+            while not _finished(job) and time.monotonic() < end:  # its tasks gone, at best
+                time.sleep(0.5)
+            return
         if job.state != state:
             state = job.state
             say(f"job {job.job_id}: {state} after {elapsed:.0f} s")

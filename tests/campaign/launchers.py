@@ -198,7 +198,10 @@ class Launch:
         if m:
             return m.group(1), int(m.group(2))
         for f in (self.report_dir / "store").glob("*"):  # submit: task 0 leaves it there
-            got = f.read_text().strip()
+            try:
+                got = f.read_text().strip()
+            except OSError:  # a temporary file, renamed into place meanwhile
+                continue
             if ":" in got:
                 host, _, port = got.rpartition(":")
                 return host, int(port)

@@ -1,14 +1,18 @@
 """Python submission path: submitit runs the worker and hands back rank 0's report."""
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from ddp_smoke.errors import ConfigError
 from ddp_smoke import task
-from ddp_smoke.submit import (GPU_CPUS_PER_PROC, IMAGE_PYTHON, SmokeFailed, SmokeTimeout,
-                              TaskDied, plan, submit)
+from ddp_smoke.coordination import fate
+from ddp_smoke.submit import (AFTER_REPORT_S, GPU_CPUS_PER_PROC, IMAGE_PYTHON, SmokeFailed,
+                              SmokeTimeout, TaskDied, plan, submit)
 from tests.launch import REPO
 
 QUICK = ["--checks", "environment,ddp_step", "--timeout", "20"]  # a later --timeout wins
@@ -45,6 +49,45 @@ def test_local_rank0_dead_returns_the_survivors_report(tmp_path):
     print(f"\nsubmit local, rank 0 crashed: report back after {time.monotonic() - t:.1f} s")
     assert [(k["rank"], k["check"]) for k in e.value.culprits] == [(0, "ddp_step")]
     assert e.value.report["written_by"] == "rank 1 (took over from rank 0)"
+
+
+@pytest.mark.timeout(180)
+def test_local_rank_stopped_is_named_and_its_task_cancelled_after_the_report(tmp_path):
+    """Rank 1's task stopped (SIGSTOP) as it starts: it never ends by itself, so the job never
+    finishes; submit cancels it AFTER_REPORT_S after the report and raises with the verdict
+    (the campaign's sigstop.last.join.submit.1x2 waited out the wait timeout instead)."""
+    stopped = []
+
+    def stop_rank_1():
+        end = time.monotonic() + 60
+        while not stopped and time.monotonic() < end:
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                    cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+                except OSError:
+                    continue
+                if b"SUBMITIT_LOCAL_GLOBALID=1" in env and b"submitit.core._submit" in cmd \
+                        and str(tmp_path).encode() in cmd:
+                    os.kill(int(pid), signal.SIGSTOP)  # this test's own job's task
+                    stopped.append(int(pid))
+                    break
+            time.sleep(0.05)
+    threading.Thread(target=stop_rank_1, daemon=True).start()
+    t = time.monotonic()
+    with pytest.raises(SmokeFailed) as e:
+        submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
+               worker_args=QUICK + ["--timeout", "10"])
+    took = time.monotonic() - t
+    print(f"\nsubmit local, rank 1 stopped: {took:.1f} s; {e.value}")
+    assert stopped, "rank 1's task was never seen"
+    assert [k["rank"] for k in e.value.culprits] == [1], e.value.report["checks"]
+    assert took < 10 + AFTER_REPORT_S + 40, took  # not the wait timeout (150 s)
+    try:
+        state = fate.state_of(open(f"/proc/{stopped[0]}/stat").read())
+    except OSError:
+        state = None  # gone
+    assert state in (None, "X", "Z"), f"the stopped task was left behind ({state})"
 
 
 def test_plan_renders_slurm_parameters_and_refuses_node_local_folders(tmp_path):
