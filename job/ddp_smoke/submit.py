@@ -57,7 +57,7 @@ from .config.args import Parser, parse_config
 from .coordination import hosting, lost
 from .errors import ConfigError
 from .model import Culprit, injected
-from .outputs import launch_report, publish
+from .outputs import REPORT_FOLLOWS, launch_report, publish, report_in_stderr
 from .outputs.last_line import from_lost
 from .outputs.report import as_dict
 
@@ -241,11 +241,19 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     say(f"submitted job {job.job_id} ({cluster}, {p.parameters['nodes']} node(s) x "
         f"{p.parameters['tasks_per_node']}); folder {p.folder}")
     _wait(job, wait_timeout_s, say, p.report_dir / "report.json")
-    report = _own_report(p.report_dir / "report.json", job.job_id)
+    report, said = _own_report(p.report_dir / "report.json", job.job_id), None
     end = time.monotonic() + (LAST_RESORT_S if _store_hosted(p, job) else 0)
-    while report is None and time.monotonic() < end:  # every rank died: the store host writes
+    while report is None:  # every rank died: the store host writes; or the folder took none
+        if (said := _said_on_stderr(job)) is not None or time.monotonic() >= end:
+            report = said
+            break
         time.sleep(0.5)
         report = _own_report(p.report_dir / "report.json", job.job_id)
+    if said is not None:
+        print(f"ddp-smoke-submit: {p.report_dir / 'report.json'} was not written; rank 0's "
+              f"report, from its task's stderr: {REPORT_FOLLOWS}\n"
+              f"{json.dumps(report, separators=(',', ':'))}",
+              file=sys.stderr)
     if report is None:
         errors = _task_errors(job, cluster)
         notice = (_death_notice(job, errors) + _survivors(p.report_dir, job.job_id)
@@ -269,6 +277,20 @@ def _own_report(path: Path, job_id: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return report if isinstance(report, dict) and owns(report, job_id) else None
+
+
+def _said_on_stderr(job) -> dict | None:
+    """This job's report from a task's stderr: where rank 0 (or a survivor) puts it, as one
+    JSON line, when the folder takes none (full, read-only)."""
+    for task_id in range(job.num_tasks):
+        try:
+            text = Path(job.task(task_id).paths.stderr).read_text(errors="replace")
+        except OSError:
+            continue
+        report = report_in_stderr(text)
+        if report is not None and owns(report, job.job_id):
+            return report
+    return None
 
 
 def _survivors(report_dir: Path, job_id: str) -> str:

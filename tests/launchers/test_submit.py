@@ -77,17 +77,33 @@ def test_local_rank_stopped_is_named_and_its_task_cancelled_after_the_report(tmp
     t = time.monotonic()
     with pytest.raises(SmokeFailed) as e:
         submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
-               worker_args=QUICK + ["--timeout", "10"])
+               worker_args=QUICK + ["--timeout", "5"])
     took = time.monotonic() - t
     print(f"\nsubmit local, rank 1 stopped: {took:.1f} s; {e.value}")
     assert stopped, "rank 1's task was never seen"
     assert [k["rank"] for k in e.value.culprits] == [1], e.value.report["checks"]
-    assert took < 10 + AFTER_REPORT_S + 40, took  # not the wait timeout (150 s)
+    assert took < 5 + AFTER_REPORT_S + 40, took  # not the wait timeout (150 s)
     try:
         state = fate.state_of(open(f"/proc/{stopped[0]}/stat").read())
     except OSError:
         state = None  # gone
     assert state in (None, "X", "Z"), f"the stopped task was left behind ({state})"
+
+
+@pytest.mark.timeout(180)
+def test_local_report_the_folder_cannot_take_comes_back_from_a_tasks_stderr(tmp_path, capfd):
+    """report.json cannot be written (here a folder in its place; a full or read-only share in
+    the campaign's read_only.rank0.storage.submit.1x4): the writer puts the report on its
+    task's stderr as one JSON line, and submit returns that one, saying so, instead of
+    "ended without a report"."""
+    (tmp_path / "report" / "report.json").mkdir(parents=True)
+    with pytest.raises(SmokeFailed) as e:
+        submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
+               worker_args=QUICK + ["--timeout", "5"])
+    err = capfd.readouterr().err
+    assert e.value.report["run_id"] == f"submitit-{e.value.job_id}-0", e.value.report
+    assert "report.json was not written; rank 0's report, from its task's stderr: the " \
+        "report follows as one JSON line" in err, err[-2000:]
 
 
 def test_plan_renders_slurm_parameters_and_refuses_node_local_folders(tmp_path):

@@ -9,6 +9,7 @@ drains from) can be read as this run's when this run dies before writing its own
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from typing import NamedTuple
@@ -70,6 +71,22 @@ class Published(NamedTuple):
     path: str     # report.json's path, or "(not written: why)"
 
 
+# what a rank says on stderr when the folder takes no report (full, read-only), before it
+REPORT_FOLLOWS = "the report follows as one JSON line"
+
+
+def report_in_stderr(text: str) -> dict | None:
+    """The report a rank wrote to stderr as one JSON line (after :data:`REPORT_FOLLOWS`),
+    from the text of its stderr; None when there is none."""
+    for said, line in zip(text.splitlines(), text.splitlines()[1:]):
+        if said.endswith(REPORT_FOLLOWS) and line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                report = json.loads(line)
+                if isinstance(report, dict):
+                    return report
+    return None
+
+
 def publish(report: Report, report_dir: str, run_id: str,
             print_summary: bool = True) -> Published:
     """Write every output of a finished run, in this order: report.json and junit.xml, the
@@ -85,7 +102,7 @@ def publish(report: Report, report_dir: str, run_id: str,
         page.write(report, report_dir)  # report.html, with history when ROOT has runs
     except (ReportWriteError, OSError) as e:  # full, over quota, read-only, stale NFS
         path, lost = f"(not written: {e})", True
-        print(f"ddp-smoke: error: {e}; the report follows as one JSON line", file=sys.stderr)
+        print(f"ddp-smoke: error: {e}; {REPORT_FOLLOWS}", file=sys.stderr)
         print(to_json_line(report), file=sys.stderr)
     said = hosts.finish(report, report_dir, run_id)
     prom = metrics.write(report, run_id)  # --prometheus FILE, when set
