@@ -12,8 +12,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "job" / "ddp_smoke"
 # Lowest first. A module may import its own layer and those below it.
 LAYERS = [("errors", "redact"), ("model",), ("config",), ("coordination",), ("checks",),
           ("outputs",), ("harness",),
-          ("cli", "submit", "task", "preflight", "node_check", "launch_local", "store_host",
-           "__main__")]
+          ("cli", "submit", "submit_plan", "task", "preflight", "node_check", "launch_local",
+           "store_host", "__main__")]
 # The only import of the package's own modules allowed inside a function: the harness, which
 # keeps torch out of `--help` and bad input (answered in a fraction of a second) and out of
 # the submitting side of submitit. (Optional libraries, e.g. matplotlib, NVML, stay late.)
