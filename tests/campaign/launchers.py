@@ -257,14 +257,16 @@ class Launch:
 
     def stop(self) -> None:
         """End what is left (the cell's bound passed): the launcher, then its workers."""
-        if self.proc is not None and self.proc.poll() is None:
+        if self.env is not None and self.job:  # a batch job: Slurm's to end (no pid here)
+            subprocess.run(["scancel", self.job], env=self.env, capture_output=True, timeout=10)
+        elif self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
         for c in self.containers:
             c.kill()
-        if self.env is not None and self.job:
-            subprocess.run(["scancel", self.job], env=self.env, capture_output=True, timeout=10)
         for pid in self.workers().values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
