@@ -53,9 +53,10 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, *args: str, report_dir: Path, timeout_s: float = 120,
-             env: dict | None = None) -> Run:
-    """``torchrun --standalone --nproc-per-node=N -m ddp_smoke ARGS --report-dir DIR``."""
-    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}",
+             env: dict | None = None, launcher: tuple[str, ...] = ()) -> Run:
+    """``torchrun --standalone --nproc-per-node=N [LAUNCHER] -m ddp_smoke ARGS --report-dir
+    DIR``."""
+    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", *launcher,
            "-m", "ddp_smoke", "--report-dir", str(report_dir), *args]
     return _run(cmd, report_dir, timeout_s, env)
 

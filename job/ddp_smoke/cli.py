@@ -82,7 +82,7 @@ from . import __version__, checks, node_check, preflight
 from .config.args import Parser, parse_config, worker_parser
 from .config.launchenv import LaunchEnv
 from .coordination import store
-from .errors import ConfigError, say_once
+from .errors import ConfigError, lossy_output, say_once
 from .outputs import history, last_line, launch_report, page
 
 
@@ -182,6 +182,7 @@ def worker(argv: list[str]) -> int:
     """This rank's run, from its options; returns the exit status (0, 1, or 2 for bad input,
     said in one line). A launcher that forks its ranks calls it in each
     (:mod:`ddp_smoke.launch_local`)."""
+    lossy_output()  # a log on a full or read-only filesystem loses lines, not the rank
     try:
         cfg = parse_config(argv, _parser())  # before importing torch: bad input fails fast
     except ConfigError as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import time
 
 
@@ -44,3 +45,37 @@ def say_once(line: str) -> None:
         os.write(2, (line.replace("\n", " ") + "\n").encode())
     else:
         time.sleep(QUIET_RANK_WAIT_S)
+
+
+class LossyStream:
+    """A text stream whose writes never raise: under ``torchrun --tee`` (the Slurm template)
+    a rank's stdout and stderr are files in the report folder, and when that filesystem fills
+    or turns read-only every print raised OSError — the rank died on its next line, torchrun's
+    error file for it stayed empty, and torchrun's agent died parsing it. Lines are lost
+    instead; the report itself has its own fallbacks (stderr, the store host)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError:
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError:
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def lossy_output() -> None:
+    """sys.stdout and sys.stderr as :class:`LossyStream`, once."""
+    if not isinstance(sys.stdout, LossyStream):
+        sys.stdout = LossyStream(sys.stdout)
+    if not isinstance(sys.stderr, LossyStream):
+        sys.stderr = LossyStream(sys.stderr)

@@ -51,6 +51,19 @@ def test_full_report_dir_keeps_the_report_on_stderr_and_releases_every_rank(tmp_
     assert "report.json" not in left and "junit.xml" not in left  # never one without the other
 
 
+@pytest.mark.timeout(180)
+def test_ranks_whose_output_files_are_on_a_full_filesystem_still_pass(tmp_path):
+    """torchrun --tee with its log folder on a full filesystem (the Slurm template puts it in
+    the report folder): every print of a rank failed with ENOSPC, each rank died on its next
+    line, its error file stayed empty and torchrun's agent died parsing it (exit 1, found by
+    the campaign's disk_full.rank0.environment.slurm.1x3). Lines are lost, not the run."""
+    with _full_tmpfs(tmp_path / "full", 0) as full:
+        run = torchrun(2, "--checks", "environment", report_dir=tmp_path / "report",
+                       launcher=("--tee=3", f"--log-dir={full / 'logs'}"))
+    assert "Failed to parse reply file" not in run.stderr, run.stderr[-3000:]
+    assert run.returncode == 0 and run.report["verdict"] == "pass", run.stderr[-3000:]
+
+
 @pytest.mark.timeout(30)
 def test_a_full_folder_is_bad_input_for_the_writer_only_and_leaves_no_probe(tmp_path):
     """The writer's probe holds a byte (a full disk fails it, and its empty file goes too);
