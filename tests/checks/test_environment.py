@@ -32,3 +32,13 @@ def test_two_machines_with_one_hostname_are_named_as_such_with_address_and_node(
 def test_ranks_of_one_machine_share_its_hostname_without_a_finding():
     ranks = [{**_rank(r, "n1", "10.0.0.1", "gpu1"), "local_rank": r} for r in range(3)]
     assert environment.judge(_evidence(ranks, expect_nodes=1)).status == "pass"
+
+
+def test_an_interface_that_came_between_two_ranks_looks_is_not_a_second_machine():
+    """Recorded from a rehearsal of the suite: rank 0 read its addresses while another test's
+    bridge (10.231.1.1) was up on the machine, rank 1 after it went; they share 192.0.2.2."""
+    ranks = [{**_rank(0, "vm", "192.0.2.2", None), "local_rank": 0},
+             {**_rank(1, "vm", "192.0.2.2", None), "local_rank": 1}]
+    ranks[0]["addresses"]["dsn-br"] = "10.231.1.1"
+    got = environment.judge(_evidence(ranks, expect_nodes=1))
+    assert got.status == "pass", [c.reason for c in got.culprits]

@@ -104,12 +104,26 @@ def _address(r: dict) -> str | None:
 
 def _machines(ranks: list[dict]) -> list[str]:
     """Each rank's machine: its hostname, and where two machines share one, the hostname
-    with the machine's addresses."""
-    seen = collections.defaultdict(set)
-    for r in ranks:
-        seen[r["host"]].add(_address(r))
-    return [r["host"] if len(seen[r["host"]]) < 2 else f"{r['host']}@{_address(r)}"
-            for r in ranks]
+    with the machine's addresses. Ranks of one hostname whose addresses overlap are one
+    machine: an interface that came or went between two ranks' looks (a container's bridge
+    or veth starting on the node) is no second machine (a rehearsal of the suite named one
+    machine twice that way), where two cloned machines never share an address."""
+    out = [r["host"] for r in ranks]
+    by_host = collections.defaultdict(list)
+    for i, r in enumerate(ranks):
+        by_host[r["host"]].append(i)
+    for host, members in by_host.items():
+        groups: list[tuple[set, list]] = []  # (addresses, rank indices) of each machine
+        for i in members:
+            own = set(_address(ranks[i]).split(",")) if _address(ranks[i]) else {"?"}
+            near = [g for g in groups if g[0] & own]
+            groups = [g for g in groups if not g[0] & own] + [
+                (own.union(*(g[0] for g in near)), [i] + [j for g in near for j in g[1]])]
+        if len(groups) > 1:
+            for addresses, ids in groups:
+                for i in ids:
+                    out[i] = f"{host}@{','.join(sorted(addresses))}"
+    return out
 
 
 def _duplicate_hostnames(ev, machines: list[str]) -> list:
