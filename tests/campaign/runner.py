@@ -20,6 +20,7 @@ import signal
 import time
 from pathlib import Path
 
+from ddp_smoke.outputs import REPORT_FOLLOWS
 from tests.campaign import launchers, matrix
 from tests.campaign.matrix import BAD_INPUT, FAIL, LOST, PASS, Cell, Expect
 from tests.launch import paced
@@ -42,7 +43,6 @@ LARGE_COLLECTIVE = ", 16800000"
 _SIGNALS = {"sigkill": signal.SIGKILL, "sigsegv": signal.SIGSEGV, "sigabrt": signal.SIGABRT,
             "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
 _INJECT = {"exit": "crash", "hang": "hang", "stall": "stall"}
-_JSON_LINE = "the report follows as one JSON line"
 
 
 @dataclasses.dataclass
@@ -287,8 +287,8 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
     if path.exists():
         with contextlib.suppress(ValueError, OSError):
             report = json.loads(path.read_text())
-    if report is None and _JSON_LINE in out:
-        tail = out.split(_JSON_LINE, 1)[1]
+    if report is None and REPORT_FOLLOWS in out:
+        tail = out.split(REPORT_FOLLOWS, 1)[1]
         line = next((ln for ln in tail.splitlines() if ln.startswith("{")), None)
         if line:
             with contextlib.suppress(ValueError):
@@ -299,7 +299,7 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
     report_s = None if report_at is None else round(report_at - at, 1)
     said = []  # the folder took no report: the error line before its JSON line says why
     if writer == "stderr":
-        said = out.split(_JSON_LINE, 1)[0].rstrip().splitlines()[-1:]
+        said = out.split(REPORT_FOLLOWS, 1)[0].rstrip().splitlines()[-1:]
     by_launcher = bool(report and str(report.get("written_by")).endswith(" launcher"))
     if report is None or (by_launcher and lost):  # the launcher's report quotes lost/
         if lost:

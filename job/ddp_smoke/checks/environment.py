@@ -115,7 +115,7 @@ def _machines(ranks: list[dict]) -> list[str]:
     for host, members in by_host.items():
         groups: list[tuple[set, list]] = []  # (addresses, rank indices) of each machine
         for i in members:
-            own = set(_address(ranks[i]).split(",")) if _address(ranks[i]) else {"?"}
+            own = set((_address(ranks[i]) or "?").split(","))
             near = [g for g in groups if g[0] & own]
             groups = [g for g in groups if not g[0] & own] + [
                 (own.union(*(g[0] for g in near)), [i] + [j for g in near for j in g[1]])]

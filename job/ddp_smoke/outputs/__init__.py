@@ -78,7 +78,8 @@ REPORT_FOLLOWS = "the report follows as one JSON line"
 def report_in_stderr(text: str) -> dict | None:
     """The report a rank wrote to stderr as one JSON line (after :data:`REPORT_FOLLOWS`),
     from the text of its stderr; None when there is none."""
-    for said, line in zip(text.splitlines(), text.splitlines()[1:]):
+    lines = text.splitlines()
+    for said, line in zip(lines, lines[1:]):
         if said.endswith(REPORT_FOLLOWS) and line.startswith("{"):
             with contextlib.suppress(ValueError):
                 report = json.loads(line)
