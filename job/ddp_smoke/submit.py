@@ -41,11 +41,14 @@ GPU runs (``gpus_per_node`` > 0) get defaults fit for an acceptance test: whole 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -56,7 +59,8 @@ from .config.args import Parser, parse_config
 from .coordination import hosting, lost
 from .errors import ConfigError
 from .model import Culprit, injected
-from .outputs import REPORT_FOLLOWS, launch_report, publish, report_in_stderr
+from .outputs import (REPORT_FOLLOWS, Said, launch_report, prepare, publish,
+                      report_in_stderr)
 from .outputs.last_line import from_lost
 from .outputs.report import as_dict
 
@@ -85,6 +89,11 @@ class SmokeFailed(SmokeError):
 
 class TaskDied(SmokeError):
     """No report: a task died before rank 0 could write one."""
+
+
+class ReportNotWritten(SmokeError):
+    """The run finished but its folder took no report (full, read-only): ``report`` is rank
+    0's, read back from its task's stderr; a pass is not one until the report is kept."""
 
 
 class SmokeTimeout(SmokeError):
@@ -123,6 +132,7 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     Raises:
         SmokeFailed: verdict fail; ``.report`` and ``.culprits`` say what and who.
         TaskDied: no report; the message names the task, host and the tail of its stderr.
+        ReportNotWritten: verdict pass, but the folder took no report (full, read-only).
         SmokeTimeout: the wait timed out; the job was cancelled.
         ConfigError: bad parameters.
     """
@@ -131,14 +141,16 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     check_wait_timeout(wait_timeout_s)
     p = plan(cluster, **kwargs)
     p.folder.mkdir(parents=True, exist_ok=True)
+    prepare(str(p.report_dir))  # a folder that cannot take the report: one line, nothing submitted
     # submitit's pickles carry the run's signing secret: the folder is the user's alone
     os.chmod(p.folder, p.folder.stat().st_mode & ~0o077)
     extra = {"slurm_python": p.python} if p.python and cluster == "slurm" else {}
     executor = submitit.AutoExecutor(folder=p.folder / "%j", cluster=cluster, **extra)
     executor.update_parameters(**p.parameters)
-    job = executor.submit(task.run, p.worker_args, bool(p.parameters.get("gpus_per_node")),
-                          60.0 * p.parameters["timeout_min"],
-                          secrets.token_hex(32))  # one per run: nothing from outside is evidence
+    with _cancellable(cluster):
+        job = executor.submit(task.run, p.worker_args, bool(p.parameters.get("gpus_per_node")),
+                              60.0 * p.parameters["timeout_min"],
+                              secrets.token_hex(32))  # one per run: nothing outside is evidence
     say = _progress(sys.stderr.isatty() if progress is None else progress)
     say(f"submitted job {job.job_id} ({cluster}, {p.parameters['nodes']} node(s) x "
         f"{p.parameters['tasks_per_node']}); folder {p.folder}")
@@ -147,15 +159,13 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     end = time.monotonic() + (LAST_RESORT_S if _store_hosted(p, job) else 0)
     while report is None:  # every rank died: the store host writes; or the folder took none
         if (said := _said_on_stderr(job)) is not None or time.monotonic() >= end:
-            report = said
+            report = said and said.report
             break
         time.sleep(0.5)
         report = _own_report(p.report_dir / "report.json", job.job_id)
     if said is not None:
-        print(f"ddp-smoke-submit: {p.report_dir / 'report.json'} was not written; rank 0's "
-              f"report, from its task's stderr: {REPORT_FOLLOWS}\n"
-              f"{json.dumps(report, separators=(',', ':'))}",
-              file=sys.stderr)
+        print(f"ddp-smoke-submit: {said.why}; rank 0's report, from its task's stderr: "
+              f"{REPORT_FOLLOWS}\n{json.dumps(report, separators=(',', ':'))}", file=sys.stderr)
     if report is None:
         errors = _task_errors(job, cluster)
         notice = (_death_notice(job, errors) + _survivors(p.report_dir, job.job_id)
@@ -168,7 +178,27 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
         mark = f" (PRACTICE: --fault {injected(report)})" if injected(report) else ""
         failed.args = (f"ddp-smoke job {job.job_id}: verdict fail{mark}; " + "; ".join(lines),)
         raise failed
+    if said is not None:
+        raise ReportNotWritten(f"ddp-smoke job {job.job_id}: verdict pass, but no report kept: "
+                               f"{said.why}", report, job.job_id)
     return report
+
+
+@contextlib.contextmanager
+def _cancellable(cluster: str):
+    """submitit cancels a local job by SIGINT to its controller, which inherits this process's
+    disposition: started with SIGINT ignored (a background job of a non-interactive shell, as
+    CI and the campaign start it) it ignores the cancel, and a stopped task outlived it
+    (sigstop.last.join.submit.1x2). The controller starts with SIGINT's default instead."""
+    restore = (cluster == "local" and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+               and threading.current_thread() is threading.main_thread())
+    if restore:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # exec makes it SIG_DFL
+    try:
+        yield
+    finally:
+        if restore:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _own_report(path: Path, job_id: str) -> dict | None:
@@ -181,17 +211,17 @@ def _own_report(path: Path, job_id: str) -> dict | None:
     return report if isinstance(report, dict) and owns(report, job_id) else None
 
 
-def _said_on_stderr(job) -> dict | None:
-    """This job's report from a task's stderr: where rank 0 (or a survivor) puts it, as one
-    JSON line, when the folder takes none (full, read-only)."""
+def _said_on_stderr(job) -> Said | None:
+    """This job's report from a task's stderr, and why the folder took none (full, read-only):
+    rank 0 (or a survivor) puts it there as one JSON line."""
     for task_id in range(job.num_tasks):
         try:
             text = Path(job.task(task_id).paths.stderr).read_text(errors="replace")
         except OSError:
             continue
-        report = report_in_stderr(text)
-        if report is not None and owns(report, job.job_id):
-            return report
+        said = report_in_stderr(text)
+        if said is not None and owns(said.report, job.job_id):
+            return said
     return None
 
 

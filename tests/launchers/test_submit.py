@@ -1,4 +1,5 @@
 """Python submission path: submitit runs the worker and hands back rank 0's report."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,8 +12,9 @@ import pytest
 from ddp_smoke.errors import ConfigError
 from ddp_smoke import task
 from ddp_smoke.coordination import fate
-from ddp_smoke.submit import (AFTER_REPORT_S, GPU_CPUS_PER_PROC, IMAGE_PYTHON, SmokeFailed,
-                              SmokeTimeout, TaskDied, plan, submit)
+from ddp_smoke.submit import (AFTER_REPORT_S, GPU_CPUS_PER_PROC, IMAGE_PYTHON, SmokeError,
+                              ReportNotWritten, SmokeFailed, SmokeTimeout, TaskDied, plan,
+                              submit)
 from tests.launch import REPO
 
 QUICK = ["--checks", "environment,ddp_step", "--timeout", "20"]  # a later --timeout wins
@@ -75,9 +77,15 @@ def test_local_rank_stopped_is_named_and_its_task_cancelled_after_the_report(tmp
             time.sleep(0.05)
     threading.Thread(target=stop_rank_1, daemon=True).start()
     t = time.monotonic()
-    with pytest.raises(SmokeFailed) as e:
-        submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
-               worker_args=QUICK + ["--timeout", "5"])
+    # as a background job of a non-interactive shell (CI, the campaign): SIGINT ignored, which
+    # submitit's local controller inherited and its cancel (a SIGINT) then did nothing
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(SmokeFailed) as e:
+            submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
+                   worker_args=QUICK + ["--timeout", "5"])
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     took = time.monotonic() - t
     print(f"\nsubmit local, rank 1 stopped: {took:.1f} s; {e.value}")
     assert stopped, "rank 1's task was never seen"
@@ -90,20 +98,51 @@ def test_local_rank_stopped_is_named_and_its_task_cancelled_after_the_report(tmp
     assert state in (None, "X", "Z"), f"the stopped task was left behind ({state})"
 
 
+def test_local_report_folder_that_cannot_take_a_report_is_refused_before_submitting(tmp_path):
+    """A folder in report.json's place (a read-only or full share alike): one line, no job."""
+    (tmp_path / "report" / "report.json").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="cannot remove report.json left by another run"):
+        submit("local", procs_per_node=2, folder=tmp_path, worker_args=QUICK)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # nothing submitted
+
+
 @pytest.mark.timeout(180)
 def test_local_report_the_folder_cannot_take_comes_back_from_a_tasks_stderr(tmp_path, capfd):
-    """report.json cannot be written (here a folder in its place; a full or read-only share in
-    the campaign's read_only.rank0.storage.submit.1x4): the writer puts the report on its
-    task's stderr as one JSON line, and submit returns that one, saying so, instead of
-    "ended without a report"."""
-    (tmp_path / "report" / "report.json").mkdir(parents=True)
-    with pytest.raises(SmokeFailed) as e:
-        submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
-               worker_args=QUICK + ["--timeout", "5"])
+    """The report folder fills up mid-run (the campaign's disk_full.rank0.transport.submit.3x1,
+    read_only.rank0.storage.submit.1x4): rank 0 puts the report on its task's stderr as one
+    JSON line; submit reads it back, says why the folder took none and, the checks having
+    passed, raises ReportNotWritten (the CLI exits 1): a pass nobody kept is not one."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    folder = tmp_path / "report"
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], check=True)
+    try:
+        filled = threading.Thread(target=_fill_once_rank0_holds_it, args=(folder,), daemon=True)
+        filled.start()
+        with pytest.raises(ReportNotWritten) as e:
+            submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
+                   worker_args=QUICK)
+        filled.join(timeout=5)
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
     err = capfd.readouterr().err
     assert e.value.report["run_id"] == f"submitit-{e.value.job_id}-0", e.value.report
-    assert "report.json was not written; rank 0's report, from its task's stderr: the " \
-        "report follows as one JSON line" in err, err[-2000:]
+    assert e.value.report["verdict"] == "pass", e.value.report
+    assert "report.json: No space left on device (ENOSPC); rank 0's report, from its task's " \
+        "stderr: the report follows as one JSON line" in err, err[-2000:]
+    assert "verdict pass, but no report kept: cannot write" in str(e.value)
+
+
+def _fill_once_rank0_holds_it(folder, timeout_s: float = 60.0) -> None:
+    """Fill ``folder`` to its last byte once rank 0 holds it (``.ddp-smoke.lock``: its start's
+    writability check passed): only the report is still to be written there."""
+    end = time.monotonic() + timeout_s
+    while not (folder / ".ddp-smoke.lock").exists() and time.monotonic() < end:
+        time.sleep(0.05)
+    with contextlib.suppress(OSError), open(folder / "filler", "wb") as f:
+        while f.write(b"\0" * 4096):
+            pass
 
 
 def test_plan_renders_slurm_parameters_and_refuses_node_local_folders(tmp_path):

@@ -75,16 +75,22 @@ class Published(NamedTuple):
 REPORT_FOLLOWS = "the report follows as one JSON line"
 
 
-def report_in_stderr(text: str) -> dict | None:
-    """The report a rank wrote to stderr as one JSON line (after :data:`REPORT_FOLLOWS`),
-    from the text of its stderr; None when there is none."""
+class Said(NamedTuple):
+    report: dict  # the report a rank put on stderr
+    why: str      # why the folder took none: "cannot write PATH: No space left on device …"
+
+
+def report_in_stderr(text: str) -> Said | None:
+    """The report a rank wrote to stderr as one JSON line (after :data:`REPORT_FOLLOWS`), and
+    why, from the text of its stderr; None when there is none."""
     lines = text.splitlines()
     for said, line in zip(lines, lines[1:]):
         if said.endswith(REPORT_FOLLOWS) and line.startswith("{"):
             with contextlib.suppress(ValueError):
                 report = json.loads(line)
                 if isinstance(report, dict):
-                    return report
+                    why = said[:-len(REPORT_FOLLOWS)].rstrip("; ")
+                    return Said(report, why.split("error: ", 1)[-1])
     return None
 
 
