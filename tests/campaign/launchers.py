@@ -193,6 +193,14 @@ class Launch:
         return self._store
 
     def _store_address(self) -> tuple[str, int] | None:
+        """Where a worker said the store is, as this (the host's) network sees it: a pod's
+        loopback is the pod's own address (--standalone in a single-node image)."""
+        addr = self._said_address()
+        if addr and self.containers and addr[0] in ("127.0.0.1", "localhost", "::1"):
+            return self.hosts[0].addr, addr[1]
+        return addr
+
+    def _said_address(self) -> tuple[str, int] | None:
         text = self.output()
         m = STORE_LINE.search(text)
         if m:

@@ -386,7 +386,8 @@ def _link(c: Cell) -> tuple:
 def _slow_rank(c: Cell, me: frozenset) -> Expect:
     """Checks up to compute measure the rank's pace; the health check after them names the
     rank's node too when the rank is its node's local rank 0, which reads the CPU quota on
-    its own cgroups (checks/health/cpu.py)."""
+    its own cgroups (checks/health/cpu.py); a run aborted at a deadline the slow rank
+    outlasted names the node from the same reading, in the abort's forensics."""
     if STAGES.index(c.stage) > STAGES.index("compute"):
         return Expect(PASS, why="no check after it measures a rank's pace, and the quota "
                                 "lands with the health check's own reading")

@@ -208,6 +208,32 @@ def test_rank_the_others_waited_for_until_the_deadline_is_named_when_none_is_blo
     assert culprits(snap(**early, waits=waits)) == [(0, None), (1, None)]
 
 
+def test_a_slow_ranks_ring_neighbour_behind_with_it_at_the_deadline_is_not_named():
+    """The campaign's slow_rank.rank0.join.image.3x1 (rank 0 at 15 % of a core, three nodes):
+    at the collectives deadline rank 1 waited inside all_reduce #34, and ranks 0 and 2 had both
+    left #33 a tenth of a second before: rank 2 is rank 0's neighbour in the ring, held back
+    with it. Both were named; the check's waits so far, or rank 0's node's CPU quota, say who
+    held whom."""
+    stopped = dict(world_size=3, hosts=["a", "b", "c"], connected={0, 1, 2},
+                   arrived={0, 1, 2}, stage="collectives",
+                   progress={0: beat(33, False, op="all_reduce", stage="collectives"),
+                             1: beat(34, True, op="all_reduce", stage="collectives"),
+                             2: beat(33, False, op="all_reduce", stage="collectives")},
+                   aborts={r: {"kind": "timeout", "at": T} for r in (1, 2)})
+    assert culprits(snap(**stopped)) == [(0, None), (2, None)]  # nothing to tell them apart
+    waits = {0: [0.01] * 33, 1: [0.4] * 33, 2: [0.3] * 33}  # the others waited for rank 0
+    assert culprits(snap(**stopped, waits=waits)) == [(0, None)]
+    quota = "CPU quota: this node's processes were held back in 100% of the periods they could run"
+    v = blame.judge(snap(**stopped, held={0: quota}))  # its node's word, without waits
+    assert [(c.rank, c.host) for c in v.culprits] == [(0, "a"), (None, "a")]
+    assert v.culprits[1].reason == quota
+    # a quota on a node no culprit is on names no node
+    assert culprits(snap(**stopped, waits=waits, held={1: quota})) == [(0, None)]
+    # no deadline passed (a rank's abort stopped the check): both stay, as before
+    early = {**stopped, "aborts": {1: {"kind": "lost", "silent": [], "at": T}}}
+    assert culprits(snap(**early, waits=waits)) == [(0, None), (2, None)]
+
+
 def test_a_rank_moving_through_an_older_collective_is_not_named_beside_the_one_that_held():
     """Measured in a full parallel suite: rank 1 stalled before barrier #11 that ranks 0 and 3
     were blocked in; rank 2's progress at the abort showed it inside all_reduce #10 for 9 ms

@@ -17,6 +17,7 @@ import pytest
 
 from ddp_smoke import preflight
 from ddp_smoke.coordination import lost
+from ddp_smoke.outputs import REPORT_FOLLOWS
 from ddp_smoke.outputs import launch_report as lr
 
 PY = sys.executable
@@ -187,6 +188,30 @@ def test_run_verdict_bad_input_exits_2(tmp_path):
     proc = _launcher(tmp_path, "run", "a", "--exit", "1")
     assert proc.returncode == 2
     assert "verdict none (no report) · bad input: ddp-smoke: error: --checks nope" in proc.stdout
+
+
+def test_run_verdict_from_a_report_the_folder_could_not_take_exits_1(tmp_path):
+    """The folder turned read-only mid-run (the campaign's read_only.rank0.ddp_step.slurm.4x1,
+    called "bad input" before): rank 0 put its report on stderr; the last line says that
+    verdict, where the report is, and why; a pass nobody kept is exit 1."""
+    (tmp_path / "launch").mkdir()
+    why = f"cannot write {tmp_path}/report.json: Read-only file system (EROFS)"
+    for verdict, rid in (("pass", "7"), ("fail", "7"), ("pass", "6")):
+        report = {"verdict": verdict, "run_id": rid, "checks": [
+            {"name": "storage", "status": verdict, "culprits": [
+                {"rank": None, "host": None, "reason": "unwritable folder"}
+            ] if verdict == "fail" else []}]}
+        (tmp_path / "launch" / "b.run.err").write_text(
+            f"ddp-smoke: error: {why}; {REPORT_FOLLOWS}\n{json.dumps(report)}\n")
+        proc = _launcher(tmp_path, "run", "a b", "--exit", "1")
+        if rid == "6":  # another run's words are not this run's verdict
+            assert "report kept only" not in proc.stdout, proc.stdout
+            continue
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert proc.stdout.startswith(f"ddp-smoke: verdict {verdict} · report kept only in the "
+                                      f"job's output ({why})"), proc.stdout
+        assert ("storage: unwritable folder" in proc.stdout) == (verdict == "fail")
+        assert not (tmp_path / "report.json").exists()
 
 
 def _preflight(*args: str, env: dict | None = None) -> subprocess.Popen:

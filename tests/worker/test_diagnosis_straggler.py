@@ -70,3 +70,31 @@ def test_throttled_rank_is_named_and_the_same_run_without_the_quota_names_none(t
         print(f"attempt {attempt + 1}: no quota: report in {time.monotonic() - t:.1f} s, "
               f"named {_named(healthy)}")
         assert _named(healthy) == {} and healthy["verdict"] == "pass"
+
+
+@pytest.mark.timeout(HELD_REPEAT * 120)
+def test_a_rank_too_slow_for_the_deadline_is_named_with_its_nodes_cpu_quota(tmp_path):
+    """Rank 0 (its node's local rank 0) held to 15 % of a core until the collectives outlast
+    their deadline: the run aborts before the health check would read the quota, so the
+    abort's forensics read it (checks/health held_back). Exactly rank 0 and its node, with the
+    quota as the node's reason (the campaign's slow_rank.rank0.join.image.3x1 named rank 0's
+    ring neighbour too, and no quota)."""
+    if CpuQuota.missing():
+        pytest.skip(CpuQuota.missing())
+    config = tmp_path / "large.yaml"
+    config.write_text("collectives: {sizes_bytes: [256, 16800000]}\n")
+    for attempt in range(HELD_REPEAT):
+        with CpuQuota(QUOTA) as quota:
+            run = Spawned(2, "--checks", "environment,collectives,health", "--backend", "gloo",
+                          "--timeout", "4", "--config", str(config),
+                          report_dir=tmp_path / f"r{attempt}", env={"OMP_NUM_THREADS": "1"})
+            run.wait_until(lambda beats: True)
+            quota.add(run.worker_pid(0))
+            done = run.finish(timeout_s=90)
+        assert done.report is not None, done.stderr[-3000:]
+        [stopped] = [c for c in done.report["checks"] if c["culprits"]]
+        got = [(k["rank"], k["host"] is not None) for k in stopped["culprits"]]
+        print(f"\nattempt {attempt + 1}: {stopped['name']}: {stopped['culprits']}")
+        assert stopped["name"] == "collectives" and got == [(0, True), (None, True)], got
+        assert stopped["culprits"][1]["reason"].startswith("CPU quota: this node's processes "
+                                                           "were held back"), stopped

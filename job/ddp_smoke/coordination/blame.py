@@ -64,6 +64,8 @@ class Snapshot:
         fates: how each dead rank ended, where a witness saw it (:mod:`.fate`).
         waits: each live rank's seconds inside each collective of ``stage`` until the abort
             (:mod:`.stragglers`).
+        held: a node's CPU quota finding, by the rank that read it (its local rank 0), where
+            the quota held that node's ranks back over the run so far.
     """
 
     stage: str
@@ -83,6 +85,7 @@ class Snapshot:
     issued: dict = field(default_factory=dict)
     fates: dict = field(default_factory=dict)
     waits: dict = field(default_factory=dict)
+    held: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -99,6 +102,7 @@ def judge(s: Snapshot) -> Blame:
                 or _by_progress(s) or _slowed(s) or _unfinished(s) or _comm_only(s)
                 or [Culprit(None, None, "aborted: " + "; ".join(
                     f"rank {r} {a['kind']}" for r, a in sorted(s.aborts.items())) or "unknown")])
+    culprits += _held_nodes(s, culprits)
     named = {c.rank for c in culprits} | {r for c in culprits for r in (c.ranks or [])}
     first = _first_event(s, culprits)
     victims = [{"rank": r, "host": s.hosts[r], "state": _state(s, r, first)}
@@ -257,7 +261,33 @@ def _by_progress(s: Snapshot) -> list:
                 f"{_ranks(front)} are blocked in; its last collective was {last}, left "
                 f"{p.get('for_s')} s before")))
     out = [c for c in out if c.rank not in victims]
-    return _unique(out)
+    return _unique(_narrowed(s, out))
+
+
+def _narrowed(s: Snapshot, out: list) -> list:
+    """Several ranks named behind the others as the deadline passed: a rank too slow for it
+    (a CPU quota, a throttled GPU) holds its neighbours in a ring or an exchange back with it,
+    and at the abort they are between the same two collectives as it is (the campaign's
+    slow_rank.rank0.join.image.3x1 named rank 2 beside rank 0). The slow ones are those on a
+    node whose CPU quota held its ranks back, else those the check's waits so far name (the
+    rule a finished check's stragglers are named by); nobody picked out, all stay."""
+    named = {c.rank for c in out if c.rank is not None}
+    if len(named) < 2 or not _deadline_passed(s):
+        return out
+    held = {s.hosts[r] for r in s.held}
+    picked = {r for r in named if s.hosts[r] in held}
+    if (not picked or picked == named) and all(r in s.waits for r in range(s.world_size)):
+        _, slow = stragglers.judge([s.waits[r] for r in range(s.world_size)])
+        picked = {r for r, _ in slow} & named or picked
+    return [c for c in out if c.rank in picked] if picked else out
+
+
+def _held_nodes(s: Snapshot, culprits: list) -> list:
+    """The node of a named rank whose CPU quota held its ranks back: a culprit too, with the
+    quota's finding (as the health check names it when the run gets that far)."""
+    hosts = {s.hosts[c.rank] for c in culprits if c.rank is not None}
+    return [Culprit(None, s.hosts[r], text) for r, text in sorted(s.held.items())
+            if s.hosts[r] in hosts]
 
 
 def _never_issued(s: Snapshot, ranks, k: int, what: str) -> list:

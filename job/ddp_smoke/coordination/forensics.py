@@ -21,6 +21,7 @@ import faulthandler
 import os
 import sys
 import threading
+from typing import Callable
 
 from .records import Forensics
 
@@ -29,6 +30,16 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The kit's own plumbing, relative to the package: never the frame a culprit is "in".
 _PLUMBING = ("coordination/", "harness.py", "config/faults.py", "checks/_timing.py",
              "__main__.py", "cli.py")
+
+
+_ALSO: list[Callable[[], dict]] = []
+
+
+def also(read: Callable[[], dict]) -> None:
+    """Add a reading to this rank's forensics, from a layer above this one (the health
+    check's CPU quota on its node); a reading that raises is left out."""
+    if read not in _ALSO:
+        _ALSO.append(read)
 
 
 def flight_recorder_env(report_dir: str, environ=os.environ) -> None:
@@ -94,6 +105,11 @@ def dump(report_dir: str, rank: int) -> Forensics:
         out.update(issued(trace))
     except Exception as e:  # noqa: BLE001 — no recorder in this build, or no process group
         out["flight_recorder_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    for read in _ALSO:
+        try:
+            out.update(read())
+        except Exception:  # noqa: BLE001 — forensics never raise
+            pass
     prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
     nccl_dump = f"{prefix}{rank}"
     if prefix and os.path.exists(nccl_dump):  # NCCL's own watchdog dumped on its timeout

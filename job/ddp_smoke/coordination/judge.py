@@ -18,6 +18,7 @@ from .store import (DEAD_AFTER_S, Silence, dead_after, dead_ranks, posted, ranks
                     read_beats, reads, try_get)
 
 FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
+JUDGES_ONLY = ("waits", "held")  # forensics for the judge; the report has them as culprits
 STORE_HOST = "store host"  # the writer when no rank could write
 
 
@@ -103,6 +104,7 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
         reach=probed, issued={r: f["issued"] for r, f in found.items()
                               if f.get("issued") is not None},
         waits={r: f["waits"] for r, f in found.items() if f.get("waits") is not None},
+        held={r: f["held"] for r, f in found.items() if f.get("held")},
         fates=_fates(store, s, sorted(dead), me), store=s.store_address,
         dead_after_s=dead_after(s.world_size))
     blamed = blame.judge(snap)
@@ -210,7 +212,7 @@ def report_of(s: Stopped, *, started_at: str, backend: str, config: dict, timing
                   world_size=s.world_size, ranks=s.ranks, checks=results, config=config,
                   timings=timings, error=error, run_id=run_id, written_by=s.writer,
                   forensics=[{"rank": r, "host": s.host(r),
-                              **{k: v for k, v in f.items() if k != "waits"}}  # the judge's
+                              **{k: v for k, v in f.items() if k not in JUDGES_ONLY}}
                              for r, f in sorted((forensics or {}).items())],
                   security=security or {})
 

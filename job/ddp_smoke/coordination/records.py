@@ -162,6 +162,9 @@ class Forensics:
     # seconds inside each world collective of the stopped check until the abort
     # (progress.Recorder.spent): evidence for the judge, not kept in the report
     waits: list | None = None
+    # its node's CPU quota held its ranks back over the run so far (local rank 0, the health
+    # check's rule on its own cgroups: checks/health): evidence for the judge
+    held: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,8 @@ worker started there) and the launcher's own stderr given as ``--launch-log`` (s
 ``Task launch … failed on node X: …``).
 
 Exit status: 0 when the stage passed (preflight: every node ok; run: the worker's verdict
-pass), 1 on a failed stage, 2 when the worker refused its input (its one-line error).
+pass), 1 on a failed stage or a report the folder could not take (its writer put it on its
+stderr), 2 when the worker refused its input (its one-line error).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from datetime import datetime, timezone
 from .. import __version__
 from ..coordination import lost
 from ..model import FAIL, CheckResult, Culprit, Report
-from . import publish
+from . import publish, report_in_stderr
 
 STAGES = ("preflight", "run")
 CHECK = {"preflight": "preflight", "run": "launch"}
@@ -340,6 +341,14 @@ def main(argv: list[str]) -> int:
             print(last_line(verdict, culprit_text(report), a.exit_code, path, a.launcher),
                   flush=True)
             return 0 if verdict == "pass" else 1
+        said = next((x for n in nodes
+                     if (x := report_in_stderr(node_stderr(a.report_dir, n, "run")))
+                     and (not a.run_id or x.report.get("run_id") == a.run_id)), None)
+        if said is not None:  # the folder took no report (full, read-only): the writer said it
+            print(last_line(str(said.report.get("verdict")), f"report kept only in the job's "
+                            f"output ({said.why}); {culprit_text(said.report)}".rstrip("; "),
+                            a.exit_code, path, a.launcher), flush=True)
+            return 1  # a pass nobody kept is not one
         refused = [error_line(node_stderr(a.report_dir, n, "run").splitlines() + [
             x for f in glob.glob(os.path.join(a.report_dir, "torchrun", n, "*", "attempt_*",
                                               "*", "std*.log")) for x in _read(f).splitlines()

@@ -38,10 +38,11 @@ import os
 import time
 
 from ...config import profiles
+from ...coordination import forensics
 from ...model import FAIL, PASS, SKIP, CheckResult
 from . import clocks, config, cpu, fabric, hca, memory, nvlink, pcie, presence, sdc, xid
 from .finding import CHECKED, NOT_MEASURED, WARN, Finding, Limits
-from .readers import REPLAY_ENV, Node, replay
+from .readers import REPLAY_ENV, Node, cgroup, replay
 from .reading import end_gpus, gpu_reading, samples
 
 FAMILIES = (presence, memory, xid, clocks, pcie, nvlink, fabric, config, hca, cpu)
@@ -54,8 +55,20 @@ def begin(ctx) -> None:
     """Harness hook, before the first check: start readings and the sampler. Never fatal."""
     if ctx.local_rank != 0 or _NODE:
         return
-    _NODE["node"] = Node(ctx.section("health")["sample_period_s"])
-    _NODE["node"].start()
+    thresholds = ctx.section("health")
+    _NODE["node"] = node = Node(thresholds["sample_period_s"])
+    node.start()
+    forensics.also(lambda: {"held": held_back(node, thresholds)})
+
+
+def held_back(node: Node, thresholds: dict) -> str | None:
+    """This node's CPU quota judged over the run so far, as :mod:`.cpu` judges the check's
+    window: an aborted run's word on ranks too slow for its deadline (this check never ran).
+    None when no quota held them back."""
+    quota = next(r for r in node.others if isinstance(r, cgroup.CpuQuotaReader))
+    reading = {"cpu": {"start": quota.first, "end": cgroup.read()}}
+    return next((f.line() for f in cpu.judge(reading, Limits(thresholds)) if f.level == FAIL),
+                None)
 
 
 def run(ctx) -> dict:
