@@ -223,6 +223,11 @@ def _strike(cell: Cell, launch, parts, undo: contextlib.ExitStack, folder) -> fl
         os.kill(pid, _SIGNALS[k])
     elif k == "oom":
         undo.enter_context(faults.MemoryLimit(pid, f"ddp-campaign-oom-{pid}"))
+    elif k == "slow_rank" and launch.containers and cell.per_node == 1:
+        # the pod's CPU limit, as Kubernetes sets it: on the pod's own cgroup, which its rank
+        # reads (a cgroup made outside the pod is not in its cgroup namespace)
+        launch.containers[cell.node].c.engine.docker("update", "--cpus", "0.15",
+                                                     launch.containers[cell.node].c.name)
     elif k == "slow_rank":
         quota = undo.enter_context(faults.CpuQuota(0.15, f"ddp-campaign-cpu-{pid}"))
         quota.add(pid)
@@ -294,12 +299,12 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
         with contextlib.suppress(ValueError, OSError):
             report = json.loads(path.read_text())
     if report is None and REPORT_FOLLOWS in out:
-        tail = out.split(REPORT_FOLLOWS, 1)[1]
-        line = next((ln for ln in tail.splitlines() if ln.startswith("{")), None)
-        if line:
-            with contextlib.suppress(ValueError):
-                report, writer = json.loads(line), "stderr"
-                report_at = report_at or at
+        tail = out.split(REPORT_FOLLOWS, 1)[1].splitlines()
+        first = next((i for i, ln in enumerate(tail) if ln.startswith("{")), None)
+        if first is not None:  # docker's log splits a line every 16 KiB: joined again (a
+            with contextlib.suppress(ValueError):  # JSON line holds no raw newline)
+                report = json.JSONDecoder().raw_decode("".join(tail[first:]))[0]
+                writer, report_at = "stderr", report_at or at
     lost = sorted((launch.report_dir / "lost").glob("*.json")) \
         if (launch.report_dir / "lost").is_dir() else []
     report_s = None if report_at is None else round(report_at - at, 1)

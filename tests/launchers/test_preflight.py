@@ -212,6 +212,13 @@ def test_run_verdict_from_a_report_the_folder_could_not_take_exits_1(tmp_path):
                                       f"job's output ({why})"), proc.stdout
         assert ("storage: unwritable folder" in proc.stdout) == (verdict == "fail")
         assert not (tmp_path / "report.json").exists()
+    # a full folder kept the error line and not the long JSON line after it (the campaign's
+    # disk_full.rank0.storage.image.4x1): not "bad input" either
+    (tmp_path / "launch" / "b.run.err").write_text(f"ddp-smoke: error: {why}; {REPORT_FOLLOWS}\n")
+    proc = _launcher(tmp_path, "run", "a b", "--exit", "1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"ddp-smoke: verdict unknown (report not kept) · {why}; "
+                                  f"{REPORT_FOLLOWS} in the job's output · "), proc.stdout
 
 
 def _preflight(*args: str, env: dict | None = None) -> subprocess.Popen:

@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from .. import __version__
 from ..coordination import lost
 from ..model import FAIL, CheckResult, Culprit, Report
-from . import publish, report_in_stderr
+from . import REPORT_FOLLOWS, publish, report_in_stderr
 
 STAGES = ("preflight", "run")
 CHECK = {"preflight": "preflight", "run": "launch"}
@@ -341,15 +341,21 @@ def main(argv: list[str]) -> int:
             print(last_line(verdict, culprit_text(report), a.exit_code, path, a.launcher),
                   flush=True)
             return 0 if verdict == "pass" else 1
-        said = next((x for n in nodes
-                     if (x := report_in_stderr(node_stderr(a.report_dir, n, "run")))
+        stderr = {n: node_stderr(a.report_dir, n, "run") for n in nodes}
+        said = next((x for n in nodes if (x := report_in_stderr(stderr[n]))
                      and (not a.run_id or x.report.get("run_id") == a.run_id)), None)
         if said is not None:  # the folder took no report (full, read-only): the writer said it
             print(last_line(str(said.report.get("verdict")), f"report kept only in the job's "
                             f"output ({said.why}); {culprit_text(said.report)}".rstrip("; "),
                             a.exit_code, path, a.launcher), flush=True)
             return 1  # a pass nobody kept is not one
-        refused = [error_line(node_stderr(a.report_dir, n, "run").splitlines() + [
+        unkept = next((x for n in nodes for x in stderr[n].splitlines()
+                       if x.endswith(REPORT_FOLLOWS)), None)
+        if unkept:  # the same, its JSON line too long for what room the folder had left
+            print(last_line("unknown (report not kept)", f"{unkept.split('error: ', 1)[-1]} in "
+                            "the job's output", a.exit_code, path, a.launcher), flush=True)
+            return 1
+        refused = [error_line(stderr[n].splitlines() + [
             x for f in glob.glob(os.path.join(a.report_dir, "torchrun", n, "*", "attempt_*",
                                               "*", "std*.log")) for x in _read(f).splitlines()
             if "ddp-smoke: error:" in x]) for n in nodes]
