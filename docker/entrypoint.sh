@@ -181,14 +181,24 @@ if [[ -z "$report_dir" ]]; then
 fi
 # torchrun as a child, its stderr kept for the verdict. As PID 1 bash ignores SIGTERM (docker
 # stop, the kubelet): the trap passes it on; torchrun stops its workers.
+exec {err}> >(tee "$report_dir/launch/$node.run.err" >&2)
+kept=$!
 "${store[@]}" python -m torch.distributed.run "${torchrun_args[@]}" -m ddp_smoke \
-    "${worker_args[@]}" \
-    2> >(tee "$report_dir/launch/$node.run.err" >&2) &
+    "${worker_args[@]}" 2>&"$err" &
 pid=$!
+exec {err}>&-  # the pipe is theirs alone now: it closes when the last of them has ended
 trap 'kill -TERM "$pid" 2> /dev/null' TERM INT
 status=0
 wait "$pid" || status=$?
 while kill -0 "$pid" 2> /dev/null; do status=0; wait "$pid" || status=$?; done
+# The store host killed (the OOM killer, an operator): its torchrun and ranks live on, orphans
+# of this shell, and say what they know (lost/) once they see the store gone; leaving now, as
+# PID 1, would kill them first. They hold the pipe until they end, each by its own deadline
+# (torchrun gives its workers 30 s after SIGTERM); a frozen one is not waited for past that.
+timeout=$(option_value timeout "${worker_args[@]}")
+timeout="${timeout:-90}"  # (the worker's default)
+linger=$(( ${timeout%.*} + 60 ))
+for (( s = 0; s < linger; s++ )); do kill -0 "$kept" 2> /dev/null || break; sleep 1; done
 # A worker that ran and failed shows in torchrun's failure block ("exitcode : …"), printed after
 # the worker's verdict: the run's line comes again after it, as the output's last line (its
 # report here; without one, rank 0's node holds it). Only a torchrun that started no worker

@@ -42,6 +42,7 @@ health: {{sdc_size_cpu: 768, sdc_repeats: 3}}
 LARGE_COLLECTIVE = ", 16800000"
 _SIGNALS = {"sigkill": signal.SIGKILL, "sigsegv": signal.SIGSEGV, "sigabrt": signal.SIGABRT,
             "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
+_SRUN_LABEL = re.compile(r"^\[[^\]\s]+\]:")  # srun --label: "[node:task]:" before each line
 _INJECT = {"exit": "crash", "hang": "hang", "stall": "stall"}
 
 
@@ -299,7 +300,7 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
         with contextlib.suppress(ValueError, OSError):
             report = json.loads(path.read_text())
     if report is None and REPORT_FOLLOWS in out:
-        tail = out.split(REPORT_FOLLOWS, 1)[1].splitlines()
+        tail = [_SRUN_LABEL.sub("", ln) for ln in out.split(REPORT_FOLLOWS, 1)[1].splitlines()]
         first = next((i for i, ln in enumerate(tail) if ln.startswith("{")), None)
         if first is not None:  # docker's log splits a line every 16 KiB: joined again (a
             with contextlib.suppress(ValueError):  # JSON line holds no raw newline)

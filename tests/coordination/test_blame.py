@@ -227,8 +227,10 @@ def test_a_slow_ranks_ring_neighbour_behind_with_it_at_the_deadline_is_not_named
     v = blame.judge(snap(**stopped, held={0: quota}))  # its node's word, without waits
     assert [(c.rank, c.host) for c in v.culprits] == [(0, "a"), (None, "a")]
     assert v.culprits[1].reason == quota
-    # a quota on a node no culprit is on names no node
-    assert culprits(snap(**stopped, waits=waits, held={1: quota})) == [(0, None)]
+    assert v.culprits[0].reason == ("did not finish collectives within 10.0 s: its node's CPU "
+                                    "quota held it back")
+    # rank 1's node held back too, rank 1 the one blocked inside: the quota is the evidence
+    assert culprits(snap(**stopped, waits=waits, held={1: quota})) == [(1, None), (None, None)]
     # no deadline passed (a rank's abort stopped the check): both stay, as before
     early = {**stopped, "aborts": {1: {"kind": "lost", "silent": [], "at": T}}}
     assert culprits(snap(**early, waits=waits)) == [(0, None), (2, None)]

@@ -98,7 +98,7 @@ def judge(s: Snapshot) -> Blame:
     """Culprits and victims of an aborted run (pure)."""
     net = reach.judge(s.reach, s.hosts)
     culprits = (_terminated_first(s) or _silenced_by(net, s)
-                or (_raised(s) + _died(s) + _never(s)) or net or _absent(s)
+                or (_raised(s) + _died(s) + _never(s)) or net or _absent(s) or _held_back(s)
                 or _by_progress(s) or _slowed(s) or _unfinished(s) or _comm_only(s)
                 or [Culprit(None, None, "aborted: " + "; ".join(
                     f"rank {r} {a['kind']}" for r, a in sorted(s.aborts.items())) or "unknown")])
@@ -264,21 +264,30 @@ def _by_progress(s: Snapshot) -> list:
     return _unique(_narrowed(s, out))
 
 
+def _held_back(s: Snapshot) -> list:
+    """The deadline passed with every rank alive, and a node's CPU quota held its ranks back
+    (its local rank 0's reading): that rank is the culprit, whatever the others' progress
+    shows of where it held them (slow_rank.store_node.environment.slurm.4x1 named the rank
+    it kept inside a collective, and not itself)."""
+    if not _deadline_passed(s) or _live(s) != set(range(s.world_size)):
+        return []
+    return [_culprit(s, r, f"did not finish {s.stage} within {s.timeout_s} s: its node's CPU "
+                           "quota held it back") for r in sorted(s.held) if r not in s.finished]
+
+
 def _narrowed(s: Snapshot, out: list) -> list:
     """Several ranks named behind the others as the deadline passed: a rank too slow for it
-    (a CPU quota, a throttled GPU) holds its neighbours in a ring or an exchange back with it,
+    (a throttled GPU, a busy host) holds its neighbours in a ring or an exchange back with it,
     and at the abort they are between the same two collectives as it is (the campaign's
-    slow_rank.rank0.join.image.3x1 named rank 2 beside rank 0). The slow ones are those on a
-    node whose CPU quota held its ranks back, else those the check's waits so far name (the
-    rule a finished check's stragglers are named by); nobody picked out, all stay."""
+    slow_rank.rank0.join.image.3x1 named rank 2 beside rank 0). The slow ones are those the
+    check's waits so far name (the rule a finished check's stragglers are named by); nobody
+    picked out, all stay."""
     named = {c.rank for c in out if c.rank is not None}
-    if len(named) < 2 or not _deadline_passed(s):
+    if len(named) < 2 or not _deadline_passed(s) \
+            or any(r not in s.waits for r in range(s.world_size)):
         return out
-    held = {s.hosts[r] for r in s.held}
-    picked = {r for r in named if s.hosts[r] in held}
-    if (not picked or picked == named) and all(r in s.waits for r in range(s.world_size)):
-        _, slow = stragglers.judge([s.waits[r] for r in range(s.world_size)])
-        picked = {r for r, _ in slow} & named or picked
+    _, slow = stragglers.judge([s.waits[r] for r in range(s.world_size)])
+    picked = {r for r, _ in slow} & named
     return [c for c in out if c.rank in picked] if picked else out
 
 
