@@ -181,7 +181,7 @@ if [[ -z "$report_dir" ]]; then
 fi
 # torchrun as a child, its stderr kept for the verdict. As PID 1 bash ignores SIGTERM (docker
 # stop, the kubelet): the trap passes it on; torchrun stops its workers.
-exec {err}> >(tee "$report_dir/launch/$node.run.err" >&2)
+exec {err}> >(tee "$report_dir/launch/$node.run.err" >&2 2> /dev/null)  # (as the sbatch's)
 kept=$!
 "${store[@]}" python -m torch.distributed.run "${torchrun_args[@]}" -m ddp_smoke \
     "${worker_args[@]}" 2>&"$err" &
