@@ -12,7 +12,7 @@ import pytest
 from ddp_smoke.errors import ConfigError
 from ddp_smoke import task
 from ddp_smoke.coordination import fate
-from ddp_smoke.submit import (AFTER_REPORT_S, GPU_CPUS_PER_PROC, IMAGE_PYTHON, SmokeError,
+from ddp_smoke.submit import (AFTER_REPORT_S, GPU_CPUS_PER_PROC, IMAGE_PYTHON,
                               ReportNotWritten, SmokeFailed, SmokeTimeout, TaskDied, plan,
                               submit)
 from tests.launch import REPO
