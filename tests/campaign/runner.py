@@ -33,7 +33,7 @@ collectives: {{sizes_bytes: [256, 4200000{large}]}}
 storage: {{file_bytes: 8388608}}
 bandwidth: {{max_bytes_cpu: 4194304, pair_bytes_cpu: 1048576, pair_rounds: 3}}
 compute: {{blocks: 20, block_s: 0.1}}
-health: {{sdc_size_cpu: 768, sdc_repeats: 3}}
+health: {{sdc_size_cpu: 1024, sdc_repeats: 10}}
 """
 # The collectives' largest size, there to strike inside that check. A slow node or link
 # carries every later byte at the fault's rate (200 mbit) and needs no strike inside: with
