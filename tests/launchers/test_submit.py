@@ -1,5 +1,4 @@
 """Python submission path: submitit runs the worker and hands back rank 0's report."""
-import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +15,7 @@ from ddp_smoke.submit import (AFTER_REPORT_S, GPU_CPUS_PER_PROC, IMAGE_PYTHON,
                               ReportNotWritten, SmokeFailed, SmokeTimeout, TaskDied, plan,
                               submit)
 from tests.launch import REPO
+from tests.sandbox.faults import SmallFolder
 
 QUICK = ["--checks", "environment,ddp_step", "--timeout", "20"]  # a later --timeout wins
 
@@ -114,18 +114,13 @@ def test_local_report_the_folder_cannot_take_comes_back_from_a_tasks_stderr(tmp_
     passed, raises ReportNotWritten (the CLI exits 1): a pass nobody kept is not one."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    folder = tmp_path / "report"
-    folder.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], check=True)
-    try:
+    with SmallFolder(tmp_path / "report", size=1 << 20) as folder:
         filled = threading.Thread(target=_fill_once_rank0_holds_it, args=(folder,), daemon=True)
         filled.start()
         with pytest.raises(ReportNotWritten) as e:
             submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
                    worker_args=QUICK)
         filled.join(timeout=5)
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=True)
     err = capfd.readouterr().err
     assert e.value.report["run_id"] == f"submitit-{e.value.job_id}-0", e.value.report
     assert e.value.report["verdict"] == "pass", e.value.report
@@ -134,15 +129,13 @@ def test_local_report_the_folder_cannot_take_comes_back_from_a_tasks_stderr(tmp_
     assert "verdict pass, but no report kept: cannot write" in str(e.value)
 
 
-def _fill_once_rank0_holds_it(folder, timeout_s: float = 60.0) -> None:
-    """Fill ``folder`` to its last byte once rank 0 holds it (``.ddp-smoke.lock``: its start's
+def _fill_once_rank0_holds_it(folder: SmallFolder, timeout_s: float = 60.0) -> None:
+    """Fill the folder to its last byte once rank 0 holds it (``.ddp-smoke.lock``: its start's
     writability check passed): only the report is still to be written there."""
     end = time.monotonic() + timeout_s
-    while not (folder / ".ddp-smoke.lock").exists() and time.monotonic() < end:
+    while not (folder.path / ".ddp-smoke.lock").exists() and time.monotonic() < end:
         time.sleep(0.05)
-    with contextlib.suppress(OSError), open(folder / "filler", "wb") as f:
-        while f.write(b"\0" * 4096):
-            pass
+    folder.fill()
 
 
 def test_plan_renders_slurm_parameters_and_refuses_node_local_folders(tmp_path):

@@ -283,11 +283,7 @@ def _narrowed(s: Snapshot, out: list) -> list:
     check's waits so far name (the rule a finished check's stragglers are named by); nobody
     picked out, all stay."""
     named = {c.rank for c in out if c.rank is not None}
-    if len(named) < 2 or not _deadline_passed(s) \
-            or any(r not in s.waits for r in range(s.world_size)):
-        return out
-    _, slow = stragglers.judge([s.waits[r] for r in range(s.world_size)])
-    picked = {r for r, _ in slow} & named
+    picked = set(_waited_for(s)) & named if len(named) > 1 else set()
     return [c for c in out if c.rank in picked] if picked else out
 
 
@@ -321,13 +317,19 @@ def _slowed(s: Snapshot) -> list:
     the abort, by the rule a finished check's stragglers are named by (:mod:`.stragglers`).
     A rank too slow for the deadline (a CPU quota, a throttled GPU) held the others, and at
     the abort it may be between two collectives as they are."""
-    ranks = range(s.world_size)
-    if not _deadline_passed(s) or _live(s) != set(ranks) or s.finished \
-            or any(r not in s.waits for r in ranks):
+    if _live(s) != set(range(s.world_size)) or s.finished:
         return []
-    _, slow = stragglers.judge([s.waits[r] for r in ranks])
     return [_culprit(s, r, f"did not finish {s.stage} within {s.timeout_s} s: {reason}")
-            for r, reason in slow]
+            for r, reason in _waited_for(s).items()]
+
+
+def _waited_for(s: Snapshot) -> dict[int, str]:
+    """The deadline passed and every rank's waits in the check are known: the ranks the others
+    waited for (:func:`.stragglers.judge`), with why; else none."""
+    ranks = range(s.world_size)
+    if not _deadline_passed(s) or any(r not in s.waits for r in ranks):
+        return {}
+    return dict(stragglers.judge([s.waits[r] for r in ranks])[1])
 
 
 def _unfinished(s: Snapshot) -> list:

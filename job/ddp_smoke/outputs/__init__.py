@@ -80,17 +80,24 @@ class Said(NamedTuple):
     why: str      # why the folder took none: "cannot write PATH: No space left on device …"
 
 
+def unwritten(line: str) -> str | None:
+    """Why the folder took no report, from the line where a rank says so (it ends in
+    :data:`REPORT_FOLLOWS`); None for any other line."""
+    if not line.endswith(REPORT_FOLLOWS):
+        return None
+    return line[:-len(REPORT_FOLLOWS)].rstrip("; ").split("error: ", 1)[-1]
+
+
 def report_in_stderr(text: str) -> Said | None:
     """The report a rank wrote to stderr as one JSON line (after :data:`REPORT_FOLLOWS`), and
     why, from the text of its stderr; None when there is none."""
     lines = text.splitlines()
     for said, line in zip(lines, lines[1:]):
-        if said.endswith(REPORT_FOLLOWS) and line.startswith("{"):
+        if (why := unwritten(said)) is not None and line.startswith("{"):
             with contextlib.suppress(ValueError):
                 report = json.loads(line)
                 if isinstance(report, dict):
-                    why = said[:-len(REPORT_FOLLOWS)].rstrip("; ")
-                    return Said(report, why.split("error: ", 1)[-1])
+                    return Said(report, why)
     return None
 
 

@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from .. import __version__
 from ..coordination import lost
 from ..model import FAIL, CheckResult, Culprit, Report
-from . import REPORT_FOLLOWS, publish, report_in_stderr
+from . import REPORT_FOLLOWS, publish, report_in_stderr, unwritten
 
 STAGES = ("preflight", "run")
 CHECK = {"preflight": "preflight", "run": "launch"}
@@ -349,11 +349,11 @@ def main(argv: list[str]) -> int:
                             f"output ({said.why}); {culprit_text(said.report)}".rstrip("; "),
                             a.exit_code, path, a.launcher), flush=True)
             return 1  # a pass nobody kept is not one
-        unkept = next((x for n in nodes for x in stderr[n].splitlines()
-                       if x.endswith(REPORT_FOLLOWS)), None)
-        if unkept:  # the same, its JSON line too long for what room the folder had left
-            print(last_line("unknown (report not kept)", f"{unkept.split('error: ', 1)[-1]} in "
-                            "the job's output", a.exit_code, path, a.launcher), flush=True)
+        unkept = next((why for n in nodes for x in stderr[n].splitlines()
+                       if (why := unwritten(x)) is not None), None)
+        if unkept is not None:  # the same, its JSON line too long for the room the folder had
+            print(last_line("unknown (report not kept)", f"{unkept}; {REPORT_FOLLOWS} in the "
+                            "job's output", a.exit_code, path, a.launcher), flush=True)
             return 1
         refused = [error_line(stderr[n].splitlines() + [
             x for f in glob.glob(os.path.join(a.report_dir, "torchrun", n, "*", "attempt_*",
