@@ -45,6 +45,17 @@ class Run:
     def check(self, name: str) -> dict:
         return next(c for c in self.report["checks"] if c["name"] == name)
 
+    def why(self) -> str:
+        """What a failed assertion should show: the exit, each check's word and culprits, and
+        the output's tail (a flake in CI is read from this alone)."""
+        lines = [f"exit {self.returncode} after {self.wall_s:.1f} s"]
+        for c in (self.report or {}).get("checks", []):
+            lines.append(f"{c['name']}: {c['status']}: {c['summary'][:300]}")
+            lines += [f"  culprit rank {k.get('rank')}: {k['reason'][:300]}"
+                      for k in c.get("culprits", [])]
+        return "\n".join(lines + ["stdout:", self.stdout[-2000:], "stderr:",
+                                   self.stderr[-2000:]])
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -168,8 +168,7 @@ def _join(c: Coordinator, store, faults: list) -> Context:
     timeout = float(cfg["timeout"]) + 15
     runtime.init_process_group(env, backend, device, runtime.process_group_store(env, timeout),
                                timeout)
-    c.met([json.loads(v) for v in
-           store.multi_get([keys.of(keys.RANK, r) for r in range(env.world_size)])])
+    c.meet(store)
     return Context(env, backend, device, cfg, Injector(faults, env.rank, fate.drop_current), rdir,
                    cfg["storage_dir"] or os.path.join(rdir, "storage"))
 

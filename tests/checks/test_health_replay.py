@@ -72,7 +72,7 @@ def test_healthy_h200_node_passes_and_says_it_was_replayed(tmp_path, config_file
 
 def test_one_fault_per_gpu_each_named_on_its_rank(tmp_path, config_file):
     run, check = replayed("h200_faults_per_gpu", tmp_path, config_file, 8)
-    assert run.returncode == 1 and check["status"] == "fail"
+    assert run.returncode == 1 and check["status"] == "fail", run.why()
     bus = ["1B", "43", "52", "61", "9D", "C3", "D1", "DF"]
     whats = ["row remap pending", "row remapping failed", "1 volatile uncorrected ECC error(s)",
              "NVLink link(s) 5 down", "NVLink link 7: 3 replay error(s) during the run",

@@ -29,7 +29,7 @@ def world():
     """``make(n, timeout)`` → n Coordinators on one fresh store (rank 0's hosts it)."""
     port, made, connections = free_port(), [], []
 
-    def make(n: int, timeout: float = 5.0, checks=("alpha",)):
+    def make(n: int, timeout: float = 5.0, checks=("alpha",), per_node: int | None = None):
         cfg = {"checks": list(checks), "timeout": timeout}
         master = dist.TCPStore("127.0.0.1", port, n, True, datetime.timedelta(seconds=10),
                                wait_for_workers=False)
@@ -45,8 +45,9 @@ def world():
 
         coords = []
         for r in range(n):
-            env = LaunchEnv(rank=r, world_size=n, local_rank=r, local_world_size=n,
-                            group_rank=0, master_addr="127.0.0.1", master_port=port,
+            k = per_node or n  # ranks a node, numbered as torchrun numbers them
+            env = LaunchEnv(rank=r, world_size=n, local_rank=r % k, local_world_size=k,
+                            group_rank=r // k, master_addr="127.0.0.1", master_port=port,
                             agent_store=True, launcher="test", run_id="t")
             c = Coordinator(env, cfg, connect, lambda *a: "fail", "now", time.monotonic())
             c.met([{"rank": i, "host": f"h{i}"} for i in range(n)])
@@ -281,6 +282,21 @@ def test_an_abort_wakes_a_rank_blocked_on_rank_0s_flag(world):
     assert got["stopped_after_s"] < coords[1].follow_slice + 0.5, got
     assert coords[0].store.get(keys.every(keys.of(keys.ARRIVE, keys.stage("alpha", 0)))) == b"1"
     assert json.loads(coords[0].store.get("abort/2"))["kind"] == "error"
+
+
+def test_a_rank_reads_its_nodes_and_rank_0s_nodes_identities_and_the_writer_the_rest(world):
+    coords = world(6, per_node=2)
+    for c in coords:
+        c.store.set(keys.of(keys.RANK, c.env.rank),
+                    json.dumps({"rank": c.env.rank, "host": f"n{c.env.rank // 2}"}))
+    for c in coords:
+        c.meet(c.store)
+    assert {c.env.rank: [r["rank"] for r in c.run.ranks if r] for c in coords} == {
+        0: [0, 1, 2, 3, 4, 5], 1: [0, 1], 2: [0, 1, 2, 3], 3: [0, 1, 2, 3], 4: [0, 1, 4, 5],
+        5: [0, 1, 4, 5]}
+    assert [c.run.host(3) for c in coords] == ["n1", None, "n1", "n1", None, None]
+    writer = coords[5].run.with_identities(coords[5].store)  # a survivor about to judge
+    assert [r["host"] for r in writer.ranks] == ["n0", "n0", "n1", "n1", "n2", "n2"]
 
 
 def test_records_have_one_shape_per_kind():

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from ddp_smoke.coordination import hosting, judge, keys, lost, signing
-from ddp_smoke.outputs import last_line
+from ddp_smoke.outputs import last_line, launch_report
 from ddp_smoke.model import Report
 from tests.launch import REPO, free_port
 
@@ -93,6 +93,25 @@ def test_last_resort_names_the_ranks_that_went_silent_first(tmp_path):
 def test_first_silent_takes_every_rank_of_a_job_killed_at_once():
     assert judge.first_silent({0: 10.0, 1: 10.2, 2: 14.0}) == [0, 1]
     assert judge.first_silent({}) == []
+
+
+def test_lost_records_that_each_know_part_of_the_world_name_the_silent_node_once(tmp_path):
+    """Ranks other than 0 know their own node's hosts and rank 0's node's: two survivors on
+    two nodes name rank 0's whole node (ranks 0 and 1) as one culprit, and each other."""
+    def known(ranks):
+        return [f"n{r // 2}" if r in ranks else None for r in range(6)]
+    for r, ranks in ((3, {0, 1, 2, 3}), (2, {0, 1, 2, 3}), (5, {0, 1, 4, 5}),
+                     (4, {0, 1, 4, 5})):
+        lost.write(str(tmp_path), r, {"ddp_smoke_rank": r, "run_id": "r1", "stage": "ddp_step",
+                                      "store": "n0:29500", "world_size": 6,
+                                      "hosts": known(ranks)[:max(ranks) + 1]})
+    records = lost.read(str(tmp_path), "r1")
+    assert lost.hosts(records) == ["n0", "n0", "n1", "n1", "n2", "n2"]
+    culprits, victims = launch_report.lost_culprits(records)
+    assert [(c.rank, c.host) for c in culprits] == [(None, "n0")]
+    assert culprits[0].reason.startswith("ranks 0, 1 went silent")
+    assert victims[0].startswith("rank 2 n1: lost the store")
+    assert "silent: rank 0 n0, rank 1 n0 (node n0)" in last_line.from_lost(records)
 
 
 def test_lost_records_make_a_verdict_naming_the_silent_node(tmp_path):

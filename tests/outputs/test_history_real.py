@@ -105,7 +105,12 @@ def test_history_leaves_the_practice_run_out_and_marks_it_when_asked(runs):
     assert "verdicts: good good\n" in text, text  # the host's verdicts of the real runs only
     shown = runs["after_practice_included"]
     assert "verdicts: good good bad*\n" in shown, shown
-    assert _slots(shown) <= {"vm:1"}, shown  # the slowed slot at most, its value marked *
+    # the slowed slot is flagged, by the practice run; on 2 loaded cores the slowed rank's
+    # turns can drag slot 0 below the margin too, but never by a run of its own
+    assert "vm:1" in _slots(shown), shown
+    practice = f"run {runs['practice'].report['run_id']})"
+    assert all(ln.endswith(practice) for ln in shown.splitlines()
+               if ln.startswith("degrading: device ")), shown
     lines = [ln for ln in shown.splitlines() if ln.startswith("  fp32 matmul n=")]
     assert len(lines) == 2 and all(re.search(r"\d\* ", ln) for ln in lines), shown
 

@@ -53,6 +53,18 @@ def read(report_dir: str, run_id: str | None = None) -> dict[int, dict]:
     return out
 
 
+def hosts(records: dict[int, dict]) -> list[str | None]:
+    """Each rank's host as the records' writers knew it (None where none did): a rank other
+    than 0 knows its own node's and rank 0's node's ranks, so the records of survivors on
+    several nodes together name every node they saw."""
+    known: list[str | None] = []
+    for record in records.values():
+        for r, host in enumerate(record.get("hosts") or []):
+            known += [None] * (r + 1 - len(known))
+            known[r] = known[r] or host
+    return known
+
+
 def clear(report_dir: str) -> None:
     """Rank 0, before it connects: an earlier run's records must never speak for this run."""
     folder = os.path.join(report_dir, FOLDER)

@@ -73,7 +73,7 @@ class Run:
 
     def with_identities(self, store) -> "Run":
         """Every rank's identity record; a rank that never posted one says so."""
-        if len(self.ranks) == self.env.world_size:
+        if len(self.ranks) == self.env.world_size and all(self.ranks):
             return self
         return self.replace(ranks=tuple(judge.identities(store, self.env.world_size)))
 
@@ -192,8 +192,27 @@ class Coordinator:
         self._change(env=env, report_dir=report_dir)
 
     def met(self, ranks: list[dict]) -> None:
-        """Every rank's identity record, read once the process group is up."""
+        """The identity records this rank holds (``{}`` for a rank it did not read)."""
         self._change(ranks=tuple(ranks))
+
+    def meet(self, store) -> None:
+        """Read the identity records this rank needs, once the process group is up: rank 0
+        (which judges and writes the report) every rank's; another rank those of its own
+        node and rank 0's node (what it names when the store is lost with rank 0's node; what
+        its node shows of its neighbours), as torchrun numbers a node's ranks. Every rank
+        reading every record would move world² records through one store: 268 million at
+        16,384 ranks. A rank that writes the report reads the rest then
+        (:meth:`Run.with_identities`)."""
+        env = self.env
+        if env.rank == 0:
+            wanted = range(env.world_size)
+        else:
+            mine, size = env.rank - env.local_rank, env.local_world_size
+            wanted = sorted({*range(min(size, env.world_size)), *range(mine, mine + size)})
+        ranks: list[dict] = [{}] * env.world_size
+        for r, value in zip(wanted, store.multi_get([keys.of(keys.RANK, r) for r in wanted])):
+            ranks[r] = json.loads(value)
+        self.met(ranks)
 
     def timed(self, phase: str, value: float) -> None:
         self._change(timings=self._run.timings + ((phase, value),))

@@ -67,7 +67,7 @@ def from_lost(records: dict[int, dict], max_chars: int = MAX_CHARS) -> str:
     hosting the store, are gone."""
     any_record = records[min(records)]
     world = int(any_record.get("world_size") or 0)
-    hosts = next((r["hosts"] for r in records.values() if r.get("hosts")), None) or []
+    hosts = lost.hosts(records)
     silent = [r for r in range(world) if r not in records]
     stages = sorted({str(r.get("stage")) for r in records.values()})
     store = any_record.get("store", "?")

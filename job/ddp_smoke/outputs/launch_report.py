@@ -238,7 +238,7 @@ def lost_culprits(records: dict[int, dict]) -> tuple[list[Culprit], list[str]]:
     (they, or the store's node, are gone); the ranks that did leave one are victims."""
     first = records[min(records)]
     world = int(first.get("world_size") or 0)
-    hosts = next((r["hosts"] for r in records.values() if r.get("hosts")), None) or []
+    hosts = lost.hosts(records)
     stages = "/".join(sorted({str(r.get("stage")) for r in records.values()}))
     gone = (f"went silent with the coordination store at {first.get('store', '?')} during "
             f"{stages}")
@@ -251,7 +251,7 @@ def lost_culprits(records: dict[int, dict]) -> tuple[list[Culprit], list[str]]:
                 Culprit(None, node, _short(f"ranks {', '.join(map(str, ranks))} {gone}; no "
                                            "report and no word from them"))
                 for node, ranks in by_node.items()]
-    victims = [f"rank {r}{' ' + hosts[r] if r < len(hosts) else ''}: lost the store, left "
+    victims = [f"rank {r}{' ' + hosts[r] if r < len(hosts) and hosts[r] else ''}: lost the store, left "
                f"its word in lost/{r}.json" for r in sorted(records)]
     store = first.get("store", "?")  # every rank lived to say it lost the store: the store died
     return culprits or [Culprit(None, None, _short(
