@@ -91,13 +91,14 @@ wheelhouse:  ## wheels for an offline `make image WHEELHOUSE=wheelhouse` (PY_VER
 image-test: $(VENV)/.test  ## build and run the image on a private Docker engine (root)
 	$(PY) -m pytest tests/launchers/test_docker.py $(PYTEST_ARGS)
 
-bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs the tutorial, busbw vs a loop, phases, pair planner, coordination at 16,384 ranks, preflight's, health's and node-check's cost, rails' pairs
+bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs the tutorial, busbw vs a loop, phases, pair planner, coordination at 16,384 ranks, the join's identity read, preflight's, health's and node-check's cost, rails' pairs
 	@echo "# bench on $$(nproc) CPUs; load average now: $$(cut -d' ' -f1-3 /proc/loadavg)"
 	$(PY) bench/smoke_vs_tutorial.py $(BENCH_ROUNDS)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 bench/bandwidth_vs_loop.py --rounds 7
 	$(PY) bench/phases.py 3
 	$(PY) bench/pairs_plan.py
 	$(PY) bench/coordination_scale.py --quick --signing-cost 1 --signing-at 16384
+	$(PY) bench/join_read.py
 	$(PY) bench/preflight_cost.py 3
 	$(PY) bench/health_cost.py 3
 	$(PY) bench/node_check.py 3

@@ -42,6 +42,7 @@ import secrets
 import signal
 import socket
 import sys
+import time
 import uuid
 
 from . import checks, cli, outputs, store_host
@@ -223,12 +224,38 @@ def _rank(store_port: int, *worker_args: str) -> int:
     as torchrun reads it (a return value for 0, the process's status otherwise)."""
     _close_inherited(store_port)
     fate.name_rank(int(os.environ["RANK"]))  # torchrun set it in this process, after the fork
+    _siblings_forked(int(os.environ["LOCAL_WORLD_SIZE"]))
     for stream in (sys.stdout, sys.stderr):  # as torchrun's `python -u`: lines as they come
         stream.reconfigure(line_buffering=True)
     code = cli.worker(list(worker_args))
     if code:
         sys.exit(code)
     return 0
+
+
+def _siblings_forked(nproc: int, bound_s: float = 5.0) -> None:
+    """Wait (``bound_s`` at most) until the agent has forked every rank of this node, before
+    this rank's first connection. A rank's connection wakes the launcher's store threads
+    (each accepted connection's address is looked up): a fork taken while one of them holds
+    a C library lock gives the new rank that lock held, forever (suspected of a forked rank
+    that never connected, in two CI-like runs of 8 ranks). With no connection until the last
+    fork, the launcher's threads are idle while it forks."""
+    tasks, end = f"/proc/{os.getppid()}/task", time.monotonic() + bound_s
+    while time.monotonic() < end:
+        forked = 0
+        try:
+            threads = os.listdir(tasks)
+        except OSError:
+            return  # no /proc, or the parent is gone: nothing to wait for
+        for t in threads:
+            try:
+                with open(f"{tasks}/{t}/children") as f:
+                    forked += len(f.read().split())
+            except OSError:
+                continue  # a thread that ended meanwhile
+        if forked >= nproc:
+            return
+        time.sleep(0.002)
 
 
 def _close_inherited(port: int) -> None:

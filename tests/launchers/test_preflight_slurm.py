@@ -10,6 +10,7 @@ Run under the heavy-test flock (the cluster's names are fixed).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -177,9 +178,12 @@ def test_healthy_three_nodes_pass_and_preflight_costs_seconds(cluster, tmp_path)
         assert job.report["verdict"] == "pass" and job.report["nodes"] == 3
         assert job.last_line().startswith("ddp-smoke: verdict pass · srun exit 0"), \
             job.last_line()
-        records = sorted(p.stem for p in job.report_path.parent.glob("preflight/*.json"))
-        assert records == (sorted(cluster.node_names) if flag == "1" else []), records
+        paths = sorted(job.report_path.parent.glob("preflight/*.json"))
+        assert [p.stem for p in paths] == (sorted(cluster.node_names) if flag == "1" else [])
+        # each node's preflight within its own bound (the job's wall time around it is
+        # printed, not asserted: on 2 loaded cores it moves by more than the preflight)
+        took = [json.loads(p.read_text())["duration_s"] for p in paths]
+        assert all(0 < s < PREFLIGHT_S for s in took), took
         walls[flag] = job.wall_s
     print(f"\nhealthy 3-node job: {walls['1']:.1f} s with preflight, {walls['0']:.1f} s "
           f"without: preflight costs {walls['1'] - walls['0']:+.1f} s")
-    assert walls["1"] - walls["0"] < PREFLIGHT_S, walls

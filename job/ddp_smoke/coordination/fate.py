@@ -410,6 +410,14 @@ def watch_workers(environ=os.environ) -> None:
                                               hosting.PREFIX, bytes.fromhex(secret), rank=-1))
         return client[0]
 
+    # Connected here, before the agent starts the workers: where it forks them (make
+    # smoke-local), a thread inside the connect's address lookup as it forks would leave the
+    # C library's lock held in the child, whose own connect would then wait forever (the
+    # suspected cause of a forked rank that never connected, in two CI-like runs of 8 ranks).
+    try:
+        store_of()
+    except Exception:  # noqa: BLE001 — the thread tries again on the first death
+        pass
     Witness(store_of).start()
 
 
