@@ -240,20 +240,10 @@ def _siblings_forked(nproc: int, bound_s: float = 5.0) -> None:
     a C library lock gives the new rank that lock held, forever (suspected of a forked rank
     that never connected, in two CI-like runs of 8 ranks). With no connection until the last
     fork, the launcher's threads are idle while it forks."""
-    tasks, end = f"/proc/{os.getppid()}/task", time.monotonic() + bound_s
+    parent, end = os.getppid(), time.monotonic() + bound_s
     while time.monotonic() < end:
-        forked = 0
-        try:
-            threads = os.listdir(tasks)
-        except OSError:
-            return  # no /proc, or the parent is gone: nothing to wait for
-        for t in threads:
-            try:
-                with open(f"{tasks}/{t}/children") as f:
-                    forked += len(f.read().split())
-            except OSError:
-                continue  # a thread that ended meanwhile
-        if forked >= nproc:
+        forked = fate.children(parent)
+        if forked is None or len(forked) >= nproc:  # (None: nothing to wait for)
             return
         time.sleep(0.002)
 

@@ -106,7 +106,7 @@ def test_lost_records_that_each_know_part_of_the_world_name_the_silent_node_once
                                       "store": "n0:29500", "world_size": 6,
                                       "hosts": known(ranks)[:max(ranks) + 1]})
     records = lost.read(str(tmp_path), "r1")
-    assert lost.hosts(records) == ["n0", "n0", "n1", "n1", "n2", "n2"]
+    assert lost.hosts(records) == {0: "n0", 1: "n0", 2: "n1", 3: "n1", 4: "n2", 5: "n2"}
     culprits, victims = launch_report.lost_culprits(records)
     assert [(c.rank, c.host) for c in culprits] == [(None, "n0")]
     assert culprits[0].reason.startswith("ranks 0, 1 went silent")

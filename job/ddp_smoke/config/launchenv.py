@@ -66,6 +66,13 @@ class LaunchEnv:
     store: tuple[str, int] | None = None  # DDP_SMOKE_STORE: a store host outlives every rank
 
     @property
+    def node_ranks(self) -> range:
+        """The ranks of this rank's node, as torchrun numbers them (consecutive, from
+        ``rank - local_rank``)."""
+        first = self.rank - self.local_rank
+        return range(first, first + self.local_world_size)
+
+    @property
     def store_address(self) -> str:
         """``host:port`` of the coordination store, wherever it is hosted."""
         host, port = self.store or (self.master_addr, self.master_port)

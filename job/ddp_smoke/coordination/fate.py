@@ -230,13 +230,10 @@ def note(c, store) -> None:
     word on a rank stands). Never raises."""
     try:
         run, env = c.run, c.env
-        if len(run.ranks) == env.world_size:
+        if len(run.ranks) == env.world_size:  # read at the join: this node's among them
             ranks = list(run.ranks)
-        else:  # before the join read them all: this node's ranks only, as torchrun numbers
-            # them (rank - local_rank onwards): a few reads, not the world's at 16,384 ranks
-            first = env.rank - env.local_rank
-            ranks = list(reads(store, keys.RANK,
-                               range(first, first + env.local_world_size)).values())
+        else:  # before the join: this node's ranks only, a few reads, not the world's
+            ranks = list(reads(store, keys.RANK, env.node_ranks).values())
         for r, seen in look(ranks, env.rank, run.report_dir).items():
             store.compare_set(keys.of(keys.FATE, r), "", json.dumps({**seen, "by": c.env.rank}))
     except Exception:  # noqa: BLE001 — evidence gathering never raises
@@ -274,6 +271,24 @@ def _oom(fate: dict, stage: str) -> str:
             f"(kernel log on {fate.get('host')}: {fate['oom']})")
 
 
+def children(pid: int | str = "self") -> list[int] | None:
+    """The live children of process ``pid``, whichever of its threads started them (None
+    when its threads cannot be listed: no /proc, or the process is gone)."""
+    tasks = f"/proc/{pid}/task"
+    try:
+        threads = os.listdir(tasks)
+    except OSError:
+        return None
+    out = []
+    for t in threads:
+        try:
+            with open(f"{tasks}/{t}/children") as f:
+                out += [int(p) for p in f.read().split()]
+        except OSError:
+            continue  # a thread that ended meanwhile
+    return out
+
+
 _LOOK_S = 0.02  # how often the Witness looks for new workers (and, without pidfds, deaths)
 
 
@@ -295,27 +310,21 @@ class Witness(threading.Thread):
         """pid -> rank of this process's live children (a zombie's environment is gone); the
         pids learned now."""
         new = []
-        for task in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{task}/children") as f:
-                    pids = [int(p) for p in f.read().split()]
-            except OSError:
-                continue
-            for pid in pids:
-                if pid not in self.ranks:
-                    try:
-                        with open(f"/proc/{pid}/environ", "rb") as f:
-                            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0")
-                                       if b"=" in kv)
-                    except OSError:
-                        continue
-                    if b"RANK" in env:
-                        self.ranks[pid] = int(env[b"RANK"])
-                    elif (named := rank_named(pid)) is not None:  # a forked rank
-                        self.ranks[pid] = named
-                    else:
-                        continue
-                    new.append(pid)
+        for pid in children() or []:
+            if pid not in self.ranks:
+                try:
+                    with open(f"/proc/{pid}/environ", "rb") as f:
+                        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0")
+                                   if b"=" in kv)
+                except OSError:
+                    continue
+                if b"RANK" in env:
+                    self.ranks[pid] = int(env[b"RANK"])
+                elif (named := rank_named(pid)) is not None:  # a forked rank
+                    self.ranks[pid] = named
+                else:
+                    continue
+                new.append(pid)
         return new
 
     def run(self) -> None:

@@ -53,15 +53,15 @@ def read(report_dir: str, run_id: str | None = None) -> dict[int, dict]:
     return out
 
 
-def hosts(records: dict[int, dict]) -> list[str | None]:
-    """Each rank's host as the records' writers knew it (None where none did): a rank other
-    than 0 knows its own node's and rank 0's node's ranks, so the records of survivors on
-    several nodes together name every node they saw."""
-    known: list[str | None] = []
+def hosts(records: dict[int, dict]) -> dict[int, str]:
+    """rank -> host, for each rank some record's writer knew: a rank other than 0 knows its
+    own node's and rank 0's node's ranks, so the records of survivors on several nodes
+    together name every node they saw."""
+    known: dict[int, str] = {}
     for record in records.values():
         for r, host in enumerate(record.get("hosts") or []):
-            known += [None] * (r + 1 - len(known))
-            known[r] = known[r] or host
+            if host:
+                known.setdefault(r, host)
     return known
 
 

@@ -206,9 +206,9 @@ class Coordinator:
         env = self.env
         if env.rank == 0:
             wanted = range(env.world_size)
-        else:
-            mine, size = env.rank - env.local_rank, env.local_world_size
-            wanted = sorted({*range(min(size, env.world_size)), *range(mine, mine + size)})
+        else:  # rank 0's node: as many ranks as this one's (torchrun's --nproc-per-node)
+            size = min(env.local_world_size, env.world_size)
+            wanted = sorted({*range(size), *env.node_ranks})
         ranks: list[dict] = [{}] * env.world_size
         for r, value in zip(wanted, store.multi_get([keys.of(keys.RANK, r) for r in wanted])):
             ranks[r] = json.loads(value)

@@ -73,9 +73,9 @@ def from_lost(records: dict[int, dict], max_chars: int = MAX_CHARS) -> str:
     store = any_record.get("store", "?")
 
     def where(rank: int) -> str:
-        host = hosts[rank] if rank < len(hosts) else None
+        host = hosts.get(rank)
         return f"rank {rank} {host}" if host else f"rank {rank}"
-    silent_nodes = sorted({hosts[r] for r in silent if r < len(hosts) and hosts[r]})
+    silent_nodes = sorted({hosts[r] for r in silent if r in hosts})
     parts = ["ddp-smoke FAIL", f"run {any_record.get('run_id', '?')}",
              f"{world} ranks" if world else "? ranks",
              f"no report: the coordination store at {store} went silent during "

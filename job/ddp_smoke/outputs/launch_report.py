@@ -245,13 +245,13 @@ def lost_culprits(records: dict[int, dict]) -> tuple[list[Culprit], list[str]]:
     silent = [r for r in range(world) if r not in records]
     by_node: dict[str | None, list[int]] = {}
     for rank in silent:
-        by_node.setdefault(hosts[rank] if rank < len(hosts) else None, []).append(rank)
+        by_node.setdefault(hosts.get(rank), []).append(rank)
     culprits = [Culprit(ranks[0], node, _short(f"{gone}; no report and no word from it"))
                 if len(ranks) == 1 else  # (Culprit.ranks is a link's two ends, not this)
                 Culprit(None, node, _short(f"ranks {', '.join(map(str, ranks))} {gone}; no "
                                            "report and no word from them"))
                 for node, ranks in by_node.items()]
-    victims = [f"rank {r}{' ' + hosts[r] if r < len(hosts) and hosts[r] else ''}: lost the store, left "
+    victims = [f"rank {r}{' ' + hosts[r] if r in hosts else ''}: lost the store, left "
                f"its word in lost/{r}.json" for r in sorted(records)]
     store = first.get("store", "?")  # every rank lived to say it lost the store: the store died
     return culprits or [Culprit(None, None, _short(
