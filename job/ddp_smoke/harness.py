@@ -189,7 +189,7 @@ def _run_check(c: Coordinator, ctx: Context, name: str) -> None:
     ctx.faults.before_arrival()
     c.arrive(store, keys.of(keys.ARRIVE, c.key(name)), f"every rank to arrive at {name}")
     c.enter(name, timeout)  # a fresh bound for the work and the gather
-    t = time.monotonic()
+    t, held = time.monotonic(), ctx.held_s()
     progress.RECORDER.spent()  # this check's collectives only
     try:
         ctx.faults.at_start()
@@ -198,9 +198,9 @@ def _run_check(c: Coordinator, ctx: Context, name: str) -> None:
     except Exception as e:  # noqa: BLE001 — a check that raises fails with its rank named
         c.abort(store, records.ErrorAbort, **error_detail(e))
         raise Stop from None
-    # with the seconds inside each collective: who waited for whom
     c.post_observation(store, name, records.Observation(
-        data=data, duration_s=round(time.monotonic() - t, 6), waits=progress.RECORDER.spent()))
+        data=data, duration_s=round(time.monotonic() - t, 6), waits=progress.RECORDER.spent(),
+        cpu=ctx.cpu_pace(held)))
     if ctx.rank == 0:
         c.post_result(store, _judge(module, name, c.gather(store, name), c))
 
@@ -214,7 +214,8 @@ def _judge(module, name: str, got: list[dict], c: Coordinator) -> CheckResult:
         result = CheckResult(name, FAIL, summary=f"judge raised {type(e).__name__}: {e}",
                              culprits=[Culprit(None, None, traceback.format_exc(limit=3))])
     result.duration_s = max(g["duration_s"] for g in got)
-    stragglers.attach(result, [g.get("waits") for g in got], ev.culprit, c.run)
+    stragglers.attach(result, [g.get("waits") for g in got], ev.culprit, c.run,
+                      [g.get("cpu") for g in got])
     return result
 
 

@@ -182,6 +182,25 @@ def test_a_node_check_on_cpu_ranks_keeps_the_waits_as_a_figure_only():
         assert result.figures["waits"]["most_last"][0]["rank"] == 0  # the figure stays
 
 
+def test_a_cpu_rank_sharing_cores_is_named_only_when_a_cpu_quota_held_it():
+    """CPU ranks that share their node's cores: the scheduler picks who arrives last, unless a
+    CPU quota held the rank back (then named, with the seconds held); a rank on cores of its
+    own, or one that said nothing of its CPU (a GPU rank), is named by its waits alone."""
+    held = {"shared": True, "held_s": 2.1}
+    for pace, expected in [({"shared": True, "held_s": 0.0}, []), (held, [0]),
+                           ({"shared": True, "held_s": None}, []),
+                           ({"shared": True, "held_s": stragglers.MIN_TOTAL_S - 0.01}, []),
+                           ({"shared": False, "held_s": 0.0}, [0]), (None, [0])]:
+        result = CheckResult("collectives", "pass", summary="28/28 cases exact")
+        stragglers.attach(result, _spent(4, 100, late=0),
+                          lambda r, why: Culprit(r, f"h{r}", why), None, [pace, None, None, None])
+        assert [c.rank for c in result.culprits] == expected, pace
+        assert result.figures["waits"]["most_last"][0]["rank"] == 0  # the figure stays
+        if pace is held:
+            assert result.culprits[0].reason.endswith("; a CPU quota held it back 2.1 s in "
+                                                      "the check"), result.culprits[0].reason
+
+
 def test_keep_per_rank_is_bounded_at_any_world_size():
     assert stragglers.keep_per_rank(4) == 2048
     assert stragglers.keep_per_rank(4096) * 4096 <= stragglers.BUDGET

@@ -10,7 +10,9 @@ names nobody. Three times each, in one test.
 Four ranks on this machine's two cores share them (``shared_cores``): a healthy rank's share
 is the scheduler's, which is what made the run without the quota name a rank once under load
 before compute judged each rank's pace block by block with a margin for shared cores
-(see checks/compute.py).
+(see checks/compute.py), and once in CI, beside another test's Slurm and Docker work, made
+the collectives' waits name rank 1: ranks that share cores are named by their waits only when
+a CPU quota held them back (coordination/stragglers.py ``scheduler_chose``).
 """
 from __future__ import annotations
 
@@ -69,7 +71,8 @@ def test_throttled_rank_is_named_and_the_same_run_without_the_quota_names_none(t
         healthy = _launch(tmp_path / f"healthy{attempt}", None)
         print(f"attempt {attempt + 1}: no quota: report in {time.monotonic() - t:.1f} s, "
               f"named {_named(healthy)}")
-        assert _named(healthy) == {} and healthy["verdict"] == "pass"
+        assert _named(healthy) == {} and healthy["verdict"] == "pass", \
+            [k["reason"] for c in healthy["checks"] for k in c["culprits"]]
 
 
 @pytest.mark.timeout(HELD_REPEAT * 120)

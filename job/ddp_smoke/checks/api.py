@@ -1,6 +1,7 @@
 """What a check sees: :class:`Context` on every rank, :class:`Evidence` on rank 0."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 from ..config.faults import Injector
 from ..config.launchenv import LaunchEnv
 from ..model import Culprit
+from .health.readers import cgroup
 
 
 @dataclass
@@ -31,6 +33,29 @@ class Context:
     def section(self, name: str) -> dict[str, Any]:
         """The check's own options (its section in defaults.yaml)."""
         return self.config.get(name, {})
+
+    def held_s(self) -> float | None:
+        """On a CPU rank, the seconds a CPU quota has held it back so far (None on a GPU)."""
+        return cgroup.held_s() if self.device.type == "cpu" else None
+
+    def cpu_pace(self, held_before: float | None) -> dict | None:
+        """Posted beside a check's waits on a CPU rank (coordination/stragglers.py): whether
+        this node's ranks share its cores (as many rank threads as usable cores, or more), and
+        the seconds a CPU quota held this rank back since ``held_before`` (:meth:`held_s`)."""
+        if self.device.type != "cpu":
+            return None
+        held = self.held_s()
+        return {"shared": self.env.local_world_size * torch.get_num_threads() >= usable_cores(),
+                "held_s": None if held is None or held_before is None else
+                round(held - held_before, 3)}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's or Slurm's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @dataclass

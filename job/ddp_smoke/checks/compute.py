@@ -29,7 +29,8 @@ in this process's CPU seconds (what a core delivers while it runs).
 On a GPU, also the device-to-device copy bandwidth of 1 GiB (``hbm``; bytes read + written,
 GB = 1e9 B).
 
-Culprits: every rank whose pace is more than the straggler margin below 1 — ``straggler_margin``
+Culprits: every rank whose pace, and its median block against the ranks' median, are both
+more than the straggler margin below 1 — ``straggler_margin``
 on GPUs (10 %: healthy GPUs of one node differ by about 5 %); on CPU ``straggler_margin_cpu``
 (30 %) when every host has a core per rank thread, else ``straggler_margin_cpu_shared`` (45 %).
 Ranks that share cores (as many rank threads on a host as its usable cores or more, e.g. 2 or 4
@@ -52,14 +53,17 @@ it; the 16-rank launch of tests/worker/test_scale16.py):
   (4 runs). Those figures were measured with every block started by a one-element
   all_reduce; that collective was taken out again (a rank dying or cut off inside compute
   then held the others in a collective: partition → report 107 s instead of 24 s), and with
-  it the quota rank's pace was 0.18–0.28 and no healthy rank was named (3 + 3 attempts).
+  it the quota rank's pace was 0.18–0.28 and no healthy rank was named (3 + 3 attempts);
+* once, 16 healthy ranks on 2 cores gave a rank a pace of 0.55 while its median block was
+  above the ranks' median (4.8 against 4.6 GFLOPS): which of 16 ranks a block's turn on a
+  core falls to is the scheduler's, so a rank is named only when its median block is behind
+  too (the quota rank's median block: 22–34 % of the ranks' median).
 
 Also ranks whose median block is below the profile's ``min_tflops`` floor, or whose device is
 not the profile's, with the shortfall in percent.
 """
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -69,6 +73,7 @@ from ..config import profiles, rules
 from ..model import FAIL, PASS, CheckResult, Culprit
 from . import perf
 from ._timing import Clock
+from .api import usable_cores
 
 _HBM_BYTES = 1 << 30  # 1 GiB: many times any GPU's L2 cache, so the copy streams from HBM
 _HBM_REPEATS = 10
@@ -92,7 +97,7 @@ def run(ctx) -> dict:
         matmul = {"fp32": _matmul(n, torch.float32, None, ctx, cfg, clock)}
         hbm, name = None, _cpu_name()
     return {"device_type": ctx.device.type, "device_name": name, "matrix_size": n,
-            "threads": torch.get_num_threads(), "cores": _usable_cores(),
+            "threads": torch.get_num_threads(), "cores": usable_cores(),
             "matmul": matmul, "hbm_gbps": hbm, "profile": profile}
 
 
@@ -144,14 +149,6 @@ def _hbm_gbps(device, clock: Clock) -> float:
     return 2 * _HBM_BYTES / best_s / perf.GB
 
 
-def _usable_cores() -> int:
-    """The cores this process may run on (its affinity mask: a container's or Slurm's cpuset)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -175,6 +172,7 @@ def judge(ev) -> CheckResult:
         medians[dtype] = statistics.median(values.values())
         paces[dtype], slow = perf.stragglers(
             {r: o["matmul"][dtype]["block_tflops"] for r, o in enumerate(obs)}, margin)
+        slow = [r for r in slow if values[r] < (1 - margin) * medians[dtype]]  # both views
         culprits += [ev.culprit(r, _slow_reason(dtype, obs[r]["matmul"][dtype], paces[dtype][r],
                                                 medians[dtype], margin, shared, cpu))
                      for r in slow]

@@ -65,10 +65,13 @@ class Identity:
 
 @dataclass(frozen=True, kw_only=True)
 class Observation:
-    """``obs/<stage>/<r>``: a rank's part of a check, for rank 0 to judge."""
+    """``obs/<stage>/<r>``: a rank's part of a check, for rank 0 to judge; with the seconds
+    inside each collective (``waits``: who waited for whom) and, on a CPU rank, whether its node's
+    ranks share cores and how long a CPU quota held it (``cpu``): coordination/stragglers.py."""
     data: Any
     duration_s: float
     waits: list
+    cpu: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

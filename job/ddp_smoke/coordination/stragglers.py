@@ -44,6 +44,10 @@ The rule before (last in half the counted collectives, 0.25 s) named that crowde
 a false positive; 0.3 s without the longest wait lies between the healthy ranks' 0.16 s at
 most and the throttled rank's 0.39 s at least (when its quota bit).
 
+CPU ranks that share their node's cores are named only when a CPU quota held them back
+(:func:`scheduler_chose`): each such rank posts, beside its durations, the seconds its cgroup's
+quota throttled it in the check.
+
 Pure: the harness posts each rank's durations with its observation and calls :func:`judge`
 when it judges the check on rank 0.
 """
@@ -127,20 +131,24 @@ def judge(spent: list[list | None]) -> tuple[dict, list[tuple[int, str]]]:
     return figure, culprits
 
 
-def attach(result, spent: list[list | None], culprit, run=None) -> None:
+def attach(result, spent: list[list | None], culprit, run=None,
+           cpu: list[dict | None] | None = None) -> None:
     """Add the waits figure to a judged check's result, and its stragglers as culprits
     (``culprit(rank, reason)`` makes one with the rank's host) unless ``run`` (the
     :class:`~ddp_smoke.coordination.protocol.Run`) is a node-check on CPU ranks
     (:func:`scheduler_paced`). A skipped check stays skipped.
     A rank the check's own evidence already names, alone, as an end of a slow link or on a rail
-    named as a whole, is not named again: the others waited for it because of what the check found (a throttled link
-    makes its two ends arrive last)."""
+    named as a whole, is not named again: the others waited for it because of what the check
+    found (a throttled link makes its two ends arrive last). Nor is a CPU rank sharing its
+    node's cores that no CPU quota held back (``cpu[r]``, :func:`scheduler_chose`)."""
     figure, slow = judge(spent)
     result.figures["waits"] = figure
     named = {r for k in result.culprits for r in [k.rank, *(k.ranks or []),
                                                    *((k.rail or {}).get("ranks") or [])]
              if r is not None}  # a rail slow on every node: its ranks are what was found
-    slow = [(r, reason) for r, reason in slow if r not in named]
+    pace = cpu or [None] * len(spent)
+    slow = [(r, reason + _held(pace[r])) for r, reason in slow
+            if r not in named and not scheduler_chose(pace[r])]
     if slow and result.status != "skip" and not scheduler_paced(run):
         result.culprits += [culprit(r, reason) for r, reason in slow]
         result.status = "fail"
@@ -155,6 +163,21 @@ def scheduler_paced(run) -> bool:
     the others wait for is the node's fault: named as in any run."""
     return run is not None and run.env.run_id.startswith(NODE_RUN_PREFIX) and \
         all(str(r.get("device", "")).startswith("cpu") for r in run.ranks)
+
+
+def scheduler_chose(pace: dict | None) -> bool:
+    """A CPU rank on a node whose ranks share its cores, and no CPU quota held it back for
+    ``MIN_TOTAL_S`` in the check: which rank the others waited for was the OS scheduler's choice
+    under whatever else ran there, not a finding about the rank. Measured: a healthy 4-rank run
+    on 2 cores beside another test's Slurm and Docker work in CI named a rank; three busy
+    processes beside it (12 runs) brought a healthy rank to 0.19 s without its longest wait.
+    A quota that held it (a pod's CPU limit, a cgroup's: the CPU's power cap) is a finding."""
+    return bool(pace and pace.get("shared") and (pace.get("held_s") or 0.0) < MIN_TOTAL_S)
+
+
+def _held(pace: dict | None) -> str:
+    held = (pace or {}).get("held_s") or 0.0
+    return f"; a CPU quota held it back {held:.1f} s in the check" if held >= MIN_TOTAL_S else ""
 
 
 def line(figure: dict) -> str | None:

@@ -113,6 +113,14 @@ def read() -> dict | None:
     return {"version": version, "levels": out}
 
 
+def held_s() -> float | None:
+    """Seconds a CPU quota has held this process back so far: the largest throttled time of
+    its cgroup and those above it (a quota is enforced on the cgroup that sets it); None when
+    no CPU controller is visible here."""
+    now = read()
+    return None if now is None else max(level["throttled_s"] for level in now["levels"])
+
+
 class CpuQuotaReader:
     """The quota at start and end of the window (counters judged as increases), and the boot
     id of the node read."""
