@@ -196,6 +196,12 @@ def test_a_cpu_rank_sharing_cores_is_named_only_when_a_cpu_quota_held_it():
                           lambda r, why: Culprit(r, f"h{r}", why), None, [pace, None, None, None])
         assert [c.rank for c in result.culprits] == expected, pace
         assert result.figures["waits"]["most_last"][0]["rank"] == 0  # the figure stays
+        spared = result.figures["waits"].get("scheduler_chose")
+        assert spared == (None if expected or pace is None or not pace["shared"] else [0])
+        if spared:
+            assert stragglers.line(result.figures["waits"]).endswith(
+                "(not named: CPU ranks that share their node's cores, no CPU quota held "
+                "rank 0)")
         if pace is held:
             assert result.culprits[0].reason.endswith("; a CPU quota held it back 2.1 s in "
                                                       "the check"), result.culprits[0].reason

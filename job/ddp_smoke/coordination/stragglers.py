@@ -147,8 +147,11 @@ def attach(result, spent: list[list | None], culprit, run=None,
                                                    *((k.rail or {}).get("ranks") or [])]
              if r is not None}  # a rail slow on every node: its ranks are what was found
     pace = cpu or [None] * len(spent)
-    slow = [(r, reason + _held(pace[r])) for r, reason in slow
-            if r not in named and not scheduler_chose(pace[r])]
+    slow = [(r, reason) for r, reason in slow if r not in named]
+    spared = [r for r, _ in slow if scheduler_chose(pace[r])]
+    if spared:  # the figure says who would have been named, and why not
+        figure["scheduler_chose"] = spared
+    slow = [(r, reason + _held(pace[r])) for r, reason in slow if r not in spared]
     if slow and result.status != "skip" and not scheduler_paced(run):
         result.culprits += [culprit(r, reason) for r, reason in slow]
         result.status = "fail"
@@ -189,8 +192,11 @@ def line(figure: dict) -> str | None:
     most = (f"waited for longest: rank {top['rank']}, {top['wait_s']:.2f} s "
             f"({top.get('share', 0):.0%} of the waits), last {top['last']} times"
             if top else "no rank kept the others waiting")
+    spared = (f" (not named: CPU ranks that share their node's cores, no CPU quota held "
+              f"rank {_ranks(figure['scheduler_chose'])})" if figure.get("scheduler_chose")
+              else "")
     return (f"waits: {figure['counted']} of {figure['collectives']} collectives had a wait "
-            f">= {figure['min_wait_s'] * 1e3:.0f} ms; {most}")
+            f">= {figure['min_wait_s'] * 1e3:.0f} ms; {most}{spared}")
 
 
 def _ranks(ranks: list[int]) -> str:
