@@ -182,7 +182,7 @@ def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int,
     """``torchrun --standalone --nproc-per-node=N`` in this process, the ranks forked from it;
     the workers' exit status, and what to say last when no worker reached a verdict."""
     from torch.distributed import run as torchrun
-    fate.watch_workers()  # each worker's signal or exit status, for the culprit's text
+    witness = fate.watch_workers()  # each worker's signal or exit status, for the culprits
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -208,9 +208,14 @@ def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int,
             return 2, None  # bad input a rank found (its line is above)
         if 1 in codes:
             return 1, None
-        # no worker reached its own verdict: say how they ended
-        ends = ", ".join(f"rank {r} {_how(f)}" for r, f in sorted(e.failures.items()))
-        return 1, NO_VERDICT + ends
+        # No worker reached its own verdict: say how they ended. The agent reports the first
+        # rank it found failed; the Witness saw each end, and a rank killed by another signal
+        # than the agent's own stop (SIGTERM) ended by itself too (two ranks killed at once).
+        ends = {r: _how(f) for r, f in e.failures.items()}
+        ends |= {r: f"killed by {end['signal']}" for r, end in
+                 (dict(witness.ended) if witness else {}).items()
+                 if r not in ends and end.get("signal") not in (None, "SIGTERM")}
+        return 1, NO_VERDICT + ", ".join(f"rank {r} {how}" for r, how in sorted(ends.items()))
     except (SignalException, KeyboardInterrupt) as e:  # Ctrl-C, or a kill of this launcher:
         # torchrun stopped the ranks; the status a shell expects from that signal
         sig = getattr(e, "sigval", signal.SIGINT)

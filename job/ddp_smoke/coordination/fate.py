@@ -305,6 +305,7 @@ class Witness(threading.Thread):
     def __init__(self, store_of):
         super().__init__(name="ddp-smoke-witness", daemon=True)
         self.store_of, self.ranks, self.stopped = store_of, {}, threading.Event()
+        self.ended: dict[int, dict] = {}  # rank -> its end, as posted (none for a clean exit)
 
     def _learn(self) -> list[int]:
         """pid -> rank of this process's live children (a zombie's environment is gone); the
@@ -381,6 +382,7 @@ class Witness(threading.Thread):
             return
         else:
             ended = {"code": got.si_status}
+        self.ended[rank] = ended
         try:
             self.store_of().compare_set(keys.of(keys.EXIT, rank), "", json.dumps(ended))
         except Exception:  # noqa: BLE001 — the store may be gone: nobody to tell
@@ -400,12 +402,12 @@ def witnessed(environ=os.environ) -> bool:
     return environ.get(WITNESSED_ENV) == "1"
 
 
-def watch_workers(environ=os.environ) -> None:
+def watch_workers(environ=os.environ) -> Witness | None:
     """In a launcher whose children are the workers and which has a store host
-    (``DDP_SMOKE_STORE``, ``DDP_SMOKE_SECRET``): start the :class:`Witness`."""
+    (``DDP_SMOKE_STORE``, ``DDP_SMOKE_SECRET``): start the :class:`Witness`, and return it."""
     address, secret = environ.get("DDP_SMOKE_STORE"), environ.get("DDP_SMOKE_SECRET")
     if not address or not secret or ":" not in address:
-        return
+        return None
     environ[WITNESSED_ENV] = "1"
     client = []
 
@@ -427,7 +429,9 @@ def watch_workers(environ=os.environ) -> None:
         store_of()
     except Exception:  # noqa: BLE001 — the thread tries again on the first death
         pass
-    Witness(store_of).start()
+    witness = Witness(store_of)
+    witness.start()
+    return witness
 
 
 def _waitable(pid: int) -> bool:
