@@ -129,7 +129,7 @@ def worker(args) -> None:
 
     world = args.world
     names = [f"c{i}" for i in range(args.checks)] + ["abort_here"]
-    cfg = {"checks": names, "timeout": args.timeout}
+    cfg = {"checks": names, "timeout": args.timeout, "node_beats": args.node_beats}
 
     def connect(env):
         def one(may_host):  # as the harness connects: one signed, shared connection
@@ -180,6 +180,14 @@ def worker(args) -> None:
                "round_max": rounds[0]}, sys.stdout)
     sys.stdout.flush()
     os._exit(0)  # no interpreter teardown under threads still inside store calls
+
+
+def _clean(folder: str, port: int) -> None:
+    """What the simulated ranks leave: lost/ records, and their node beats' slots (a
+    simulated rank leaves without the clean exit that removes its slot)."""
+    from ddp_smoke.coordination.node import run_folder
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(run_folder(f"127.0.0.1:{port}", "bench"), ignore_errors=True)
 
 
 def _progress(out: dict, lo: int, rounds: list) -> None:
@@ -352,7 +360,7 @@ def _raise_nofile() -> None:
 # -- the driver ------------------------------------------------------------------------------
 
 def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: float,
-             unsigned: bool = False) -> dict:
+             unsigned: bool = False, node_beats: str = "auto") -> dict:
     """One simulated run of ``world`` ranks (records signed, unless ``unsigned``); returns
     the measured figures."""
     import torch.distributed as dist
@@ -386,7 +394,8 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
     workers = [subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--worker", "--port", str(server.port),
          "--world", str(world), "--lo", str(lo), "--hi", str(hi), "--checks", str(checks),
-         "--steady-s", str(steady_s), "--timeout", str(timeout), "--report-dir", folder]
+         "--steady-s", str(steady_s), "--timeout", str(timeout), "--report-dir", folder,
+         "--node-beats", node_beats]
         + (["--unsigned"] if unsigned else []),
         stdout=subprocess.PIPE, stderr=log, text=True,
         env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", "DDP_SMOKE_SECRET": secret},
@@ -406,7 +415,7 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
         for p in workers:
             p.kill()
             p.wait()
-        shutil.rmtree(folder, ignore_errors=True)
+        _clean(folder, server.port)
         tails = []
         for i, log in enumerate(logs):
             log.seek(0)
@@ -417,7 +426,7 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
                          f"({type(e).__name__}); the workers' stderr ends:\n"
                          + "\n".join(tails)) from None
     wall = time.monotonic() - t
-    shutil.rmtree(folder, ignore_errors=True)
+    _clean(folder, server.port)
     sampling.set()
     del server
     zero = ranks.get(0, {})
@@ -478,6 +487,8 @@ def main() -> None:
     p.add_argument("--steady-s", type=float)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--json", action="store_true", help="one JSON line per size, too")
+    p.add_argument("--node-beats", choices=("auto", "on", "off"), default="auto",
+                   help="the worker's --node-beats (default auto, as the worker's)")
     p.add_argument("--signing-cost", type=int, metavar="PAIRS",
                    help="per size, PAIRS runs unsigned and signed, alternating; print each "
                         "and the ratios of the medians (signed / unsigned)")
@@ -497,7 +508,8 @@ def main() -> None:
     where = _private_loopback()  # before torch starts any thread
     print(f"coordination at scale (simulated ranks, one libuv TCPStore, {where}); load: "
           f"{os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} "
-          f"on {os.cpu_count()} cores", flush=True)
+          f"on {os.cpu_count()} cores; node beats {args.node_beats} (auto: beyond 2,500 "
+          f"ranks, 8 ranks a simulated node)", flush=True)
     print(f"{'N':>6} {'ops/check':>10} {'ops/check/N':>11} {'fixed/N':>7} {'coord s/check':>13} "
           f"{'beat ops/s':>10} {'detect s':>8} {'judge s':>7} {'judge ops':>9} "
           f"{'forensics':>15} {'fds/rank':>8} {'look round s':>12}  culprits",
@@ -508,7 +520,8 @@ def main() -> None:
         runs = {False: [], True: []}
         pairs = args.signing_cost if n in signing_at else 0
         for unsigned in [True, False] * (pairs or 0) or [False]:
-            r = simulate(n, args.checks, args.procs, args.steady_s, args.timeout, unsigned)
+            r = simulate(n, args.checks, args.procs, args.steady_s, args.timeout, unsigned,
+                         args.node_beats)
             runs[unsigned].append(r)
             print(f"{n:>6} {r['ops_per_check']:>10.0f} {r['ops_per_check'] / n:>11.2f} "
                   f"{r['fixed_ops_per_check'] / n:>7.2f} "

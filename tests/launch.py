@@ -159,7 +159,7 @@ class Heartbeats:
         self.addr, self.port, self.world_size = addr, port, world_size
         self._store = None
 
-    def beat(self, rank: int) -> dict | None:
+    def _client(self):
         import datetime
 
         import torch.distributed as dist
@@ -167,8 +167,28 @@ class Heartbeats:
             self._store = dist.TCPStore(self.addr, self.port, is_master=False,
                                         timeout=datetime.timedelta(seconds=10),
                                         wait_for_workers=False)
+        return self._store
+
+    def beat(self, rank: int) -> dict | None:
+        self._client()
         key = f"ddp_smoke/0/beat/{rank}"
-        return json.loads(record_value(self._store.get(key))) if self._store.check([key]) else None
+        if self._store.check([key]):
+            return json.loads(record_value(self._store.get(key)))
+        return self.node_beats().get(rank)  # a rank that beats through its node's speaker
+
+    def node_beats(self) -> dict[int, dict]:
+        """Every rank's beat in the node records (coordination/node.py), by rank."""
+        listed, store = "ddp_smoke/0/nodebeat/listed", self._client()
+        if not store.check([listed]):
+            return {}
+        raw = store.get(listed)  # signed: an item a line; unsigned: "0,1,"
+        items = raw.split(b"\n") if b"\n" in raw else raw.split(b",")
+        nodes = {int(i.split(b",")[0]) for i in items if i[:1].isdigit()}
+        beats = {}
+        for n in nodes:
+            record = json.loads(record_value(store.get(f"ddp_smoke/0/nodebeat/{n}")))
+            beats.update({int(r): b for r, b in record.items()})
+        return beats
 
     def wait_until(self, predicate, timeout_s: float = 90, proc=None) -> list[dict]:
         """Poll ``predicate(beats)`` (every rank's last heartbeat) until true; return them."""

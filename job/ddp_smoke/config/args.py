@@ -94,6 +94,9 @@ def worker_parser(manual: Callable[[], str] | None = None) -> Parser:
     p.add_argument("--act", choices=rules.ACTS,
                    help="after the report, drain the bad hosts' Slurm nodes with scontrol "
                         "(default: only print the commands)")
+    p.add_argument("--node-beats", choices=rules.NODE_BEATS,
+                   help="ranks beat through one rank of their node: auto (beyond 2,500 ranks, "
+                        "the default), on, off")
     p.add_argument("--prometheus", metavar="FILE",
                    help="also write the verdict and key figures as a node_exporter textfile")
     return p

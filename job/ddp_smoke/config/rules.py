@@ -21,6 +21,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 # The checks in their default order (checks/__init__.py imports each by this name).
 CHECKS = ("environment", "ddp_step", "sampler_epochs", "collectives", "storage", "bandwidth",
           "transport", "rails", "compute", "health")
+NODE_BEATS = ("auto", "on", "off")  # --node-beats: coordination.node
 ACTS = ("slurm-drain",)  # --act: what rank 0 may do itself after the verdict
 
 GIB = 1 << 30
@@ -151,6 +152,7 @@ RULES: dict[str, Any] = {
     "repeat": Int(1, 100000),
     "duration": Real(0.0, 7 * DAY_S, lo_open=True),  # with repeat: config._validate
     "act": OneOf(ACTS),
+    "node_beats": OneOf(NODE_BEATS),
     "prometheus": Path(),
     "rails": Devices(64),  # a node has at most a few dozen NICs
     # >= 8: with fewer, two epochs may draw the same order by chance (1 in 8! at 8);

@@ -17,7 +17,9 @@ a C++ collective. The main thread ends the process only on a clean run, or when 
 abort first and the liveness thread has not begun to finish it
 (:meth:`.protocol.Coordinator.claim_finish` decides, under a lock, once). While a rank leaves,
 one thread keeps its heartbeat going (:meth:`.liveness.Liveness.keep_beating`): a third one
-when the liveness thread leaves, since the main thread may never return from C++.
+when the liveness thread leaves, since the main thread may never return from C++. In a world
+beyond 2,500 ranks a rank other than 0 beats into its node's shared memory, and the node's
+lowest running rank posts them all in one record (:mod:`.node`).
 
 Diagnosis beyond who stopped: :mod:`.stragglers` judges, from the time each rank spent inside
 each collective (:mod:`.progress`), who kept the others waiting; :mod:`.reach` probes, outside

@@ -19,6 +19,9 @@ result/<stage>          rank 0       its judgement of a check (JSON), for a surv
 next/<iteration>        rank 0       repeat mode: "1" for another pass, "0" to stop
 beat/<r>                every rank   heartbeat: counter, time, stage, collective progress
 beat/listed             every rank   "r," appended at its first heartbeat: who has beaten
+nodebeat/<node>         a speaker    node beats (:mod:`.node`): the heartbeats of the node's
+                                     ranks, by rank (JSON); its torchrun group rank
+nodebeat/listed         a speaker    "node," appended when a speaker first posts the node's
 abort/<r>               every rank   its first reason to stop (JSON), set once
 abort/listed            every rank   "r," appended by each aborting rank: the run is aborted
 forensics/<r>           every rank   where its files are, its innermost frame (JSON)
@@ -57,6 +60,7 @@ from __future__ import annotations
 RANK, CONNECT, RUN_ID = "rank", "connect", "run_id"
 ARRIVE, OBS, RESULT, NEXT = "arrive", "obs", "result", "next"
 BEAT, ABORT, FORENSICS, WAITING = "beat", "abort", "forensics", "waiting"
+NODE_BEAT = "nodebeat"
 WRITER, FINAL, BYE, META = "writer", "final", "bye", "meta"
 PROBE, REACH = "probe", "reach"
 RAIL, RAIL_REACH = "rail", "railreach"

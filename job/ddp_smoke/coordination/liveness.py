@@ -21,7 +21,8 @@ import time
 import torch.distributed as dist
 
 from . import keys, records
-from .ending import exit_aborted, give_up
+from .ending import at_leave, exit_aborted, give_up
+from .node import NodeBeats, wanted as node_beats
 from .store import beat_of, look_period, read_beats, try_get
 
 TERMINATING = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", signal.SIGUSR1: "SIGUSR1",
@@ -46,6 +47,14 @@ class Liveness:
         self._keeping = threading.Lock()  # held by the one thread that keeps the heartbeat
         self._wake = (-1, -1)
         self._thread: threading.Thread | None = None
+        self.node: NodeBeats | None = None  # node beats (:mod:`.node`), for a large world
+        if node_beats(coord.env, coord.cfg.get("node_beats", "auto")):
+            try:
+                self.node = NodeBeats(coord.env, self.period)
+                at_leave(self.node.leave)
+            except OSError:
+                pass  # no shared memory to write: this rank beats to the store itself
+        self._speaks = False
 
     def start(self) -> None:
         """The thread; a terminating signal wakes it through a pipe, wherever the main thread
@@ -63,13 +72,21 @@ class Liveness:
 
     # -- one look ------------------------------------------------------------------------
     def beat(self, store) -> None:
-        """Prove this process is alive, and publish where it is (the first time, list it)."""
+        """Prove this process is alive, and publish where it is (the first time, list it):
+        to the store, or to the node's slots and, when this rank speaks, the node's record
+        to the store."""
         self._beat_due = time.monotonic() + self.period
         self._n += 1
         rank = self.coord.env.rank
-        store.set(keys.of(keys.BEAT, rank),
-                  records.Beat(n=self._n, t=time.time(), stage=self.coord.stage,
-                               progress=self.coord.progress()).to_json())
+        beat = records.Beat(n=self._n, t=time.time(), stage=self.coord.stage,
+                            progress=self.coord.progress()).to_json()
+        if self.node is not None:
+            self.node.post(beat)
+            self._speaks = self.node.speaks()
+            if self._speaks:
+                self.node.speak(store)
+            return
+        store.set(keys.of(keys.BEAT, rank), beat)
         if self._n == 1:
             store.append(keys.listed(keys.BEAT), f"{rank},")
 
@@ -106,7 +123,12 @@ class Liveness:
             self.watch(store, *awaiting)
         if following is not None:
             self.follow(store, following)
-        self._aborted = c.aborted(store)
+        if self.node is None or self._speaks:
+            self._aborted = c.aborted(store)
+            if self._aborted and self.node is not None:
+                self.node.tell_aborted()
+        else:  # the speaker looks at the abort list for the node
+            self._aborted = self.node.told_aborted() and c.aborted(store)
         return self._aborted
 
     def watch(self, store, what: str, prefix: str) -> None:
@@ -191,6 +213,8 @@ class Liveness:
                 pass
         if self._thread is not None:
             self._thread.join(timeout=2 * self.period + 1)
+        if self.node is not None:
+            self.node.leave()
 
     def keep_beating(self, store) -> None:
         """Beat until the process ends: the other thread writes the report and must be seen

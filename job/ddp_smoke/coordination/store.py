@@ -23,6 +23,7 @@ import time
 from typing import Callable
 
 from . import keys
+from .node import unpack
 
 BEAT_S = 0.25          # heartbeat period; a rank silent for DEAD_AFTER_S is taken as dead
 DEAD_AFTER_S = 1.5     # (both stretched for large worlds: look_period, dead_after)
@@ -192,8 +193,9 @@ def try_get(store, key: str) -> bytes | None:
 
 
 def beat_of(store, rank: int) -> dict | None:
+    """One rank's heartbeat: its own key, else its node's record (:mod:`.node`)."""
     got = try_get(store, keys.of(keys.BEAT, rank))
-    return json.loads(got) if got else None
+    return json.loads(got) if got else read_beats(store, [rank]).get(rank)
 
 
 class Silence:
@@ -320,14 +322,23 @@ def reads(store, prefix: str, ranks, forged: set | None = None) -> dict[int, dic
 
 def read_beats(store, ranks, forged: set | None = None) -> dict[int, dict]:
     """Every heartbeat of ``ranks`` there is: the ranks that beat list themselves once
-    (``beat/listed``), so two reads answer whatever the world size, however many have not
-    beaten yet (a search among 16,384 keys, half of them missing, costs thousands)."""
+    (``beat/listed``), and so do the nodes whose ranks beat through a speaker
+    (``nodebeat/listed``, :mod:`.node`), so four reads answer whatever the world size,
+    however many have not beaten yet (a search among 16,384 keys, half of them missing,
+    costs thousands). A node record that fails its check is no news of its ranks."""
     try:
+        ranks = set(ranks)
         beaten = sorted(set(listed(store, keys.BEAT)).intersection(ranks))
         got = store.peek([keys.of(keys.BEAT, r) for r in beaten]) if beaten else []
         if forged is not None:
             forged.update(r for r, g in zip(beaten, got) if g is None)
-        return {r: json.loads(g) for r, g in zip(beaten, got) if g is not None}
+        beats = {r: json.loads(g) for r, g in zip(beaten, got) if g is not None}
+        nodes = listed(store, keys.NODE_BEAT) if len(beats) < len(ranks) else []
+        for record in store.peek([keys.of(keys.NODE_BEAT, n) for n in nodes]) if nodes else []:
+            for r, beat in unpack(record).items():
+                if r in ranks and beat.get("n", 0) > beats.get(r, {}).get("n", 0):
+                    beats[r] = beat
+        return beats
     except Exception:  # noqa: BLE001 — evidence gathering never raises
         return {}
 
