@@ -170,10 +170,9 @@ class Heartbeats:
         return self._store
 
     def beat(self, rank: int) -> dict | None:
-        self._client()
-        key = f"ddp_smoke/0/beat/{rank}"
-        if self._store.check([key]):
-            return json.loads(record_value(self._store.get(key)))
+        store, key = self._client(), f"ddp_smoke/0/beat/{rank}"
+        if store.check([key]):
+            return json.loads(record_value(store.get(key)))
         return self.node_beats().get(rank)  # a rank that beats through its node's speaker
 
     def node_beats(self) -> dict[int, dict]:

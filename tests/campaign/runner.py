@@ -213,18 +213,16 @@ def _strike(cell: Cell, launch, parts, undo: contextlib.ExitStack, folder) -> fl
         stage = matrix.STAGES[matrix.STAGES.index(stage) - 1]
     key = (f"rank/{cell.rank}" if stage == "join" else
            f"arrive/{stage}/0/{cell.rank}" if lasting else f"arrive/{stage}/0/all")
-    pid = None
-    while True:
-        if time.monotonic() > end or not launch.running():
-            raise RuntimeError(f"the run never reached {cell.stage} (waited for {key})")
-        if k in ("store_killed",) or network or k in matrix.FOLDER:
-            if launch.has(key):
-                break
-        else:
-            pid = launch.workers().get(cell.rank)
-            if pid is not None and launch.has(key):
-                break
-        time.sleep(0.02)
+    worker = {}  # the struck rank's process, for the kinds that strike it
+
+    def found() -> bool:
+        if k == "store_killed" or network or k in matrix.FOLDER:
+            return True
+        worker["pid"] = launch.workers().get(cell.rank)
+        return worker["pid"] is not None
+    if _reached(launch, key, end, found) is None:
+        raise RuntimeError(f"the run never reached {cell.stage} (waited for {key})")
+    pid = worker.get("pid")
     if k in _SIGNALS:
         os.kill(pid, _SIGNALS[k])
     elif k == "oom":
@@ -256,9 +254,14 @@ def _arrived(cell: Cell, launch) -> float | None:
     check measured 39-42 s from the launch on a slow machine, against a 35 s bound). None
     when no other rank arrived before the run ended: then the launch's moment."""
     key = f"arrive/{cell.stage}/0/{(cell.rank + 1) % cell.world}"
-    end = time.monotonic() + matrix.STRIKE_WAIT_S
-    while time.monotonic() < end and launch.running():
-        if launch.has(key):
+    return _reached(launch, key, time.monotonic() + matrix.STRIKE_WAIT_S)
+
+
+def _reached(launch, key: str, end: float, found=lambda: True) -> float | None:
+    """The moment the run posted ``key`` with ``found()`` true, polled every 20 ms until
+    ``end`` (monotonic) while the launch runs; None if it never did."""
+    while time.monotonic() <= end and launch.running():
+        if found() and launch.has(key):
             return time.monotonic()
         time.sleep(0.02)
     return None

@@ -71,13 +71,12 @@ class NodeBeats:
 
     def post(self, beat: str) -> None:
         """This rank's heartbeat (a :class:`.records.Beat`'s JSON) into its slot."""
-        tmp = self._slot + ".tmp"
+        tmp, text = self._slot + ".tmp", f"{self.env.rank} {os.getpid()}\n{beat}"
         try:
-            with open(tmp, "w") as f:
-                f.write(f"{self.env.rank} {os.getpid()}\n{beat}")
+            _write(tmp, text)
         except FileNotFoundError:  # the folder went with a rank that left: make it again
             os.makedirs(self.dir, exist_ok=True)
-            return self.post(beat)
+            _write(tmp, text)
         os.replace(tmp, self._slot)
 
     def speaks(self) -> bool:
@@ -132,6 +131,11 @@ class NodeBeats:
                 os.rmdir(os.path.dirname(self.dir))
         except OSError:
             pass  # another rank's slot, or a rank leaving at the same moment
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def _running(slot: str, fresh_s: float) -> bool:
