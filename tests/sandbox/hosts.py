@@ -30,9 +30,14 @@ and by a person, from the repository root, as root::
     python -m tests.sandbox.hosts status
     python -m tests.sandbox.hosts down
 
-Start refuses when a name, the subnet, or the hosts block is already there; teardown removes what
-this sandbox made even after a failure (processes by PID, namespaces, links, bridge, hosts lines,
-the iptables rule) and raises :class:`SandboxError` listing whatever it could not remove.
+Start refuses when a name, the subnet, or the hosts block is already there, unless all of it is
+a sandbox of the same prefix whose maker is gone: each sandbox that is up has an owner record
+(``/run/ddp-smoke-sandbox-<prefix>.owner.json``: the making process's PID and start time, and
+the PIDs it started outside the hosts' namespaces), so what a killed run left (a CI job stopped
+mid-suite, a test worker killed) is removed by the next start of that prefix instead of
+refusing every later run. Teardown removes what this sandbox made even after a failure
+(processes by PID, namespaces, links, bridge, hosts lines, the iptables rule) and raises
+:class:`SandboxError` listing whatever it could not remove.
 """
 from __future__ import annotations
 
@@ -177,6 +182,78 @@ def is_alive(pid: int) -> bool:
         return False  # gone; ProcessLookupError: it exited between the open and the read
 
 
+def started_at(pid: int) -> int | None:
+    """The process's start time (clock ticks after boot, /proc/PID/stat field 22): with the PID,
+    one process, never a later one given the same number. None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return int(fields[19]) if fields[0] != "Z" else None
+
+
+class _Owner:
+    """Who made the sandbox of a prefix that is up: a JSON record in /run (gone at reboot, as
+    namespaces and links are). ``pid``/``start``: the making process (None: kept up on purpose
+    by a person's `up`, until their `down`); ``pids``: [pid, start] of the processes it started
+    outside the hosts' namespaces (those inside are found through the namespaces)."""
+
+    def __init__(self, prefix: str):
+        self.path = f"/run/ddp-smoke-sandbox-{prefix}.owner.json"
+
+    def read(self) -> dict | None:
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {"pid": -1, "start": None, "pids": []}  # unreadable: its maker is unknown
+
+    def running(self) -> str | None:
+        """Who holds the prefix now, in words; None when no one does (no record, its maker
+        gone, or this very process: a sandbox of its own whose teardown failed)."""
+        record = self.read()
+        if record is None or record.get("pid") == os.getpid():
+            return None
+        if record.get("pid") is None:
+            return "a sandbox kept up by `python -m tests.sandbox.hosts up` (or slurm's)"
+        if started_at(record["pid"]) is not None and started_at(record["pid"]) == record["start"]:
+            return f"running process {record['pid']}"
+        return None
+
+    def claim(self) -> None:
+        """Writes this process's record; refuses when another has just written one."""
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise SandboxError(f"{self.path} appeared while this sandbox started: another "
+                               "process is starting the same prefix") from None
+        with os.fdopen(fd, "w") as f:
+            json.dump({"pid": os.getpid(), "start": started_at(os.getpid()), "pids": []}, f)
+
+    def update(self, **fields) -> None:
+        record = self.read() or {}
+        record.update(fields)
+        with open(self.path, "w") as f:
+            json.dump(record, f)
+
+    def drop(self) -> None:
+        """Removes the record if it is this process's."""
+        if (self.read() or {}).get("pid") == os.getpid():
+            os.unlink(self.path)
+
+    def stop_started(self) -> list[str]:
+        """Stops the recorded processes that are still the same processes; removes the record."""
+        record = self.read() or {}
+        pids = [pid for pid, start in record.get("pids", []) if started_at(pid) == start]
+        left = stop_pids(pids)
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+        return [f"processes {left} would not die"] if left else []
+
+
 class _HostsFile:
     """The marker-delimited block of one sandbox in /etc/hosts, edited in place under flock.
 
@@ -210,9 +287,10 @@ class _HostsFile:
             return self.begin in f.read().splitlines()
 
     def names_present(self, names: Iterable[str]) -> list[str]:
-        """Returns which of names already appear in the file, outside comments."""
+        """Returns which of names already appear in the file outside comments and this block."""
         with open(self.path) as f:
-            tokens = {t for line in f for t in line.split("#", 1)[0].split()}
+            lines = self._without_block(f.read().splitlines())
+        tokens = {t for line in lines for t in line.split("#", 1)[0].split()}
         return [n for n in names if n in tokens]
 
     def write(self, entries: dict[str, str]) -> None:
@@ -305,6 +383,8 @@ class HostSandbox:
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self._procs: list[subprocess.Popen] = []
         self._made_netns: list[str] = []
+        self._owner = _Owner(prefix)
+        self._claimed = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -321,12 +401,24 @@ class HostSandbox:
         Raises:
             SandboxError: on a clash with something that exists, or when a step fails.
         """
+        holder = self._owner.running()
+        if holder:
+            raise SandboxError(f"sandbox {self.prefix} ({self.net}) refuses to start: it is up, "
+                               f"made by {holder}")
         clashes = self.clashes()
+        if (clashes or self._owner.read()) and not self._foreign(clashes):
+            problems = teardown_by_name(self.prefix, self._hosts_file.path)
+            print(f"sandbox {self.prefix}: removed the leftovers of a sandbox whose maker is "
+                  f"gone (or failed to remove them): {'; '.join(clashes) or 'its owner record'}",
+                  file=sys.stderr)
+            clashes = problems + self.clashes()
         if clashes:
             raise SandboxError(
                 f"sandbox {self.prefix} ({self.net}) refuses to start, already there: "
                 f"{'; '.join(clashes)}. If a previous run of yours left them, run "
                 f"`python -m tests.sandbox.hosts down --prefix {self.prefix}`.")
+        self._owner.claim()
+        self._claimed = True
         try:
             for k in range(len(self.nets)):
                 self._make_bridge(k)
@@ -346,7 +438,7 @@ class HostSandbox:
         Raises:
             SandboxError: naming what is left behind, after trying every step.
         """
-        if not self._undo and not self._procs:
+        if not self._claimed:
             return  # never started (e.g. refused on a clash): what exists is not ours
         problems = self._stop_processes(self._made_netns)
         while self._undo:
@@ -356,6 +448,9 @@ class HostSandbox:
             except Exception as exc:  # keep going: one stuck step must not strand the rest
                 problems.append(f"{what}: {exc}")
         problems += self.leftovers()
+        if not problems:  # else the record stays: the next start of the prefix removes the rest
+            self._owner.drop()
+            self._claimed = False
         if problems:
             msg = f"sandbox {self.prefix} could NOT clean up fully: {'; '.join(problems)}"
             print(f"!!! {msg}", file=sys.stderr)
@@ -465,6 +560,26 @@ class HostSandbox:
         found += [f"iptables rule tagged {fw.tag}" for fw in self._firewalls if fw.present()]
         return found
 
+    def _foreign(self, clashes: Iterable[str]) -> list[str]:
+        """The clashes a sandbox of this prefix cannot have made: its links, namespaces, hosts
+        block and rules are its own by name; an address or route is its own on its own link;
+        a name outside its block is someone else's."""
+        own = (f"link {self.prefix}-", f"netns {self.prefix}-", "hosts block for ",
+               "iptables rule ")
+        return [c for c in clashes if not c.startswith(own)
+                and not (c.startswith(("address ", "route "))
+                         and c.rsplit(" ", 1)[1].startswith(f"{self.prefix}-"))]
+
+    def own(self, pid: int) -> None:
+        """Records a process this sandbox's user started outside its hosts' namespaces (Slurm's
+        controller): stopped with the sandbox's leftovers should its maker be killed first."""
+        record = self._owner.read() or {}
+        self._owner.update(pids=[*record.get("pids", []), [pid, started_at(pid)]])
+
+    def keep(self) -> None:
+        """Marks the sandbox kept up on purpose (a person's `up`) until `down`: never stale."""
+        self._owner.update(pid=None, start=None)
+
     def leftovers(self) -> list[str]:
         """Returns what of this sandbox's making still exists (empty once down)."""
         left = [f"link {n}" for n in self._my_links()] + [f"netns {n}" for n in self._my_netns()]
@@ -553,14 +668,15 @@ class HostSandbox:
 def teardown_by_name(prefix: str, hosts_file: str = "/etc/hosts") -> list[str]:
     """Removes whatever a sandbox with this prefix left (for a person, or after a crash).
 
-    Stops processes in the `<prefix>-node<i>` namespaces by PID, deletes those namespaces,
-    every link named `<prefix>-*`, the hosts block and the tagged iptables rule.
+    Stops the processes its owner record names (if still the same processes) and those in the
+    `<prefix>-node<i>` namespaces by PID, deletes those namespaces, every link named
+    `<prefix>-*`, the hosts block, the tagged iptables rule and the owner record.
 
     Returns:
         What could not be removed (empty on success).
     """
     box = HostSandbox(prefix, DEFAULT_SUBNET, 0, hosts_file)
-    problems = box._stop_processes(box._my_netns())
+    problems = box._owner.stop_started() + box._stop_processes(box._my_netns())
     steps = [(f"netns {n}", ["ip", "netns", "del", n]) for n in box._my_netns()]
     # Veths first, the bridge last: deleting a veth end removes its peer too.
     links = sorted(box._my_links(), key=lambda n: n == box.bridge)
@@ -613,6 +729,7 @@ def _state_path(prefix: str) -> str:
 def _cli_up(args) -> int:
     box = HostSandbox(args.prefix, args.subnet, args.count,
                       rail_subnets=args.rail_subnet or ()).up()
+    box.keep()
     with open(_state_path(args.prefix), "w") as f:
         json.dump(box.status(), f)
     for h in box.hosts:

@@ -244,8 +244,9 @@ class SlurmSandbox:
         """Starts a daemon in the foreground (so its PID is ours), output to log/<name>.out."""
         with open(self.run_dir / "log" / f"{name}.out", "wb") as out:
             kw = dict(stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
-            if host is None:
+            if host is None:  # outside the hosts' namespaces: recorded with the sandbox's owner
                 proc = subprocess.Popen(argv, start_new_session=True, **kw)
+                self.hosts.own(proc.pid)
             else:
                 proc = self.hosts.popen(host, argv, **kw)
         self.pids[name] = proc.pid
@@ -343,6 +344,7 @@ CLI_RUN_DIR = ".sandbox/slurm"  # under the repository root; .gitignore'd
 def _cli_up(args) -> int:
     cluster = SlurmSandbox(args.nodes, args.run_dir, keep_run_dir=True)
     cluster.up()
+    cluster.hosts.keep()
     (cluster.run_dir / "state.json").write_text(json.dumps(cluster.state()))
     print(f"Slurm sandbox up: nodes {cluster.node_names}, logs in {cluster.run_dir}/log")
     print(f"export SLURM_CONF={cluster.conf}")
