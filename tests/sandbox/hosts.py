@@ -175,11 +175,7 @@ def is_alive(pid: int) -> bool:
             return False
     except ChildProcessError:
         pass  # not our child: fall through to /proc
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False  # gone; ProcessLookupError: it exited between the open and the read
+    return started_at(pid) is not None
 
 
 def started_at(pid: int) -> int | None:
@@ -211,15 +207,16 @@ class _Owner:
         except (OSError, ValueError):
             return {"pid": -1, "start": None, "pids": []}  # unreadable: its maker is unknown
 
-    def running(self) -> str | None:
-        """Who holds the prefix now, in words; None when no one does (no record, its maker
-        gone, or this very process: a sandbox of its own whose teardown failed)."""
-        record = self.read()
+    def running(self, record: dict | None) -> str | None:
+        """Who holds the prefix by its ``record`` (:meth:`read`), in words; None when no one
+        does (no record, its maker gone, or this very process: a sandbox of its own whose
+        teardown failed)."""
         if record is None or record.get("pid") == os.getpid():
             return None
         if record.get("pid") is None:
             return "a sandbox kept up by `python -m tests.sandbox.hosts up` (or slurm's)"
-        if started_at(record["pid"]) is not None and started_at(record["pid"]) == record["start"]:
+        start = started_at(record["pid"])
+        if start is not None and start == record["start"]:
             return f"running process {record['pid']}"
         return None
 
@@ -235,9 +232,14 @@ class _Owner:
 
     def update(self, **fields) -> None:
         record = self.read() or {}
-        record.update(fields)
         with open(self.path, "w") as f:
-            json.dump(record, f)
+            json.dump({**record, **fields}, f)
+
+    def add(self, pid: int) -> None:
+        """Records one more process started outside the namespaces."""
+        record = self.read() or {}
+        with open(self.path, "w") as f:
+            json.dump({**record, "pids": [*record.get("pids", []), [pid, started_at(pid)]]}, f)
 
     def drop(self) -> None:
         """Removes the record if it is this process's."""
@@ -401,12 +403,13 @@ class HostSandbox:
         Raises:
             SandboxError: on a clash with something that exists, or when a step fails.
         """
-        holder = self._owner.running()
+        record = self._owner.read()
+        holder = self._owner.running(record)
         if holder:
             raise SandboxError(f"sandbox {self.prefix} ({self.net}) refuses to start: it is up, "
                                f"made by {holder}")
         clashes = self.clashes()
-        if (clashes or self._owner.read()) and not self._foreign(clashes):
+        if (clashes or record) and not self._foreign(clashes):
             problems = teardown_by_name(self.prefix, self._hosts_file.path)
             print(f"sandbox {self.prefix}: removed the leftovers of a sandbox whose maker is "
                   f"gone (or failed to remove them): {'; '.join(clashes) or 'its owner record'}",
@@ -573,8 +576,7 @@ class HostSandbox:
     def own(self, pid: int) -> None:
         """Records a process this sandbox's user started outside its hosts' namespaces (Slurm's
         controller): stopped with the sandbox's leftovers should its maker be killed first."""
-        record = self._owner.read() or {}
-        self._owner.update(pids=[*record.get("pids", []), [pid, started_at(pid)]])
+        self._owner.add(pid)
 
     def keep(self) -> None:
         """Marks the sandbox kept up on purpose (a person's `up`) until `down`: never stale."""
