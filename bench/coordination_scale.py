@@ -422,9 +422,13 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
             text = log.read()
             tails.append(f"worker {i} (exit {workers[i].returncode}): {text[:700]}"
                          + (f" … {text[-300:]}" if len(text) > 1000 else text[700:]))
-        raise SystemExit(f"coordination_scale: the simulation of {world} ranks failed "
-                         f"({type(e).__name__}); the workers' stderr ends:\n"
-                         + "\n".join(tails)) from None
+        print(f"coordination_scale: the simulation of {world} ranks failed "
+              f"({type(e).__name__}); the workers' stderr ends:\n" + "\n".join(tails),
+              file=sys.stderr, flush=True)
+        sampling.set()
+        why = "workers killed" if isinstance(e, subprocess.TimeoutExpired) else "no figures"
+        raise Unfinished(f"did not finish in {time.monotonic() - t:.0f} s ({why}; their "
+                         "stderr above)") from None
     wall = time.monotonic() - t
     _clean(folder, server.port)
     sampling.set()
@@ -458,6 +462,10 @@ def simulate(world: int, checks: int, procs: int, steady_s: float, timeout: floa
         "ops_by_kind": dict(sum((Counter(v.get("ops", {})) for v in ranks.values()), Counter())),
     }
     return out
+
+
+class Unfinished(Exception):
+    """A simulated run that did not end by itself within its bound (its figures: none)."""
 
 
 def _fds() -> int:
@@ -520,8 +528,12 @@ def main() -> None:
         runs = {False: [], True: []}
         pairs = args.signing_cost if n in signing_at else 0
         for unsigned in [True, False] * (pairs or 0) or [False]:
-            r = simulate(n, args.checks, args.procs, args.steady_s, args.timeout, unsigned,
-                         args.node_beats)
+            try:
+                r = simulate(n, args.checks, args.procs, args.steady_s, args.timeout, unsigned,
+                             args.node_beats)
+            except Unfinished as e:  # the row says so; the other sizes and benches still run
+                print(f"{n:>6}  {e}{' (unsigned)' if unsigned else ''}", flush=True)
+                continue
             runs[unsigned].append(r)
             print(f"{n:>6} {r['ops_per_check']:>10.0f} {r['ops_per_check'] / n:>11.2f} "
                   f"{r['fixed_ops_per_check'] / n:>7.2f} "
@@ -534,7 +546,7 @@ def main() -> None:
                   f"{' (unsigned)' if unsigned else ''}", flush=True)
             if args.json:
                 print(json.dumps(dict(r, unsigned=unsigned)), flush=True)
-        if pairs:
+        if pairs and runs[False] and runs[True]:
             print(f"{n:>6} signed / unsigned, medians of {pairs} each: " + ", ".join(
                 f"{k} {_median(runs[False], k) / _median(runs[True], k):.2f}"
                 for k in ("ops_per_check", "coord_s_per_check", "heartbeat_ops_per_s",
