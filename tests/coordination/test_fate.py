@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ddp_smoke.coordination import fate
+from ddp_smoke.coordination import fate, keys
 
 
 def test_last_words_of_a_real_crash_name_the_signal_and_the_frame(tmp_path):
@@ -150,7 +150,7 @@ def test_a_killed_rank_whose_files_are_closed_is_gone_to_its_node(tmp_path):
 
 
 
-def _witness_round(store, fate_keys) -> tuple[dict, dict]:
+def _witness_round(store) -> tuple[dict, dict]:
     """Two workers end 0.5 s after they start (status 13; SIGKILL) under an agent that reaps
     them every 0.1 s; what the Witness posted, and what it had learned (pid -> rank)."""
     import json
@@ -173,7 +173,7 @@ def _witness_round(store, fate_keys) -> tuple[dict, dict]:
     reaper.start()
     try:
         reaper.join(30)  # the agent alone reaps (a Popen.wait here would reap at once)
-        key = {rank: fate_keys.of(fate_keys.EXIT, rank) for rank in ends}
+        key = {rank: keys.of(keys.EXIT, rank) for rank in ends}
         end = time.monotonic() + 5
         while not store.check(list(key.values())) and time.monotonic() < end:
             time.sleep(0.05)
@@ -202,10 +202,8 @@ def test_the_witness_tells_each_end_before_an_agent_reaping_every_tenth_of_a_sec
 
     import torch.distributed as dist
 
-    from ddp_smoke.coordination import keys
-
     store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=10))
-    rounds = [_witness_round(store, keys) for _ in range(3)]
+    rounds = [_witness_round(store) for _ in range(3)]
     expected = {5: {"code": 13}, 6: {"signal": "SIGKILL"}}
     told = [(rank, end) for said, _ in rounds for rank, end in said.items()]
     assert all(end == expected[rank] for rank, end in told), rounds

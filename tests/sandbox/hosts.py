@@ -230,16 +230,17 @@ class _Owner:
         with os.fdopen(fd, "w") as f:
             json.dump({"pid": os.getpid(), "start": started_at(os.getpid()), "pids": []}, f)
 
-    def update(self, **fields) -> None:
-        record = self.read() or {}
+    def _write(self, record: dict) -> None:
         with open(self.path, "w") as f:
-            json.dump({**record, **fields}, f)
+            json.dump(record, f)
+
+    def update(self, **fields) -> None:
+        self._write({**(self.read() or {}), **fields})
 
     def add(self, pid: int) -> None:
         """Records one more process started outside the namespaces."""
         record = self.read() or {}
-        with open(self.path, "w") as f:
-            json.dump({**record, "pids": [*record.get("pids", []), [pid, started_at(pid)]]}, f)
+        self._write({**record, "pids": [*record.get("pids", []), [pid, started_at(pid)]]})
 
     def drop(self) -> None:
         """Removes the record if it is this process's."""
