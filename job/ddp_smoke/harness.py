@@ -33,7 +33,7 @@ from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
 from .coordination import (ending, fate, forensics, hosting, judge, keys, liveness, lost, progress,
-                           rails, reach, records, runtime, signing, stragglers)
+                           rails, reach, records, retransmits, runtime, signing, stragglers)
 from .coordination.protocol import Coordinator, Run, Stop, error_detail
 from .coordination.store import Connection, look_period, wait_key
 from .errors import ConfigError
@@ -67,9 +67,8 @@ def run(cfg: dict[str, Any]) -> int:
         c = Coordinator(env, cfg, lambda may_host: _store(env, timeout, may_host), _publish,
                         started_at, t0)
     except (RuntimeError, OSError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
-        ending.leave(f"cannot reach the coordination store at {env.store_address} "
-                     f"within {timeout} s: "
-                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", code=1)
+        ending.leave(f"cannot reach the coordination store at {env.store_address} within "
+                     f"{timeout} s: {(str(e) or type(e).__name__).splitlines()[0]}", code=1)
     c.locate(env, rdir)
     c.timed("load_checks_s", round(coord_t0 - t0, 4))
     c.timed("connect_store_s", round(time.monotonic() - coord_t0, 4))
@@ -200,7 +199,7 @@ def _run_check(c: Coordinator, ctx: Context, name: str) -> None:
         raise Stop from None
     c.post_observation(store, name, records.Observation(
         data=data, duration_s=round(time.monotonic() - t, 6), waits=progress.RECORDER.spent(),
-        cpu=ctx.cpu_pace(held)))
+        cpu=ctx.cpu_pace(held), tcp=retransmits.COUNTER.take()))
     if ctx.rank == 0:
         c.post_result(store, _judge(module, name, c.gather(store, name), c))
 
@@ -214,6 +213,7 @@ def _judge(module, name: str, got: list[dict], c: Coordinator) -> CheckResult:
         result = CheckResult(name, FAIL, summary=f"judge raised {type(e).__name__}: {e}",
                              culprits=[Culprit(None, None, traceback.format_exc(limit=3))])
     result.duration_s = max(g["duration_s"] for g in got)
+    retransmits.attach(result, [g.get("tcp") for g in got], c.run.ranks, c.cfg)
     stragglers.attach(result, [g.get("waits") for g in got], ev.culprit, c.run,
                       [g.get("cpu") for g in got])
     return result

@@ -151,6 +151,20 @@ def percentile(values, q: float) -> float:
     return ordered[max(0, min(len(ordered) - 1, math.ceil(len(ordered) * q / 100) - 1))]
 
 
+def nodes_or_links(bad, pairs) -> tuple[list, list]:
+    """Bad node pairs blamed on nodes or links: a node whose every pair is bad, two or more,
+    each partner fine in some other pair, is the node; the other bad pairs are links (those
+    touching a named node are its). ``bad`` and ``pairs``: iterables of sorted pairs."""
+    bad, pairs = set(bad), list(pairs)
+    fine = {n for p in pairs if p not in bad for n in p}
+    nodes = sorted(n for n in {n for p in bad for n in p}
+                   if len(mine := [p for p in pairs if n in p]) >= 2
+                   and all(p in bad for p in mine)
+                   and all((p[0] if p[1] == n else p[1]) in fine for p in mine))
+    named = set(nodes)
+    return nodes, sorted(p for p in bad if not set(p) & named)
+
+
 def get_field(obj, key: str, default=None):
     """A field of a Report, CheckResult or Culprit, or of its JSON dict, alike; fields another
     version may lack (a culprit's ``ranks``/``hosts``) read as ``default``."""

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -225,6 +226,48 @@ def cut_node(host: Host, subnet: str):
     still reaches itself (its own address goes over loopback, never on the wire)."""
     return _rules([(host, ["INPUT", "!", "-i", "lo", "-s", subnet, "-j", "DROP"]),
                    (host, ["OUTPUT", "!", "-o", "lo", "-d", subnet, "-j", "DROP"])])
+
+
+def lossy_link(a: Host, b: Host, probability: float = 0.03, both_ways: bool = True):
+    """Between a and b a share of the packets vanishes at random (iptables' statistic match;
+    netem is missing here): a bad cable or optic. TCP sends them again, nothing errors.
+    ``both_ways=False``: only a's packets to b (a fault in one direction). Dropped where they
+    arrive, as on a wire: a drop in the sender's own OUTPUT chain is a local error its TCP
+    retries at once, unseen by its retransmission counters (measured: 1 segment sent again in
+    50 MB at 3 %)."""
+    ends = ((b, a), (a, b)) if both_ways else ((b, a),)
+    return _rules([(h, ["INPUT", "-s", o.addr, "-m", "statistic", "--mode", "random",
+                        "--probability", str(probability), "-j", "DROP"]) for h, o in ends])
+
+
+@contextlib.contextmanager
+def flapping_link(a: Host, b: Host, down_s: float = 1.0, up_s: float = 1.0):
+    """Between a and b nothing passes for ``down_s``, then everything for ``up_s``, over and
+    over until the block ends (a flapping port), starting down; each end still reaches every
+    other node."""
+    rules = [(h, [chain, flag, o.addr, "-j", "DROP"]) for h, o in ((a, b), (b, a))
+             for chain, flag in (("INPUT", "-s"), ("OUTPUT", "-d"))]
+    stop, failed = threading.Event(), []
+
+    def flap():
+        while not stop.is_set():
+            try:
+                with _rules(rules):
+                    stop.wait(down_s)
+            except FaultError as e:  # said when the block ends
+                failed.append(e)
+                return
+            stop.wait(up_s)
+
+    thread = threading.Thread(target=flap, name="flapping-link", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(CMD_TIMEOUT_S * len(rules))
+    if failed:
+        raise failed[0]
 
 
 def blackhole(a: Host, b: Host, over: int = LARGE_BYTES):

@@ -24,11 +24,13 @@ setting that steers the traffic); a dead rail as dead.
 """
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.distributed as dist
 
 from ..coordination import progress
-from ..model import percentile
+from ..model import nodes_or_links, percentile
 from . import _rail_blame, perf
 
 _SKIP = "all ranks are on one node: link pairs need leaders on >= 2 nodes"
@@ -112,15 +114,18 @@ def _rounds(ctx, cfg, plans, pass_number, groups, spot, size, clock) -> list[dic
         pairs = plans[g][number] if g is not None and number < len(plans[g]) else []
         peer = next((b if a == me else a for a, b in pairs if me in (a, b)), None)
         if peer is not None:
-            time_s = _exchange(ctx, groups[g][peer], size, cfg["pair_iters"], clock)
+            times = _exchange(ctx, groups[g][peer], size, cfg["pair_iters"], clock)
+            rtt = _round_trips(ctx, groups[g][peer], me < peer, ctx.section("links"))
             out.append({"pass": pass_number, "round": number, "node": me, "peer_node": peer,
-                        "time_us": time_s * 1e6, **({"rail": g} if len(groups) > 1 else {})})
+                        "time_us": min(times) * 1e6, "time_us_max": max(times) * 1e6,
+                        **rtt, **({"rail": g} if len(groups) > 1 else {})})
         progress.barrier()  # rounds never overlap: each rank talks to one partner at a time
     return out
 
 
-def _exchange(ctx, peer: int, size_bytes: int, iters: int, clock) -> float:
-    """Seconds of the fastest of ``iters`` simultaneous sends and receives with ``peer``.
+def _exchange(ctx, peer: int, size_bytes: int, iters: int, clock) -> list[float]:
+    """Seconds of each of ``iters`` simultaneous sends and receives with ``peer``; the pair
+    is judged by the fastest.
 
     Each timed exchange starts right after an untimed one-element handshake, so both sides
     time a whole exchange from a common start (the sweep's per-iteration barrier, for two).
@@ -139,7 +144,21 @@ def _exchange(ctx, peer: int, size_bytes: int, iters: int, clock) -> float:
     for _ in range(iters):
         swap(token[:1], token[1:])
         times.append(clock(lambda: swap(send, recv)))
-    return min(times)
+    return times
+
+
+def _round_trips(ctx, peer: int, first: bool, cfg: dict) -> dict:
+    """``links.latency_iters`` round trips of one element with ``peer``, timed on the
+    ``first`` side (the pair's lower node): ``{"rtt_us": [p50, p99, max]}`` there, ``{}`` on
+    the echoing side. A packet lost on a small message costs a retransmission timer (a tail
+    loss probe, at least 10 ms, or the 200 ms RTO), so loss shows in the tail, not the median."""
+    if cfg["latency_iters"] < 1:
+        return {}
+    token = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+    got = progress.ping_pong(token, peer, first, cfg["latency_iters"])
+    if not got:
+        return {}
+    return {"rtt_us": [round(percentile(got, q) * 1e6, 1) for q in (50, 99, 100)]}
 
 
 def _first_pass_tables(ctx, plans: list, size: int, mine: list[dict]) -> list[dict]:
@@ -178,22 +197,102 @@ def judge(ev, cfg: dict) -> tuple[dict, list]:
     reference = percentile(everything, 90) if rails and everything else None
     blames = [perf.attribute(t, cut, reference) for t in busbw]
     if not rails:
-        return _node_judgement(ev, first["leaders"], size, cut, busbw[0], records[0], blames[0])
-    return _rail_blame.judge(ev, first["leaders"], rails, size, cut, busbw, records, blames)
+        figures, culprits = _node_judgement(ev, first["leaders"], size, cut, busbw[0],
+                                            records[0], blames[0])
+    else:
+        figures, culprits = _rail_blame.judge(ev, first["leaders"], rails, size, cut, busbw,
+                                              records, blames)
+    links = ev.section("links")
+    tails = [unstable(r, links, first["device_type"]) for r in records]
+    figures["latency"] = {"iters": links["latency_iters"], "floor_us": tails[0]["floor_us"],
+                          "reference_p99_us": [t["reference_p99_us"] for t in tails]}
+    rows = [rail["ranks"] for rail in rails] if rails else [first["leaders"]]
+    return figures, culprits + _unstable_culprits(ev, tails, records, rows, rails, culprits)
+
+
+def unstable(records: dict, cfg: dict, device_type: str) -> dict:
+    """The pairs of one rail (or one network) bad only some of the time (pure).
+
+    A pair is unstable when its p99 round trip stands ``latency_factor`` times above the
+    other pairs' median p99 and above ``latency_p99_floor_ms[_cpu]`` (a lost small message
+    waits for a retransmission timer); or intermittent when its slowest large exchange took
+    ``latency_factor`` times its fastest and over the same floor more (a link that went down
+    during one). Blamed on a node when every pair of it is bad, else on the link
+    (:func:`ddp_smoke.model.nodes_or_links`).
+    """
+    floor_us = 1e3 * cfg["latency_p99_floor_ms_cpu" if device_type == "cpu"
+                         else "latency_p99_floor_ms"]
+    p99 = {p: m["rtt_us"][1] for p, m in records.items() if m.get("rtt_us")}
+    ref = statistics.median(p99.values()) if p99 else None
+    # each pair against the others' median (two nodes, one pair: the floor alone)
+    tail = {p for p, v in p99.items()
+            if v > max([floor_us] + [cfg["latency_factor"] * statistics.median(o) for o in
+                                     [[w for q, w in p99.items() if q != p]] if o])}
+    stalls = {p for p, m in records.items()
+              if m["time_us_max"] > cfg["latency_factor"] * m["time_us"]
+              and m["time_us_max"] - m["time_us"] > floor_us}
+    nodes, links = nodes_or_links(tail | stalls, records)
+    return {"reference_p99_us": ref, "floor_us": floor_us, "tail": sorted(tail),
+            "stalls": sorted(stalls), "nodes": nodes, "links": links}
+
+
+def _unstable_culprits(ev, tails: list[dict], records: list[dict], rows: list[list],
+                       rails: list | None, named: list) -> list:
+    """Culprits for the unstable nodes and links of every rail, skipping the ranks a
+    bandwidth finding names already (one finding per cause)."""
+    taken = {r for k in named for r in [k.rank, *(k.ranks or [])] if r is not None}
+    out = []
+    for g, t in enumerate(tails):
+        row, on = rows[g], f" on rail {rails[g]['index']}" if rails else ""
+        host = {n: ev.host(r) for n, r in enumerate(row) if r is not None}
+        for n in t["nodes"]:
+            if row[n] in taken:
+                continue
+            out.append(ev.culprit(row[n], f"node {host[n]}{on} is unstable with every partner: "
+                                  + "; ".join(f"with {host[b if a == n else a]}: "
+                                              f"{_evidence(m, t, (a, b))}"
+                                              for (a, b), m in sorted(records[g].items())
+                                              if n in (a, b))))
+        for a, b in t["links"]:
+            if {row[a], row[b]} & taken:
+                continue
+            out.append(ev.link_culprit(row[a], row[b], (
+                f"link {host[a]} (rank {row[a]}) <-> {host[b]} (rank {row[b]}){on} is "
+                f"unstable: {_evidence(records[g][(a, b)], t, (a, b))}")))
+    return out
+
+
+def _evidence(m: dict, t: dict, pair: tuple) -> str:
+    parts = []
+    if pair in t["tail"] or not m.get("rtt_us"):
+        p50, p99, top = m.get("rtt_us") or (0, 0, 0)
+        parts.append(f"p99 round trip {p99 / 1e3:.1f} ms against the pairs' median "
+                     f"{t['reference_p99_us'] / 1e3:.2f} ms (p50 {p50 / 1e3:.2f} ms, "
+                     f"max {top / 1e3:.1f} ms)")
+    if pair in t["stalls"]:
+        parts.append(f"its slowest exchange took {m['time_us_max'] / 1e3:.1f} ms, its fastest "
+                     f"{m['time_us'] / 1e3:.1f} ms (intermittent)")
+    return "; ".join(parts)
 
 
 def _best(observations: list, size: int, n: int) -> tuple[list[dict], list[dict]]:
-    """Per rail: each pair's busbw (its better pass, the slower side's time) and its record."""
+    """Per rail: each pair's busbw (its better pass, the slower side's time) and its record,
+    which carries the pair's worst round-trip tail and slowest exchange of any pass."""
     by_pass: dict = {}
+    tails: dict = {}
     for o in observations:
         for m in o["pairs"]["measured"]:
             key = (m.get("rail", 0), tuple(sorted((m["node"], m["peer_node"]))), m["pass"])
             if m["time_us"] > by_pass.get(key, {"time_us": 0.0})["time_us"]:
                 by_pass[key] = m  # the slower side's time is the exchange's
+            tail = tails.setdefault(key[:2], {"time_us_max": 0.0})
+            tail["time_us_max"] = max(tail["time_us_max"], m.get("time_us_max", m["time_us"]))
+            if m.get("rtt_us") and m["rtt_us"][1] > tail.get("rtt_us", [0, -1])[1]:
+                tail["rtt_us"] = m["rtt_us"]  # the first side times the round trips
     records: list[dict] = [{} for _ in range(n)]
     for (g, pair, _), m in sorted(by_pass.items()):
         if m["time_us"] < records[g].get(pair, {"time_us": float("inf")})["time_us"]:
-            records[g][pair] = m  # measured twice (a link suspect): its better pass counts
+            records[g][pair] = {**m, **tails[(g, pair)]}  # its better pass counts
     busbw = [{p: perf.algbw_gbps(size, m["time_us"] / 1e6) for p, m in r.items()}
              for r in records]
     return busbw, records
@@ -203,7 +302,8 @@ def _node_judgement(ev, leaders, size, cut, busbw, measured, blame) -> tuple[dic
     host = [ev.host(r) for r in leaders]
     results = [{"pass": m["pass"], "round": m["round"], "node_a": a, "node_b": b,
                 "rank_a": leaders[a], "rank_b": leaders[b], "host_a": host[a], "host_b": host[b],
-                "time_us": m["time_us"], "busbw_gbps": busbw[(a, b)],
+                "time_us": m["time_us"], "time_us_max": m["time_us_max"],
+                "rtt_us": m.get("rtt_us"), "busbw_gbps": busbw[(a, b)],
                 "slow": (a, b) in blame["slow"]} for (a, b), m in sorted(measured.items())]
     figures = {"nodes": len(leaders), "leaders": leaders, "size_bytes": size,
                "reference_busbw_gbps": blame["reference"], "margin": cut, "results": results}

@@ -199,6 +199,7 @@ def judge(ev) -> CheckResult:
     floors, floor_culprits = _floors(ev, profile, rows, obs[0]["nodes"])
     pairs, pair_culprits = _pairs.judge(ev, cfg)
     culprits = _wrong(ev, rows) + floor_culprits + pair_culprits
+    culprits += _collapsed(ev, rows, pairs) if not pair_culprits else []
     avg = {c: statistics.fmean(r["busbw_gbps"] for r in rows if r["collective"] == c)
            for c in dict.fromkeys(r["collective"] for r in rows)}
     figures = {"legend": LEGEND, "profile": profile["name"], "world_size": ev.world_size,
@@ -257,6 +258,25 @@ def _wrong(ev, rows: list[dict]) -> list:
                                     f"{len(reduced)} reduced run(s) (first: {first}); a sum "
                                     "hides its contributor: run the collectives check"))
     return out
+
+
+def _collapsed(ev, rows: list[dict], pairs: dict) -> list:
+    """Every node pair fine alone, yet the all-rank sweep collapsed: its largest all_reduce, at
+    least the pairs' size, below ``links.collapse_share`` of the pairs' reference busbw (a
+    ring's busbw is about one link's bandwidth). Nothing measured names a link (a port that flapped between the pair
+    rounds, congestion only all ranks together make): the run fails with the evidence rather
+    than pass. Retransmitting links, the other evidence, are named beside it by the harness."""
+    ref, share = pairs.get("reference_busbw_gbps"), ev.section("links")["collapse_share"]
+    top = next((r for r in reversed(rows) if r["collective"] == "all_reduce"), None)
+    if not ref or top is None or top["size_bytes"] < pairs["size_bytes"] \
+            or top["busbw_gbps"] >= share * ref:
+        return []  # (a smaller size is bound by latency, not by the links' bandwidth)
+    return [ev.culprit(None, (
+        f"all_reduce at {_human(top['size_bytes'])} reached {top['busbw_gbps']:.3g} GB/s busbw, "
+        f"{100 * top['busbw_gbps'] / ref:.0f} % of the node pairs' {ref:.3g} GB/s (under "
+        f"{100 * share:.0f} %): every pair is fine alone and no link's retransmissions or "
+        "round trips name one; a port that flaps between the pair rounds and congestion only "
+        "all ranks together make cannot be told apart here (--repeat measures again)"))]
 
 
 def _floors(ev, profile: dict, rows: list[dict], nodes: int) -> tuple[dict, list]:

@@ -16,6 +16,9 @@ order; the first kind found names the culprits, every other rank that stopped is
    process group's set-up or inside one collective; and ahead of 3. when every silent rank
    is on a node it names (a node cut off stops its heartbeats too);
 5. did not arrive at the check the others were waiting in (process alive);
+5b. a lossy link (:mod:`ddp_smoke.coordination.retransmits`): TCP timed out and sent again
+   between two nodes in the stopped check — a link down for a while (a flapping port) holds
+   the ranks at both ends inside a collective, alive, and ahead of 6. names it;
 6. collective progress (:mod:`ddp_smoke.coordination.progress`): ranks that never *entered* the collective the
    others are blocked in, or are stuck in an older one; for a point-to-point exchange, the
    peer that is not in it; the ranks the others waited for in the check's collectives
@@ -66,6 +69,8 @@ class Snapshot:
             (:mod:`.stragglers`).
         held: a node's CPU quota finding, by the rank that read it (its local rank 0), where
             the quota held that node's ranks back over the run so far.
+        lossy: the links (or nodes) whose TCP connections lost packets in the stopped check,
+            as culprits (:func:`ddp_smoke.coordination.retransmits.culprits`).
     """
 
     stage: str
@@ -86,6 +91,7 @@ class Snapshot:
     fates: dict = field(default_factory=dict)
     waits: dict = field(default_factory=dict)
     held: dict = field(default_factory=dict)
+    lossy: list = field(default_factory=list)
 
 
 @dataclass
@@ -99,7 +105,7 @@ def judge(s: Snapshot) -> Blame:
     net = reach.judge(s.reach, s.hosts)
     culprits = (_terminated_first(s) or _silenced_by(net, s)
                 or (_raised(s) + _died(s) + _never(s)) or net or _absent(s) or _held_back(s)
-                or _by_progress(s) or _slowed(s) or _unfinished(s) or _comm_only(s)
+                or s.lossy or _by_progress(s) or _slowed(s) or _unfinished(s) or _comm_only(s)
                 or [Culprit(None, None, "aborted: " + "; ".join(
                     f"rank {r} {a['kind']}" for r, a in sorted(s.aborts.items())) or "unknown")])
     culprits += _held_nodes(s, culprits)

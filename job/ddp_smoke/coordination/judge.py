@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 from .. import __version__
 from ..model import FAIL, SKIP, CheckResult, Report, check_from_dict
-from . import blame, fate, keys, reach, records, repeat, signing
+from . import blame, fate, keys, reach, records, repeat, retransmits, signing
 from .store import (DEAD_AFTER_S, Silence, dead_after, dead_ranks, posted, ranks_with,
                     read_beats, reads, try_get)
 
 FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
-JUDGES_ONLY = ("waits", "held")  # forensics for the judge; the report has them as culprits
+JUDGES_ONLY = ("waits", "held", "tcp")  # forensics for the judge; the report has them as culprits
 STORE_HOST = "store host"  # the writer when no rank could write
 
 
@@ -48,6 +48,8 @@ class Stopped:
     store_address: str = "?"
     writer: str = "rank 0"
     report_dir: str = ""  # where the ranks' last words are (coordination/fate.py)
+    link_rules: dict | None = None  # the run's ``links`` thresholds (coordination/retransmits.py)
+    rails: list | None = None       # the run's ``rails`` setting
 
     def host(self, rank: int) -> str | None:
         return self.ranks[rank].get("host") if 0 <= rank < len(self.ranks) else None
@@ -105,6 +107,9 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
                               if f.get("issued") is not None},
         waits={r: f["waits"] for r, f in found.items() if f.get("waits") is not None},
         held={r: f["held"] for r, f in found.items() if f.get("held")},
+        lossy=retransmits.culprits(
+            retransmits.links([(found.get(r) or {}).get("tcp") for r in world], s.ranks),
+            s.link_rules, s.ranks, s.rails) if s.link_rules else [],
         fates=_fates(store, s, sorted(dead), me), store=s.store_address,
         dead_after_s=dead_after(s.world_size))
     blamed = blame.judge(snap)
@@ -250,7 +255,8 @@ def last_resort(store, meta: dict, silent_at: dict[int, float], address: str, wh
                         for name in checks
                         if (g := try_get(store, keys.of(keys.RESULT, keys.stage(name, it))))],
                 store_address=address, writer=STORE_HOST,
-                report_dir=str(meta.get("report_dir") or ""))
+                report_dir=str(meta.get("report_dir") or ""), link_rules=cfg.get("links"),
+                rails=cfg.get("rails"))
     first_t = min(silent_at.values(), default=now)
     judge_abort(store, s, set(gone), beats, {
         "why": why, "silent_first": gone,

@@ -156,6 +156,26 @@ def sendrecv(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int | None = 
         _settle(recv)
 
 
+def ping_pong(tensor: torch.Tensor, peer: int, first: bool, iters: int) -> list[float]:
+    """``iters`` round trips of ``tensor`` with rank ``peer``: the ``first`` side sends and
+    waits for the echo, the other echoes. Returns the seconds of each round trip on the first
+    side (the other side's waits are not round trips: an empty list)."""
+    out = []
+    with RECORDER.track("ping_pong", _nbytes(tensor), peer=peer):
+        for _ in range(iters):
+            t = time.perf_counter()
+            if first:
+                dist.send(tensor, peer)
+                dist.recv(tensor, peer)
+            else:
+                dist.recv(tensor, peer)
+                dist.send(tensor, peer)
+            _settle(tensor)
+            if first:
+                out.append(time.perf_counter() - t)
+    return out
+
+
 def tracked(op: str, nbytes: int = 0):
     """Count a block that issues world collectives the kit does not call itself (DDP's
     parameter broadcast and gradient all-reduce) as one collective."""

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from ..config.launchenv import LaunchEnv
 from ..model import CheckResult, check_from_dict
-from . import (fate, forensics, judge, keys, liveness, progress, reach, records, runtime,
-               signing)
+from . import (fate, forensics, judge, keys, liveness, progress, reach, records, retransmits,
+               runtime, signing)
 from .store import POLL_MAX_S, STORE_OPS_PER_S, Silence, Stop, dead_after, listed, try_get
 
 GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watchdog acts first
@@ -86,7 +86,8 @@ class Run:
             checks=self.checks, timeout_s=float(self.cfg["timeout"]), ranks=list(self.ranks),
             judged=list(self.judged), store_address=self.env.store_address,
             writer="rank 0" if me == 0 else f"rank {me} (took over from rank 0)",
-            report_dir=self.report_dir)
+            report_dir=self.report_dir, link_rules=self.cfg.get("links"),
+            rails=self.cfg.get("rails"))
 
     def with_results(self, store) -> "Run":
         """A survivor that writes the report takes rank 0's judged results from the store."""
@@ -416,7 +417,8 @@ class Coordinator:
         # with this check's collective durations until the abort: who the others waited for
         waits = (self._stopped_in or (None, progress.RECORDER.spent_so_far()))[1]
         self._forensics = found = records.wire(dataclasses.replace(
-            forensics.dump(self._run.report_dir or ".", self.env.rank), waits=waits))
+            forensics.dump(self._run.report_dir or ".", self.env.rank), waits=waits,
+            tcp=retransmits.COUNTER.so_far()))
         try:
             store.set(keys.of(keys.FORENSICS, self.env.rank), json.dumps(found))
             store.append(keys.listed(keys.FORENSICS), f"{self.env.rank},")

@@ -67,11 +67,13 @@ class Identity:
 class Observation:
     """``obs/<stage>/<r>``: a rank's part of a check, for rank 0 to judge; with the seconds
     inside each collective (``waits``: who waited for whom) and, on a CPU rank, whether its node's
-    ranks share cores and how long a CPU quota held it (``cpu``): coordination/stragglers.py."""
+    ranks share cores and how long a CPU quota held it (``cpu``): coordination/stragglers.py; and
+what its TCP connections retransmitted, per peer address (``tcp``): coordination/retransmits.py."""
     data: Any
     duration_s: float
     waits: list
     cpu: dict | None = None
+    tcp: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +170,9 @@ class Forensics:
     # its node's CPU quota held its ranks back over the run so far (local rank 0, the health
     # check's rule on its own cgroups: checks/health): evidence for the judge
     held: str | None = None
+    # what its TCP connections retransmitted since the stopped check began, per peer address
+    # (coordination/retransmits.py): evidence for the judge
+    tcp: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
