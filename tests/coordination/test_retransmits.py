@@ -49,11 +49,13 @@ def test_a_link_that_times_out_is_named_with_both_ends_and_who_sent_again():
     [c] = retransmits.culprits(found, RULES, RANKS)
     assert (c.rank, c.ranks, c.hosts) == (None, [1, 2], ["n1", "n2"])
     assert "loses packets" in c.reason and "13 retransmission timeout(s)" in c.reason
-    assert "sent again by n1 14" in c.reason
+    assert "n1 14 of 40000 (0.04 %), n2 3 of 40000 (0.01 %)" in c.reason
 
 
 def test_a_link_losing_a_share_of_its_segments_in_one_direction_is_named():
-    found = retransmits.links(_healthy({(3, 0): (2400, 0, 40000)}), RANKS)  # 6 %, no timeout
+    # 3 % random loss one way measured 114 of 8,571 segments (1.3 %) on that direction, none
+    # the other way: half the link's share, undiluted per direction
+    found = retransmits.links(_healthy({(3, 0): (114, 0, 8571), (0, 3): (0, 0, 8571)}), RANKS)
     assert [(c.ranks, c.hosts) for c in retransmits.culprits(found, RULES, RANKS)] == \
         [([0, 3], ["n0", "n3"])]
 
@@ -72,8 +74,8 @@ def test_a_fabric_that_retransmits_everywhere_names_no_single_link():
 
 
 def test_below_every_threshold_nothing_is_named():
-    # a few more than the others, one timeout: a healthy busy run's worst seen
-    found = retransmits.links(_healthy({(1, 2): (45, 1, 40000)}), RANKS)
+    # a healthy busy run's worst seen: a burst of 67 segments sent again (0.5 %), one timeout
+    found = retransmits.links(_healthy({(1, 2): (67, 1, 13000)}), RANKS)
     assert retransmits.culprits(found, RULES, RANKS) == []
 
 
@@ -126,9 +128,20 @@ def test_nodes_or_links():
 
 # -- the pairs' round trips and exchanges (checks/_pairs.py) --------------------------------
 
-def _record(rtt_p99_us: float, fastest_us: float = 5000, slowest_us: float = 9000) -> dict:
-    return {"time_us": fastest_us, "time_us_max": slowest_us, "rtt_us": [100, rtt_p99_us,
-                                                                         rtt_p99_us * 1.1]}
+def _record(rtt_p99_us: float, fastest_us: float = 5000, slowest_us: float = 9000,
+            rtt_max_us: float | None = None) -> dict:
+    return {"time_us": fastest_us, "time_us_max": slowest_us,
+            "rtt_us": [100, rtt_p99_us, rtt_max_us or rtt_p99_us * 1.1]}
+
+
+def test_one_round_trip_that_waited_for_a_lost_message_names_the_pair():
+    # 3 % loss one way: often a single trip of 100 is lost, the p99 stays with the healthy
+    records = {(0, 1): _record(2100, rtt_max_us=9600), (0, 2): _record(4000),
+               (1, 2): _record(3500, rtt_max_us=208000)}
+    found = _pairs.unstable(records, RULES, "cpu")
+    assert (found["links"], found["waited"], found["tail"]) == ([(1, 2)], [(1, 2)], [])
+    records[(1, 2)] = _record(3500, rtt_max_us=11000)  # a busy healthy pair's worst seen
+    assert _pairs.unstable(records, RULES, "cpu")["links"] == []
 
 
 def test_a_pair_whose_round_trip_tail_stands_out_is_unstable_and_a_loaded_one_is_not():
@@ -176,7 +189,7 @@ def test_the_reader_sees_this_process_connections_and_counts_from_a_take():
             client.sendall(b"x" * 1000)
         t.join(5)
         got = counter.take()
-        assert got is not None and got["127.0.0.1"][2] >= 8, got  # data segments sent
+        assert got is not None and got["127.0.0.1"][2] >= 1, got  # data segments sent (Nagle may merge them)
         assert got["127.0.0.1"][0] == 0  # nothing sent again on loopback
         assert counter.so_far() is None  # nothing since the take
         found = retransmits.snapshot()

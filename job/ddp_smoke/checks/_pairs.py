@@ -217,7 +217,9 @@ def unstable(records: dict, cfg: dict, device_type: str) -> dict:
     other pairs' median p99 and above ``latency_p99_floor_ms[_cpu]`` (a lost small message
     waits for a retransmission timer); or intermittent when its slowest large exchange took
     ``latency_factor`` times its fastest and over the same floor more (a link that went down
-    during one). Blamed on a node when every pair of it is bad, else on the link
+    during one); or lossy when one round trip took ``latency_stall_ms`` or more (a lost
+    message waits for TCP's loss timers, 200 ms or more on Linux; healthy busy pairs here
+    stay under 11 ms). Blamed on a node when every pair of it is bad, else on the link
     (:func:`ddp_smoke.model.nodes_or_links`).
     """
     floor_us = 1e3 * cfg["latency_p99_floor_ms_cpu" if device_type == "cpu"
@@ -231,9 +233,11 @@ def unstable(records: dict, cfg: dict, device_type: str) -> dict:
     stalls = {p for p, m in records.items()
               if m["time_us_max"] > cfg["latency_factor"] * m["time_us"]
               and m["time_us_max"] - m["time_us"] > floor_us}
-    nodes, links = nodes_or_links(tail | stalls, records)
+    waited = {p for p, m in records.items()
+              if m.get("rtt_us") and m["rtt_us"][2] >= 1e3 * cfg["latency_stall_ms"]}
+    nodes, links = nodes_or_links(tail | stalls | waited, records)
     return {"reference_p99_us": ref, "floor_us": floor_us, "tail": sorted(tail),
-            "stalls": sorted(stalls), "nodes": nodes, "links": links}
+            "stalls": sorted(stalls), "waited": sorted(waited), "nodes": nodes, "links": links}
 
 
 def _unstable_culprits(ev, tails: list[dict], records: list[dict], rows: list[list],
@@ -264,11 +268,14 @@ def _unstable_culprits(ev, tails: list[dict], records: list[dict], rows: list[li
 
 def _evidence(m: dict, t: dict, pair: tuple) -> str:
     parts = []
-    if pair in t["tail"] or not m.get("rtt_us"):
-        p50, p99, top = m.get("rtt_us") or (0, 0, 0)
+    p50, p99, top = m.get("rtt_us") or (0, 0, 0)
+    if pair in t["tail"] or pair in t["waited"] or not m.get("rtt_us"):
         parts.append(f"p99 round trip {p99 / 1e3:.1f} ms against the pairs' median "
                      f"{t['reference_p99_us'] / 1e3:.2f} ms (p50 {p50 / 1e3:.2f} ms, "
                      f"max {top / 1e3:.1f} ms)")
+    if pair in t["waited"]:
+        parts.append(f"a round trip took {top / 1e3:.0f} ms: a lost message waiting for "
+                     "TCP's loss timers")
     if pair in t["stalls"]:
         parts.append(f"its slowest exchange took {m['time_us_max'] / 1e3:.1f} ms, its fastest "
                      f"{m['time_us'] / 1e3:.1f} ms (intermittent)")

@@ -192,6 +192,7 @@ RULES: dict[str, Any] = {
     "links.latency_factor": Real(1.0, 1e6),
     "links.latency_p99_floor_ms": Real(0.0, 3.6e6),
     "links.latency_p99_floor_ms_cpu": Real(0.0, 3.6e6),
+    "links.latency_stall_ms": Real(0.0, 3.6e6, lo_open=True),
     "links.collapse_share": Real(0.0, 1.0),
     "compute.straggler_margin": MARGIN,
     "compute.straggler_margin_cpu": MARGIN,

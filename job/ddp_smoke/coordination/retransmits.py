@@ -116,8 +116,9 @@ COUNTER = Counter()
 
 def links(posted: list[dict | None], ranks: list[dict]) -> dict[tuple, dict]:
     """Both directions of every link between two nodes, from each rank's :func:`since`:
-    ``{(host_a, host_b, via): {"retrans", "rto", "segs", "sent": {host: retrans}}}``, hosts
-    sorted; ``via``: the interface of the peer address (one per rail on a rail run)."""
+    ``{(host_a, host_b, via): {"retrans", "rto", "segs", "sent": {host: [retrans, segs]}}}``,
+    hosts sorted; ``sent``: each direction by its sender; ``via``: the interface of the peer
+    address (one per rail on a rail run)."""
     owner = {}
     for r in ranks:
         for iface, addr in (r.get("addresses") or {}).items():
@@ -135,20 +136,29 @@ def links(posted: list[dict | None], ranks: list[dict]) -> dict[tuple, dict]:
             link["retrans"] += retrans
             link["rto"] = None if rto is None or link["rto"] is None else link["rto"] + rto
             link["segs"] += segs
-            link["sent"][host] = link["sent"].get(host, 0) + retrans
+            mine = link["sent"].setdefault(host, [0, 0])
+            mine[0] += retrans
+            mine[1] += segs
     return out
 
 
+def worst(link: dict) -> tuple[int, float]:
+    """The link's worse direction: its retransmitted segments, and their share of the data
+    segments it sent (a fault in one direction only shows undiluted by the other)."""
+    return max(((r, r / s if s else 0.0) for r, s in link["sent"].values()),
+               key=lambda d: d[1], default=(0, 0.0))
+
+
 def share(link: dict) -> float:
-    """Retransmitted segments per data segment sent."""
-    return link["retrans"] / link["segs"] if link["segs"] else 0.0
+    return worst(link)[1]
 
 
 def judge(found: dict[tuple, dict], cfg: dict) -> dict:
     """The lossy links and nodes of one check, per network (``via``: one per rail).
 
-    A link is lossy when it retransmitted ``retransmits_min`` segments or more, a share of
-    ``retransmit_share`` of its segments or more, or timed out ``rto_min`` times or more; and
+    A link is lossy when one direction retransmitted ``retransmits_min`` segments or more, a
+    share of ``retransmit_share`` of that direction's segments or more, or the link timed out
+    ``rto_min`` times or more; and
     stands ``factor`` times above the reference, the 25th percentile of its network's other
     links in that measure (so a fabric that retransmits everywhere names no single link; with
     one link, two nodes, the thresholds alone judge). A node is named
@@ -176,8 +186,9 @@ def _stands_out(link: dict, others: list[dict], cfg: dict) -> bool:
     run of two nodes: the thresholds alone)."""
     ref_share = _quartile([share(v) for v in others])
     ref_rto = _quartile([v["rto"] or 0 for v in others])
-    return ((link["retrans"] >= cfg["retransmits_min"]
-             and share(link) >= max(cfg["retransmit_share"], cfg["factor"] * ref_share))
+    retrans, worse = worst(link)
+    return ((retrans >= cfg["retransmits_min"]
+             and worse >= max(cfg["retransmit_share"], cfg["factor"] * ref_share))
             or (link["rto"] or 0) >= max(cfg["rto_min"], cfg["factor"] * ref_rto))
 
 
@@ -187,12 +198,12 @@ def _quartile(values: list[float]) -> float:
 
 
 def describe(link: dict) -> str:
-    """The evidence in words: counts, share, timeouts, and who sent them."""
+    """The evidence in words: counts and share per direction, timeouts."""
     rto = "" if link["rto"] is None else (
-        f", {link['rto']} retransmission timeout(s) (nothing came back for 200 ms or more)")
-    sent = ", ".join(f"{h} {n}" for h, n in sorted(link["sent"].items()) if n)
-    return (f"TCP sent {link['retrans']} of {link['segs']} segments again "
-            f"({100 * share(link):.2f} %){rto}; sent again by {sent or 'none'}")
+        f"; {link['rto']} retransmission timeout(s) (nothing came back for 200 ms or more)")
+    sent = ", ".join(f"{h} {r} of {s} ({100 * r / s:.2f} %)"
+                     for h, (r, s) in sorted(link["sent"].items()) if s)
+    return f"TCP segments sent again: {sent or 'none'}{rto}"
 
 
 def figure(found: dict[tuple, dict]) -> list[dict]:
