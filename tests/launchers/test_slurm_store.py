@@ -1,4 +1,5 @@
-"""Issue 24 on Slurm: a report when rank 0's worker, or every worker, is SIGKILLed mid-check.
+"""Issue 24 on Slurm: a report when rank 0's worker, or every worker, is SIGKILLed mid-check;
+and issue 45's lossy link under the template, on the same cluster.
 
 A three-node sandbox cluster (tests/sandbox/slurm.py), one rank per node, the real template.
 The sbatch hosts the coordination store in a process of its own on the batch host (the first
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests import store_kill
+from tests.sandbox import faults
 from tests.sandbox.slurm import slurm_fixture
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "ddp_smoke.sbatch"
@@ -118,3 +120,33 @@ def test_rank0_and_the_store_host_killed_the_launcher_names_the_silent_node(clus
         f"ddp-smoke: verdict fail · launch: rank 0 {cluster.hostnames[0]}: went silent with the "
         "coordination store"), \
         output[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_lossy_link_under_the_template_is_named_with_both_ends(cluster, tmp_path):
+    """3 % of the packets between the second and third nodes lost at random, both ways: the
+    job fails and names exactly that link, both ends, as the worker under torchrun does
+    (tests/worker/test_diagnosis_network.py)."""
+    a, b = cluster.hosts.hosts[1], cluster.hosts.hosts[2]
+    (tmp_path / "cfg.yaml").write_text("bandwidth:\n  max_bytes_cpu: 1048576\n"
+                                       "  pair_bytes_cpu: 2097152\n  pair_rounds: 3\n")
+    env = cluster.env(WORKER_PYTHON=sys.executable, NPROC_PER_NODE="1", OMP_NUM_THREADS="1")
+    with faults.lossy_link(a, b, 0.03):
+        try:
+            proc = subprocess.run(
+                ["sbatch", "--wait", *MACHINE, str(TEMPLATE), "--checks",
+                 "environment,bandwidth", "--level", "quick", "--timeout", "60", "--config",
+                 str(tmp_path / "cfg.yaml")],
+                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)
+        except subprocess.TimeoutExpired:
+            subprocess.run(["scancel", "--user", "root"], env=env, timeout=10)  # ours alone
+            pytest.fail("the job did not end within 200 s")
+    job = proc.stdout.split()[-1]
+    report = json.loads((tmp_path / "reports" / job / "report.json").read_text())
+    rank = {r["host"]: r["rank"] for r in report["ranks"]}
+    ends = tuple(sorted((rank[h], h) for h in cluster.hostnames[1:]))
+    named = {(c["rank"], tuple(sorted(zip(c.get("ranks") or [], c.get("hosts") or []))))
+             for ch in report["checks"] for c in ch["culprits"]}
+    print(f"\nslurm, 3 % loss between nodes 2 and 3: {report['verdict']}, culprits {named}")
+    assert proc.returncode != 0 and report["verdict"] == "fail"
+    assert named == {(None, ends)}, json.dumps(report["checks"])[-3000:]

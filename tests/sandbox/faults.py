@@ -228,16 +228,18 @@ def cut_node(host: Host, subnet: str):
                    (host, ["OUTPUT", "!", "-o", "lo", "-d", subnet, "-j", "DROP"])])
 
 
-def lossy_link(a: Host, b: Host, probability: float = 0.03, both_ways: bool = True):
+def lossy_link(a: Host, b: Host, probability: float = 0.03, both_ways: bool = True,
+               rail: int = 0):
     """Between a and b a share of the packets vanishes at random (iptables' statistic match;
     netem is missing here): a bad cable or optic. TCP sends them again, nothing errors.
-    ``both_ways=False``: only a's packets to b (a fault in one direction). Dropped where they
-    arrive, as on a wire: a drop in the sender's own OUTPUT chain is a local error its TCP
-    retries at once, unseen by its retransmission counters (measured: 1 segment sent again in
-    50 MB at 3 %)."""
+    ``both_ways=False``: only a's packets to b (a fault in one direction); ``rail``: on that
+    rail's interfaces (0: eth0). Dropped where they arrive, as on a wire: a drop in the
+    sender's own OUTPUT chain is a local error its TCP retries at once, unseen by its
+    retransmission counters (measured: 1 segment sent again in 50 MB at 3 %)."""
     ends = ((b, a), (a, b)) if both_ways else ((b, a),)
-    return _rules([(h, ["INPUT", "-s", o.addr, "-m", "statistic", "--mode", "random",
-                        "--probability", str(probability), "-j", "DROP"]) for h, o in ends])
+    return _rules([(h, ["INPUT", "-i", h.rail(rail)[0], "-s", o.rail(rail)[1], "-m",
+                        "statistic", "--mode", "random", "--probability", str(probability),
+                        "-j", "DROP"]) for h, o in ends])
 
 
 @contextlib.contextmanager

@@ -7,7 +7,8 @@ with c10d rendezvous on every node, two gloo ranks per node, local rank i on rai
 setting ``rails: [eth0, eth1]``). The faults are the kernel's own
 (../shared/reference/fault-recipes.md): one node's rail 1 throttled with tbf at both ends of
 its veth; one node's rail 1 dropped with iptables inside it (a dead NIC or cable); rail 1
-throttled on every node (its leaf switch). Each fault case runs more than once where a race
+throttled on every node (its leaf switch); 3 % of the packets lost between two nodes on
+rail 1 alone (a bad cable on one rail). Each fault case runs more than once where a race
 could show as a wrong culprit set. One two-rail sandbox serves the whole module, and a run
 without the ``rails`` setting on it stays what a one-network run always was.
 """
@@ -22,6 +23,7 @@ import pytest
 from tests import report_schema
 from tests.launch import HELD_REPEAT
 from tests.multinode import Nodes, in_host, sh, torchrun_argv
+from tests.sandbox import faults
 from tests.sandbox.hosts import Host, HostSandbox, sandbox_fixture
 
 PREFIX, SUBNET, RAIL1 = "dsl", "10.231.37.0/24", "10.231.38.0/24"
@@ -186,3 +188,16 @@ def test_a_rail_slow_on_every_node_is_named_as_the_rail(box, tmp_path):
     assert _check(report, "bandwidth")["culprits"][0]["reason"].startswith(
         "rail 1 (eth1) slow on all nodes: its leaf switch or the NCCL setting")
     assert all(h["status"] == "good" for h in report["hosts"])
+
+
+@pytest.mark.timeout(300)
+def test_a_lossy_link_on_one_rail_is_named_on_that_rail_with_both_ends(box, tmp_path):
+    a, b = box.hosts[1], box.hosts[2]
+    with faults.lossy_link(a, b, 0.03, rail=1):
+        report, nodes = run(box, tmp_path, checks="environment,bandwidth")
+    _show(report, nodes)
+    named = {(k["rank"], frozenset(zip(k.get("ranks") or [], k.get("hosts") or [])),
+              (k.get("rail") or {}).get("index"))
+             for c in report["checks"] for k in c["culprits"]}
+    ends = frozenset({(_rank(report, a, 1), a.name), (_rank(report, b, 1), b.name)})
+    assert named == {(None, ends, 1)}, _named(report)
