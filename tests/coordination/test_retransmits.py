@@ -1,7 +1,7 @@
 """Links bad only some of the time (issue 45), the pure parts on hand-made evidence, and the
 tcp_info reader on a real connection: coordination/retransmits.py, checks/_pairs.unstable,
 checks/bandwidth's collapse, model.nodes_or_links. The real faults (random loss, a flapping
-port, loss one way) in namespace nodes: tests/worker/test_diagnosis_links.py."""
+port, loss one way) in namespace nodes: tests/worker/test_diagnosis_network.py."""
 from __future__ import annotations
 
 import socket
@@ -10,7 +10,7 @@ import threading
 from ddp_smoke import config
 from ddp_smoke.checks import _pairs
 from ddp_smoke.coordination import blame, retransmits
-from ddp_smoke.model import CheckResult, nodes_or_links
+from ddp_smoke.model import CheckResult, Culprit, nodes_or_links
 
 RULES = config.defaults()["links"]
 HOSTS = ["n0", "n1", "n2", "n3"]
@@ -209,3 +209,17 @@ def test_two_nodes_one_link_are_judged_by_the_thresholds_alone():
     assert retransmits.culprits(fine, RULES, ranks) == []
     assert _pairs.unstable({(0, 1): _record(208000)}, RULES, "cpu")["links"] == [(0, 1)]
     assert _pairs.unstable({(0, 1): _record(10500)}, RULES, "cpu")["links"] == []
+
+
+def test_a_link_the_check_named_already_stays_one_culprit_with_both_pieces_of_evidence():
+    cfg = {"links": RULES, "rails": None}
+    result = CheckResult("bandwidth", "fail", "slow", [Culprit(
+        None, None, "link n2 <-> n1 is unstable: p99 round trip 208 ms", ranks=[2, 1],
+        hosts=["n2", "n1"])])
+    retransmits.attach(result, _healthy({(1, 2): (14, 13, 40000)}), RANKS, cfg)
+    [c] = result.culprits
+    assert c.reason.startswith("link n2 <-> n1 is unstable") and "13 retransmission" in c.reason
+    assert result.status == "fail" and result.figures["links"]
+    other = CheckResult("collectives", "pass", "ok")
+    retransmits.attach(other, _healthy({(1, 2): (14, 13, 40000)}), RANKS, cfg)
+    assert [k.ranks for k in other.culprits] == [[1, 2]] and other.status == "fail"

@@ -249,20 +249,24 @@ def _unstable_culprits(ev, tails: list[dict], records: list[dict], rows: list[li
     for g, t in enumerate(tails):
         row, on = rows[g], f" on rail {rails[g]['index']}" if rails else ""
         host = {n: ev.host(r) for n, r in enumerate(row) if r is not None}
+
+        def tagged(culprit, rank, g=g):  # on a rail run, the rail
+            return _rail_blame.with_rail(culprit, _rail_blame.rail_of(
+                ev, rank, rails[g]["index"])) if rails else culprit
         for n in t["nodes"]:
             if row[n] in taken:
                 continue
-            out.append(ev.culprit(row[n], f"node {host[n]}{on} is unstable with every partner: "
-                                  + "; ".join(f"with {host[b if a == n else a]}: "
-                                              f"{_evidence(m, t, (a, b))}"
-                                              for (a, b), m in sorted(records[g].items())
-                                              if n in (a, b))))
+            out.append(tagged(ev.culprit(row[n], (
+                f"node {host[n]}{on} is unstable with every partner: "
+                + "; ".join(f"with {host[b if a == n else a]}: {_evidence(m, t, (a, b))}"
+                            for (a, b), m in sorted(records[g].items()) if n in (a, b)))),
+                row[n]))
         for a, b in t["links"]:
             if {row[a], row[b]} & taken:
                 continue
-            out.append(ev.link_culprit(row[a], row[b], (
+            out.append(tagged(ev.link_culprit(row[a], row[b], (
                 f"link {host[a]} (rank {row[a]}) <-> {host[b]} (rank {row[b]}){on} is "
-                f"unstable: {_evidence(records[g][(a, b)], t, (a, b))}")))
+                f"unstable: {_evidence(records[g][(a, b)], t, (a, b))}")), row[a]))
     return out
 
 

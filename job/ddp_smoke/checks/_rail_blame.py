@@ -55,17 +55,17 @@ def _device(ev, rank: int | None) -> str | None:
     return None if rank is None else (ev.observations[rank].get("rail") or {}).get("device")
 
 
-def _rail(ev, rank: int | None, index: int) -> dict:
+def rail_of(ev, rank: int | None, index: int) -> dict:
     """The culprit's ``rail``: index, device, and port where NCCL names one."""
     got = (ev.observations[rank].get("rail") or {}) if rank is not None else {}
     return {"index": index, "device": got.get("device"), "port": got.get("port")}
 
 
 def _label(ev, rank: int | None, index: int) -> str:
-    return rail_label(_rail(ev, rank, index))
+    return rail_label(rail_of(ev, rank, index))
 
 
-def _with_rail(culprit, rail: dict):
+def with_rail(culprit, rail: dict):
     return dataclasses.replace(culprit, rail=rail)
 
 
@@ -98,29 +98,29 @@ def _dead_culprits(ev, dead: list[dict]) -> list:
     for index, ds in sorted(by_rail.items()):
         first = ds[0]["rank"]
         if len(ds) >= 3 and {d["host"] for d in ds} == on_rail.get(index, set()):
-            out.append(_with_rail(ev.culprit(None, (
+            out.append(with_rail(ev.culprit(None, (
                 f"{_label(ev, first, index)} dead on all nodes: no rank on it could connect "
                 f"to another ({_PROBE}, before the process group); its leaf switch, its "
                 "cabling or the addresses on it")),
-                {**_rail(ev, first, index), "ranks": [d["rank"] for d in ds]}))
+                {**rail_of(ev, first, index), "ranks": [d["rank"] for d in ds]}))
             continue
         for d in ds:
             if d["why"] == "cut off":
-                out.append(_with_rail(ev.culprit(d["rank"], (
+                out.append(with_rail(ev.culprit(d["rank"], (
                     f"node {d['host']} {_label(ev, d['rank'], index)} carries no connection: "
                     f"{len(d['unreached'])} of the {d['tried']} rail peers tried "
                     f"({', '.join(d['unreached'])}) could not connect to it or be connected to "
                     f"from it ({_PROBE}, before the process group); rank {d['rank']} sent on "
                     f"{d['sent_on'] or 'the default interface'} instead and its rail was not "
-                    "measured")), _rail(ev, d["rank"], index)))
+                    "measured")), rail_of(ev, d["rank"], index)))
         loose = [d for d in ds if d["why"] != "cut off"]
         if len(loose) >= 2:
             ranks = [d["rank"] for d in loose]
-            out.append(_with_rail(dataclasses.replace(ev.link_culprit(ranks[0], ranks[1], (
+            out.append(with_rail(dataclasses.replace(ev.link_culprit(ranks[0], ranks[1], (
                 f"{_label(ev, ranks[0], index)} between {', '.join(d['host'] for d in loose)} "
                 f"carries no connection ({_PROBE}) and the other nodes cannot tell which end is "
                 "at fault: look at both")), ranks=ranks, hosts=[d["host"] for d in loose]),
-                _rail(ev, ranks[0], index)))
+                rail_of(ev, ranks[0], index)))
     return out
 
 
@@ -138,7 +138,7 @@ def _slow_everywhere(ev, rails, busbw, blames, ref) -> dict:
         values = sorted(busbw[g].values())
         ranks = [r for r in rail["ranks"] if r is not None]
         index = rail["index"]
-        out[g] = _with_rail(ev.culprit(None, (
+        out[g] = with_rail(ev.culprit(None, (
             f"rail {index}{_devices(ev, ranks)} slow on all nodes: its leaf switch or the "
             f"NCCL setting that steers the traffic (NCCL_IB_HCA, NCCL_CROSS_NIC): "
             f"{len(values)} pairs among {len(nodes)} nodes at {values[0]:.2f}-{values[-1]:.2f} "
@@ -173,11 +173,11 @@ def _slow_nodes(ev, rails, busbw, blames, host, leaders, wide: set) -> list:
         fine = len(on) - len(gs)
         for g in gs:
             rank, index = rails[g]["ranks"][n], rails[g]["index"]
-            out.append(_with_rail(ev.culprit(rank, (
+            out.append(with_rail(ev.culprit(rank, (
                 f"node {host[n]} {_label(ev, rank, index)} is slow with every partner on it "
                 f"({_partners(busbw[g], n, host)} GB/s; reference {ref:.2f} GB/s)"
                 + (f"; its other {fine} rail(s) are fine" if fine else ""))),
-                _rail(ev, rank, index)))
+                rail_of(ev, rank, index)))
     return out
 
 
@@ -193,9 +193,9 @@ def _links(ev, rails, busbw, blames, host, wide: set) -> list:
         for kind, reason in why.items():
             for a, b in blames[g][kind]:
                 v = busbw[g][(a, b)]
-                out.append(_with_rail(ev.link_culprit(row[a], row[b], (
+                out.append(with_rail(ev.link_culprit(row[a], row[b], (
                     f"link {host[a]} (rank {row[a]}) <-> {host[b]} (rank {row[b]}) on "
                     f"{_label(ev, row[a], index)}: {v:.2f} GB/s, "
                     f"{perf.shortfall_pct(v, ref):.0f} % below the reference {ref:.2f} GB/s; "
-                    f"{reason}")), _rail(ev, row[a], index)))
+                    f"{reason}")), rail_of(ev, row[a], index)))
     return out

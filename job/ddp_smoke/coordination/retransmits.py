@@ -24,6 +24,7 @@ are the same evidence, per port.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import struct
@@ -259,6 +260,16 @@ def attach(result, posted: list[dict | None], ranks, cfg: dict) -> None:
     result.figures["links"] = figure(found)
     named = culprits(found, cfg["links"], list(ranks), cfg["rails"])
     if named and result.status != "skip":
-        result.culprits += named
         result.status = "fail"
         result.summary = f"lossy: {named[0].reason}; {result.summary}"
+        for c in named:  # the check named the same link or node already: one culprit, two
+            same = [i for i, k in enumerate(result.culprits) if _key(k) == _key(c)]
+            if same:  # pieces of evidence
+                k = result.culprits[same[0]]
+                result.culprits[same[0]] = dataclasses.replace(k, reason=f"{k.reason}; {c.reason}")
+            else:
+                result.culprits.append(c)
+
+
+def _key(c: Culprit) -> tuple:
+    return c.rank, sorted(c.ranks or []), (c.rail or {}).get("index")
