@@ -33,6 +33,11 @@ TABLE = REPO / "docs" / "campaign.md"
 SAMPLE_BUDGET_S = 45.0
 
 
+def covering() -> matrix.Cover:
+    """The covering set, keeping the cells the committed table lists (:func:`matrix.cover`)."""
+    return matrix.cover(kept=matrix.cells_in(TABLE.read_text() if TABLE.exists() else ""))
+
+
 def parts_of(cells: list, part: str) -> list:
     """``K/N``: the K-th of N consecutive parts of about equal expected time."""
     k, _, n = part.partition("/")
@@ -57,7 +62,7 @@ def ci_sample(seed: str, budget_s: float) -> tuple[list, dict]:
     and not-run rows."""
     text = TABLE.read_text() if TABLE.exists() else ""
     right, measured = matrix.right_in(text), matrix.measured_in(text)
-    cover = matrix.cover().cells
+    cover = covering().cells
     cost = {c.id: measured.get(c.id) or matrix.cost_s(c) for c in cover}
     cells = matrix.sample([c for c in cover if c.id in right], seed, budget_s,
                           lambda c: cost[c.id])
@@ -67,7 +72,7 @@ def ci_sample(seed: str, budget_s: float) -> tuple[list, dict]:
 def choose(args) -> list:
     if args.cell:
         return [matrix.Cell.parse(c) for c in args.cell for _ in range(args.repeat)]
-    cells = matrix.cover().cells
+    cells = covering().cells
     if args.sample is not None:  # CI's: among the cells the committed table shows right
         cells = ci_sample(args.sample, args.budget)[0]
     if args.slice:
@@ -145,9 +150,16 @@ def latest_rows() -> dict[str, dict]:
 
 
 def table(path: Path = TABLE) -> str:
-    """docs/campaign.md: every covering cell's latest row, the counts, the impossible pairs."""
-    latest = latest_rows()
-    cov = matrix.cover()
+    """docs/campaign.md: every covering cell's latest row, the counts, the impossible pairs.
+    A cell with no row here keeps the row the table had (run on another machine or day)."""
+    latest, before = latest_rows(), path.read_text() if path.exists() else ""
+    cov = covering()
+    had = {cols[0]: cols for cols in matrix._rows(before) if cols[-1] and cols[2] != "not run"}
+    for c in cov.cells:
+        if c.id not in latest and c.id in had:
+            e, g, report_s, wall_s, mark = had[c.id][1:]
+            latest[c.id] = {"expected": e, "got": g, "report_s": report_s, "ok": mark == "right",
+                            "wall_s": float(wall_s), "problems": [mark.split(": ", 1)[-1]]}
     rows = [latest.get(c.id) for c in cov.cells]
     ran = [r for r in rows if r]
     right = sum(r["ok"] for r in ran)

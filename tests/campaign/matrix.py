@@ -4,7 +4,7 @@ covering set, the commit-seeded CI sample, and each cell's exact expected outcom
 A cell is one real fault of one *kind*, landing at one *position* (rank 0, a middle rank, the
 last rank, the node that holds the coordination store) at one *stage* (the join, or a check),
 under one *launcher*, on one *shape* (nodes x ranks per node). The full product is
-19 x 4 x 10 x 5 x 5 = 19,000 cells; the covering set holds every pair of values of any two
+22 x 4 x 10 x 5 x 5 = 22,000 cells; the covering set holds every pair of values of any two
 dimensions that some possible cell holds (pairwise coverage), each pair in at least one cell,
 chosen greedily for the most new pairs per second of expected run time.
 
@@ -21,7 +21,7 @@ import random
 
 KINDS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop", "exit", "oom", "hang", "stall",
          "slow_rank", "slow_link", "slow_node", "dead_link", "dead_node", "blackhole",
-         "store_killed", "disk_full", "read_only", "dup_hostname")
+         "lossy_link", "lossy_one_way", "flapping_link", "store_killed", "disk_full", "read_only", "dup_hostname")
 POSITIONS = ("rank0", "middle", "last", "store_node")
 STAGES = ("join", "environment", "ddp_step", "sampler_epochs", "collectives", "storage",
           "bandwidth", "transport", "compute", "health")
@@ -48,6 +48,12 @@ DESCRIBE = {
     "dead_node": "iptables DROP of the node's subnet traffic (in and out)",
     "blackhole": "iptables drops packets over 1,200 bytes on one link (both ends): "
                  "small messages pass, large ones vanish",
+    "lossy_link": "iptables drops 3 % of the packets between two nodes at random, where they "
+                  "arrive, both ways (a bad cable or optic: TCP sends again, nothing errors)",
+    "lossy_one_way": "the same, only the first end's packets to the other (a fault in one "
+                     "direction)",
+    "flapping_link": "iptables DROP between two nodes for 1 s, then nothing for 1 s, over and "
+                     "over (a flapping port)",
     "store_killed": "SIGKILL to the process that holds the coordination store",
     "disk_full": "the report folder is a tmpfs filled to the last byte",
     "read_only": "the report folder is a tmpfs remounted read-only",
@@ -57,7 +63,8 @@ DESCRIBE = {
 SIGNALS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop")
 INSTANT = SIGNALS + ("oom", "store_killed")  # struck from outside at one moment
 INJECTED = ("exit", "hang", "stall")  # by nature in-process: the worker's own --fault
-NETWORK = ("slow_link", "slow_node", "dead_link", "dead_node", "blackhole", "dup_hostname")
+LOSSY = ("lossy_link", "lossy_one_way", "flapping_link")  # a link bad some of the time
+NETWORK = ("slow_link", "slow_node", "dead_link", "dead_node", "blackhole", "dup_hostname") + LOSSY
 FOLDER = ("disk_full", "read_only")
 SLOW = ("slow_rank", "slow_link", "slow_node")
 # Checks that last milliseconds on CPU whatever the configuration: an outside strike cannot be
@@ -172,8 +179,23 @@ class Cover:
     pairs: int           # pairs covered
 
 
-def cover(seed: int = 0) -> Cover:
-    """The pairwise covering set: greedy, most newly covered pairs per expected second."""
+def cells_in(table: str) -> list[Cell]:
+    """The possible cells a campaign table (docs/campaign.md) lists, in its order."""
+    out = []
+    for cols in _rows(table):
+        try:
+            c = Cell.parse(cols[0])
+        except (ValueError, TypeError):
+            continue  # the header, or a cell of a dimension value no longer there
+        if impossible(c) is None:
+            out.append(c)
+    return out
+
+
+def cover(seed: int = 0, kept: list[Cell] = ()) -> Cover:
+    """The pairwise covering set: ``kept`` first (the cells a table already ran: a new kind
+    or value adds cells, the measured ones stay), then greedy, most newly covered pairs per
+    expected second."""
     why_not = {c: impossible(c) for c in all_cells()}
     possible = [c for c, why in why_not.items() if why is None]
     wanted = {p for c in possible for p in _pairs(c)}
@@ -188,7 +210,8 @@ def cover(seed: int = 0) -> Cover:
            for (i, a, j, b), rs in sorted(reasons.items())}
     rng = random.Random(seed)
     rng.shuffle(possible)
-    left, chosen = set(wanted), []
+    chosen = [c for c in dict.fromkeys(kept) if why_not.get(c, "unknown") is None]
+    left = wanted - {p for c in chosen for p in _pairs(c)}
     pairs_of = [_pairs(c) for c in possible]
     cost = [cost_s(c) for c in possible]
     # lazy greedy: a cell's gain only falls as pairs get covered, so a stale score is a bound
@@ -224,6 +247,8 @@ def cost_s(c: Cell) -> float:
         t += 30  # torchrun gives a stopped worker 30 s after SIGTERM before SIGKILL
     if c.kind in SLOW:
         t += 10
+    if c.kind in LOSSY:
+        t += 5 if c.kind != "flapping_link" else TIMEOUT_S
     return t
 
 
@@ -397,6 +422,23 @@ def _slow_rank(c: Cell, me: frozenset) -> Expect:
                   why="the health check's CPU quota finding names the slow rank's node")
 
 
+def _lossy(c: Cell) -> Expect:
+    """A link bad some of the time, in place from the stage to the run's end: the bandwidth
+    check's round trips and every check's TCP retransmissions name it (docs/diagnosis.md). A
+    port that flaps also times out whatever crosses it during an outage: after the bandwidth
+    check only the ranks' store traffic to node 0 still does (heartbeats, observations), so
+    a flapping link of node 0's is named in the next check by its timeouts, another passes."""
+    link = frozenset({_link(c)})
+    if STAGES.index(c.stage) <= STAGES.index("bandwidth"):
+        return Expect(FAIL, link)
+    if c.kind == "flapping_link" and 0 in (c.node, c.peer_node):
+        return Expect(FAIL, link, ("retransmission timeout",), why=(
+            "after the bandwidth check, the store traffic to node 0 crosses the flapping link "
+            "and times out"))
+    return Expect(PASS, why="after the bandwidth check little crosses the link: a few lost "
+                            "segments stay below every threshold")
+
+
 def expect(c: Cell) -> Expect:
     """The right outcome of a possible cell."""
     r, k, s = c.rank, c.kind, c.stage
@@ -463,6 +505,8 @@ def expect(c: Cell) -> Expect:
         if STAGES.index(s) > max(STAGES.index(x) for x in COLLECTIVE) and not carries_store:
             return Expect(PASS, ends=ends, why="no check after it sends traffic over that link")
         return Expect(FAIL, frozenset({_link(c)}), ("does not carry",), ends=ends, why=why)
+    if k in LOSSY:
+        return _lossy(c)
     if k == "store_killed":
         return Expect(LOST, writers=frozenset(), lost=c.world)
     if k in FOLDER:

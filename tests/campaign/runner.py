@@ -275,7 +275,10 @@ def _network(cell: Cell, launch, undo: contextlib.ExitStack) -> None:
     made = {"slow_link": lambda: faults.slow_link(a, b), "slow_node": lambda: faults.slow_node(a),
             "dead_link": lambda: faults.cut_link(a, b),
             "dead_node": lambda: faults.cut_node(a, subnet),
-            "blackhole": lambda: faults.blackhole(a, b)}
+            "blackhole": lambda: faults.blackhole(a, b),
+            "lossy_link": lambda: faults.lossy_link(a, b, 0.03),
+            "lossy_one_way": lambda: faults.lossy_link(a, b, 0.03, both_ways=False),
+            "flapping_link": lambda: faults.flapping_link(a, b, 1.0, 1.0)}
     if cell.kind in made:
         undo.enter_context(made[cell.kind]())
 

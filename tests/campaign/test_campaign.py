@@ -15,10 +15,10 @@ import itertools
 import pytest
 
 from tests.campaign import matrix
-from tests.campaign.__main__ import SAMPLE_BUDGET_S, TABLE, ci_sample
+from tests.campaign.__main__ import SAMPLE_BUDGET_S, TABLE, ci_sample, covering
 
 SEED = matrix.commit_seed()
-COVER = matrix.cover()
+COVER = covering()
 SAMPLE, SAMPLE_COST = ci_sample(SEED, SAMPLE_BUDGET_S)
 
 
