@@ -4,7 +4,7 @@ covering set, the commit-seeded CI sample, and each cell's exact expected outcom
 A cell is one real fault of one *kind*, landing at one *position* (rank 0, a middle rank, the
 last rank, the node that holds the coordination store) at one *stage* (the join, or a check),
 under one *launcher*, on one *shape* (nodes x ranks per node). The full product is
-22 x 4 x 10 x 5 x 5 = 22,000 cells; the covering set holds every pair of values of any two
+21 x 4 x 10 x 5 x 5 = 21,000 cells; the covering set holds every pair of values of any two
 dimensions that some possible cell holds (pairwise coverage), each pair in at least one cell,
 chosen greedily for the most new pairs per second of expected run time.
 
@@ -21,7 +21,7 @@ import random
 
 KINDS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop", "exit", "oom", "hang", "stall",
          "slow_rank", "slow_link", "slow_node", "dead_link", "dead_node", "blackhole",
-         "lossy_link", "lossy_one_way", "flapping_link", "store_killed", "disk_full", "read_only", "dup_hostname")
+         "lossy_link", "lossy_one_way", "store_killed", "disk_full", "read_only", "dup_hostname")
 POSITIONS = ("rank0", "middle", "last", "store_node")
 STAGES = ("join", "environment", "ddp_step", "sampler_epochs", "collectives", "storage",
           "bandwidth", "transport", "compute", "health")
@@ -52,8 +52,6 @@ DESCRIBE = {
                   "arrive, both ways (a bad cable or optic: TCP sends again, nothing errors)",
     "lossy_one_way": "the same, only the first end's packets to the other (a fault in one "
                      "direction)",
-    "flapping_link": "iptables DROP between two nodes for 1 s, then nothing for 1 s, over and "
-                     "over (a flapping port)",
     "store_killed": "SIGKILL to the process that holds the coordination store",
     "disk_full": "the report folder is a tmpfs filled to the last byte",
     "read_only": "the report folder is a tmpfs remounted read-only",
@@ -63,7 +61,12 @@ DESCRIBE = {
 SIGNALS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop")
 INSTANT = SIGNALS + ("oom", "store_killed")  # struck from outside at one moment
 INJECTED = ("exit", "hang", "stall")  # by nature in-process: the worker's own --fault
-LOSSY = ("lossy_link", "lossy_one_way", "flapping_link")  # a link bad some of the time
+# A link bad some of the time. Not a flapping port: whether its outages overlap the kit's
+# traffic over that link is chance when the checks left after the strike are shorter than
+# its up time (a port down 1 s and up 1 s from the storage check on passed unseen: storage
+# sends little, bandwidth took 0.27 s); tests/worker/test_diagnosis_network.py proves one
+# flapping for the whole run.
+LOSSY = ("lossy_link", "lossy_one_way")
 NETWORK = ("slow_link", "slow_node", "dead_link", "dead_node", "blackhole", "dup_hostname") + LOSSY
 FOLDER = ("disk_full", "read_only")
 SLOW = ("slow_rank", "slow_link", "slow_node")
@@ -193,7 +196,7 @@ def cells_in(table: str) -> list[Cell]:
 
 
 def cover(seed: int = 0, kept: list[Cell] = ()) -> Cover:
-    """The pairwise covering set: ``kept`` first (the cells a table already ran: a new kind
+    """The pairwise covering set: ``kept`` in it (the cells a table already ran: a new kind
     or value adds cells, the measured ones stay), then greedy, most newly covered pairs per
     expected second."""
     why_not = {c: impossible(c) for c in all_cells()}
@@ -248,7 +251,7 @@ def cost_s(c: Cell) -> float:
     if c.kind in SLOW:
         t += 10
     if c.kind in LOSSY:
-        t += 5 if c.kind != "flapping_link" else TIMEOUT_S
+        t += 5
     return t
 
 
@@ -423,18 +426,10 @@ def _slow_rank(c: Cell, me: frozenset) -> Expect:
 
 
 def _lossy(c: Cell) -> Expect:
-    """A link bad some of the time, in place from the stage to the run's end: the bandwidth
-    check's round trips and every check's TCP retransmissions name it (docs/diagnosis.md). A
-    port that flaps also times out whatever crosses it during an outage: after the bandwidth
-    check only the ranks' store traffic to node 0 still does (heartbeats, observations), so
-    a flapping link of node 0's is named in the next check by its timeouts, another passes."""
-    link = frozenset({_link(c)})
+    """A lossy link, in place from the stage to the run's end: the bandwidth check's round
+    trips and every check's TCP retransmissions name it (docs/diagnosis.md)."""
     if STAGES.index(c.stage) <= STAGES.index("bandwidth"):
-        return Expect(FAIL, link)
-    if c.kind == "flapping_link" and 0 in (c.node, c.peer_node):
-        return Expect(FAIL, link, ("retransmission timeout",), why=(
-            "after the bandwidth check, the store traffic to node 0 crosses the flapping link "
-            "and times out"))
+        return Expect(FAIL, frozenset({_link(c)}))
     return Expect(PASS, why="after the bandwidth check little crosses the link: a few lost "
                             "segments stay below every threshold")
 

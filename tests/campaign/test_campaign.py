@@ -32,6 +32,17 @@ def test_every_pair_a_possible_cell_holds_is_in_the_covering_set():
     assert all(matrix.impossible(c) is None for c in COVER.cells)
 
 
+def test_the_cells_a_table_ran_stay_and_new_values_only_add_cells():
+    table = TABLE.read_text()
+    listed = matrix.cells_in(table)
+    assert listed and all(c in COVER.cells for c in listed)
+    ran = listed[:40]
+    kept = matrix.cover(kept=ran)
+    assert set(ran) <= set(kept.cells) and kept.pairs == COVER.pairs
+    gone = "| flapping_link.rank0.storage.torchrun.3x1 | pass {-} | pass {-} | - | 16.1 | right |"
+    assert matrix.cells_in(gone) == []  # a kind no longer in the matrix: not a cell
+
+
 def test_every_pair_left_out_says_why_and_really_cannot_exist():
     names = list(matrix.DIMENSIONS)
     for (d1, v1, d2, v2), why in COVER.impossible_pairs.items():

@@ -36,6 +36,7 @@ def judge(ev, leaders: list[int], rails: list[dict], size: int, cut: float,
         results += [{"rail": rail["index"], "pass": m["pass"], "round": m["round"],
                      "node_a": a, "node_b": b, "rank_a": row[a], "rank_b": row[b],
                      "host_a": host[a], "host_b": host[b], "time_us": m["time_us"],
+                     "time_us_max": m["time_us_max"], "rtt_us": m.get("rtt_us"),
                      "busbw_gbps": busbw[g][(a, b)], "slow": (a, b) in blames[g]["slow"]}
                     for (a, b), m in sorted(records[g].items())]
     dead = _dead(ev)
