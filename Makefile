@@ -14,7 +14,7 @@ NVML_SPEC  := nvidia-ml-py>=13.580.65,<14
 NPROC      ?= 2
 # more than 4 ranks per CPU core are refused (memory, time); OVERSUBSCRIBE=1 runs them anyway
 OVERSUBSCRIBE ?=
-# quick: a verdict in about the time of the bare tutorial (README, "Measurement levels")
+# quick: a verdict in about the time of the bare tutorial (docs/options.md, "Measurement levels")
 LEVEL      ?= quick
 # empty: reports/<run id>, the run id local-<UTC time>-<random>: every run its own folder
 REPORT_DIR ?=
@@ -56,7 +56,8 @@ $(VENV)/.test: $(VENV)/.runtime
 venv: $(VENV)/.runtime  ## create .venv/ (torch, numpy, pyyaml, submitit, this package)
 
 # torchrun --standalone through ddp_smoke.launch_local: bad input is one line before any rank
-# starts, the output ends on the kit's last line, the exit status is the workers' (0/1/2). The
+# starts, the output ends on the kit's last line, the exit status is the workers' (0/1/2); when
+# it is not 0, make adds `make: *** [...] Error N` (N: the kit's status) and exits 2 itself. The
 # launcher holds the coordination store itself (not torchrun's agent: a report even when rank 0
 # dies) and forks the ranks with the worker imported: a verdict faster than the bare tutorial.
 smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC=2, LEVEL=quick, ARGS=…, OVERSUBSCRIBE=1)

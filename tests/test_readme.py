@@ -56,3 +56,46 @@ def test_every_one_machine_command_runs_as_written():
                 f"{command}\n{said[-3000:]}"
         else:
             assert run.returncode == 0, f"{command} exited {run.returncode}\n{said[-3000:]}"
+
+
+def _headings(path: Path) -> set[str]:
+    return {m.strip() for m in re.findall(r"^#+ (.+)$", path.read_text(), re.M)}
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def _printed_and_written() -> dict[str, str]:
+    """What points readers elsewhere: --help of the worker and node-check, the Makefile, and
+    every page under docs/ with README."""
+    said = {f"{' '.join(argv)} --help": subprocess.run(
+        [str(REPO / ".venv/bin/python"), "-m", "ddp_smoke", *argv, "--help"], cwd=REPO,
+        capture_output=True, text=True, timeout=60).stdout for argv in ([], ["node-check"])}
+    said["Makefile"] = (REPO / "Makefile").read_text()
+    for page in [README, *sorted((REPO / "docs").glob("*.md"))]:
+        said[page.relative_to(REPO).as_posix()] = page.read_text()
+    return said
+
+
+def test_every_cross_reference_printed_or_written_leads_to_its_section():
+    """`docs/options.md, "Measurement levels"`, `README "…"`, a `docs/….md` named in --help
+    or the Makefile, a link with an #anchor: the file exists and so does the section (issue
+    49: --help sent readers to a README section that had moved)."""
+    said, wrong = _printed_and_written(), []
+    assert all(said.values()), [k for k, v in said.items() if not v]
+    for where, text in said.items():
+        here = (REPO / where).parent if where.endswith(".md") else REPO
+        for name, section in re.findall(r'((?:docs/)?[\w.-]+\.md|README),? "([^"]+)"', text):
+            path = REPO / "README.md" if name == "README" else (
+                REPO / name if (REPO / name).exists() else here / name)
+            if not path.exists() or section not in _headings(path):
+                wrong.append(f"{where}: {name}, {section!r}")
+        if not where.endswith(".md"):
+            wrong += [f"{where}: {name}" for name in re.findall(r"\bdocs/[\w.-]+\.md", text)
+                      if not (REPO / name).exists()]
+        for name, anchor in re.findall(r"\]\(([^)#\s]*\.md)#([^)\s]+)\)", text):
+            if anchor not in {_slug(h) for h in _headings(here / name)}:
+                wrong.append(f"{where}: {name}#{anchor}")
+    assert wrong == [], wrong

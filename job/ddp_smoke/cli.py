@@ -49,9 +49,9 @@ Environment read: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (set by
   SLURM_* (SLURMD_NODENAME names the node to drain), NODE_NAME in a pod (spec.nodeName, for
   kubectl), DDP_SMOKE_RUN_ID (the run id, when the launcher knows one unique per run: letters,
   digits, . _ -, up to 128), DDP_SMOKE_SECRET (the run's signing secret, 64 hex digits, the same
-  on every rank: set by the kit's launchers; one node makes its own; see README "Who can write
-  the verdict"); NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends, except that
-  with --rails on gloo each rank's GLOO_SOCKET_IFNAME is its rail (docs/rails.md).
+  on every rank: set by the kit's launchers; one node makes its own; see docs/security.md);
+  NCCL_* and GLOO_SOCKET_IFNAME pass through to the backends, except that with --rails on
+  gloo each rank's GLOO_SOCKET_IFNAME is its rail (docs/rails.md).
 
 Repeat mode: --repeat N or --duration S runs the checks again and again; each check's result
   then holds every iteration's figures, failures per rank, busbw p50/p99 per size, and says
@@ -73,6 +73,7 @@ A rank the others wait for in most collectives of a check is that check's stragg
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib.util
 import os
 import signal
@@ -81,7 +82,7 @@ import sys
 from . import __version__, checks, node_check, preflight
 from .config.args import Parser, parse_config, worker_parser
 from .config.launchenv import LaunchEnv
-from .coordination import store
+from .coordination import fate, store
 from .errors import ConfigError, lossy_output, say_once
 from .outputs import history, last_line, launch_report, page
 
@@ -170,6 +171,13 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as e:
             print(f"ddp-smoke: error: {e}", file=sys.stderr)
             sys.exit(2)
+    if argv and not argv[0].startswith("-"):  # the worker takes no word: a command mistyped
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        print(f"ddp-smoke: error: unknown command {argv[0]!r}"
+              + (f" (did you mean {close[0]!r}?)" if close else "")
+              + f"; commands: {', '.join(COMMANDS)}; the worker takes --options only",
+              file=sys.stderr)
+        sys.exit(2)
     code = worker(argv)
     # The verdict is written and every thread stopped: skip interpreter teardown, where C++
     # destructors of the backend's threads have aborted a passing rank (SIGABRT at exit).
@@ -204,4 +212,8 @@ def worker(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     # record: an unexpected exception also lands in torchrun's error file and summary.
-    return record(_worker)(cfg)
+    code = record(_worker)(cfg)
+    # Every rank leaves by os._exit (main's, or a forked rank's), which skips the atexit that
+    # removes this rank's last-words file while it is empty: no empty files in the folder.
+    fate.drop_current()
+    return code

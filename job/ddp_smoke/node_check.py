@@ -31,6 +31,9 @@ Output, as node health checkers print it: one line per finding, then one line wi
     ddp-smoke node-check: node2 FAIL preflight: interfaces: GLOO_SOCKET_IFNAME=eth0: no …
     ddp-smoke node-check: node2 FAIL in 0.1 s · 1 finding(s) · report reports/node-check-…
 
+A check that could not run here is named on that line with why (a CPU node:
+``· health skipped: …; hardware not read: GPUs: no NVIDIA driver …``).
+
 ``--act slurm-drain`` (run as root or SlurmUser: a HealthCheckProgram or a Prolog): a failing
 node is drained with the reason ``ddp-smoke node-check: <check>: <finding>`` — unless someone
 else drained it already, or the circuit breaker holds (more than ``fleet.drain_max_share`` of
@@ -65,7 +68,7 @@ from .checks.health import cpu
 from .checks.health.finding import FAIL, Limits
 from .checks.health.readers import REPLAY_ENV, Node, cgroup
 from .config import defaults
-from .config.args import Parser, parse_config
+from .config.args import Parser, parse_config, worker_parser
 from .errors import ConfigError
 from .model import Culprit
 from .outputs import act as acts, fleet, launch_report, publish
@@ -331,8 +334,11 @@ def once(args, node: str, worker_args: list[str], cfg: dict) -> int:
     for line in found:
         print(f"{said} FAIL {line}", flush=True)
     path = os.path.join(report_dir, "report.json")
+    # what was not read stays on the line: a CPU node's PASS is no word on GPUs or HCAs
+    skipped = "".join(f" · {c.get('name')} skipped: {c.get('summary')}"
+                      for c in report.get("checks", []) if c.get("status") == "skip")
     print(f"{said} {'PASS' if report.get('verdict') == 'pass' else 'FAIL'} in {took:.1f} s · "
-          f"{len(found)} finding(s) · report {path}", flush=True)
+          f"{len(found)} finding(s){skipped} · report {path}", flush=True)
     settings = cfg["fleet"]
     bad = lemon(root, node, report, settings)
     if bad:
@@ -367,7 +373,8 @@ def _gpus() -> tuple[str, int]:
 
 
 def _parser() -> Parser:
-    p = Parser(prog="ddp-smoke node-check", description=__doc__)
+    p = Parser(prog="ddp-smoke node-check", description=__doc__,
+               after_dashes=lambda: list(worker_parser()._option_string_actions))
     where = p.add_mutually_exclusive_group()
     where.add_argument("--report-root", default="reports", metavar="ROOT",
                        help="each run in ROOT/<run id>/ (default: reports)")

@@ -57,6 +57,8 @@ WORKER = [
      {}, None, None, ["'fault'", "compute", "environment"]),
     ("profile-unknown", ["--profile", "h900-8gpu"], {}, None, None,
      ["'profile'", "h900-8gpu", "h100-8gpu"]),
+    ("profile-typo-hint", ["--profile", "h900"], {}, None, None,
+     ["'profile'", "did you mean 'h200-8gpu' or 'h100-8gpu'?"]),
     ("rails-missing-interface", ["--backend", "gloo", "--rails", "nope0"], {}, None, None,
      ["'rails'", "'nope0'", "no IPv4 address", "interfaces with one: "]),
     ("rails-repeated", ["--rails", "eth0,eth0"], {}, None, None, ["'rails'", "distinct"]),
@@ -171,6 +173,20 @@ SUBMIT = [
 ]
 
 
+# The commands a first word picks (issue 49): a mistyped command, or a worker option given
+# to node-check before its ``--``, is said with what was meant.
+COMMANDS = [
+    ("command-typo-hint", ["histroy", "reports/"],
+     ["unknown command 'histroy'", "did you mean 'history'?", "node-check"]),
+    ("command-unknown", ["bogus"], ["unknown command 'bogus'", "--options only"]),
+    ("node-check-worker-option-before-dashes", ["node-check", "--levle", "quick"],
+     ["--levle", "did you mean the worker's --level? it goes after --",
+      "ddp-smoke node-check [options] -- --level"]),
+    ("node-check-own-option-typo", ["node-check", "--evry", "5"],
+     ["--evry", "did you mean --every?"]),
+]
+
+
 @pytest.fixture
 def listener():
     """The address every row's launcher env points at; a row must never connect to it."""
@@ -232,8 +248,17 @@ def test_submit_bad_input(tmp_path, argv, words):
     assert not folder.exists()  # nothing submitted
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("argv, words", [pytest.param(*row[1:], id=row[0]) for row in COMMANDS])
+def test_command_bad_input(tmp_path, argv, words):
+    p = subprocess.run([sys.executable, "-m", "ddp_smoke", *argv], capture_output=True,
+                       text=True, cwd=tmp_path, timeout=30, stdin=subprocess.DEVNULL)
+    _assert_one_line_exit_2(p, "ddp-smoke", words)
+    assert not any(tmp_path.iterdir())  # nothing written, no report folder
+
+
 def test_the_table_has_a_row_per_mistake():
-    assert len(WORKER) + len(SUBMIT) >= 40
+    assert len(WORKER) + len(SUBMIT) + len(COMMANDS) >= 40
 
 
 def test_fault_rank_outside_the_world_exits_2_on_every_rank(tmp_path, listener):

@@ -131,6 +131,24 @@ def test_under_make_a_mistake_is_the_kits_line_and_makes_own(tmp_path):
     assert probe.stdout == "2 False\n", probe.stdout + probe.stderr
 
 
+@pytest.mark.timeout(120)
+def test_under_make_a_failed_check_ends_on_the_verdict_then_makes_line_with_the_kits_status(
+        tmp_path):
+    """Issue 49: what README and the Makefile say make does with a failed check: the kit's
+    verdict is its last line, make adds `make: *** [...] Error 1` (1: the kit's status) and
+    exits 2, its own code for a failed recipe."""
+    p = subprocess.run(["make", "-s", "smoke-local", f"REPORT_DIR={tmp_path / 'r'}",
+                        "ARGS=--checks environment,ddp_step --fault 1:crash@ddp_step"],
+                       cwd=REPO, capture_output=True, text=True, timeout=110,
+                       stdin=subprocess.DEVNULL)
+    assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert p.stdout.rstrip().splitlines()[-1].startswith("verdict: FAIL (PRACTICE: "), p.stdout
+    last = p.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("make: *** [Makefile:") and last.endswith("smoke-local] Error 1"), \
+        p.stderr[-2000:]
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["verdict"] == "fail"
+
+
 def test_more_ranks_than_the_cores_can_hold_is_bad_input_unless_asked_for(tmp_path):
     """Issue 35: NPROC=64 on 2 cores only warned, then asked ~25 GB and minutes of imports.
     Beyond 4 ranks per core: one line, exit 2, nothing started; --oversubscribe (make's
@@ -264,6 +282,7 @@ def test_two_runs_started_together_each_own_a_folder(tmp_path):
         report = json.loads((folder / "report.json").read_text())
         assert report["verdict"] == "pass" and report["run_id"] == folder.name
         assert folder.name.startswith("local-")
+        assert not (folder / "fatal").exists()  # no empty last-words files after a pass
     assert sum(f"report reports/{f.name}/report.json" in o for f in folders for o in outs) == 2
 
 

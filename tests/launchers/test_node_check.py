@@ -130,6 +130,11 @@ def test_a_healthy_cpu_node_passes_with_a_report_like_any_other(tmp_path):
     health = next(c for c in report["checks"] if c["name"] == "health")
     (node,) = health["figures"]["nodes"]
     assert node["boot_id"] and any(x.startswith("CPU quota") for x in node["checked"])
+    # the line says what a CPU node's PASS did not read; a passing run leaves no empty file
+    assert " · health skipped: " in line and "hardware not read: GPUs: " in line, line
+    empty = [p for p in folder.rglob("*") if p.is_file() and p.stat().st_size == 0
+             and not p.name.endswith("_hosts.txt") and p.name != "bad_rails.txt"]
+    assert not empty and not (folder / "fatal").exists(), empty
 
 
 @pytest.mark.timeout(180)

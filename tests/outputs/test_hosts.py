@@ -226,8 +226,15 @@ def test_real_run_with_a_corrupting_rank_judges_the_host_and_lists_nothing(tmp_p
     assert "# injected on purpose (--fault 1:corrupt@collectives)" in out
     assert "# next steps: none; the failures were injected (--fault 1:corrupt@collectives)" \
         in out
-    assert f"# hosts: 1 bad, 0 suspect, 0 good; practice run: lists (bad_hosts.txt, " \
+    # the host a failure made on purpose names is "practice", never "bad" (issue 49), in the
+    # terminal and on the page; report.json keeps the judgement with "injected" beside it
+    assert f"# hosts: 1 practice, 0 good; practice run: lists (bad_hosts.txt, " \
         f"suspect_hosts.txt, good_hosts.txt) left empty in {tmp_path}" in out
+    assert f"#   practice {host}" in out and "#   bad " not in out, out
+    page = (tmp_path / "report.html").read_text()
+    hosts = page.split('<section id="hosts">', 1)[1].split("</section>", 1)[0]
+    assert '<span class="chip practice">practice</span>' in hosts and "1 practice" in hosts
+    assert "chip bad" not in hosts and "1 bad" not in hosts, hosts
     assert run.report["injected"] == "1:corrupt@collectives"
     assert out.splitlines()[-1].startswith(
         "verdict: FAIL (PRACTICE: --fault 1:corrupt@collectives) — "), out

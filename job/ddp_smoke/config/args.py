@@ -20,11 +20,14 @@ from .faults import KINDS
 class Parser(argparse.ArgumentParser):
     """argparse whose usage errors are ConfigErrors: one line and exit 2, like every other
     bad input, instead of argparse's usage block. ``manual``, when given, is called for the
-    description only when help is printed (building it reads files)."""
+    description only when help is printed (building it reads files). ``after_dashes``: the
+    options of the worker a command passes everything after ``--`` to (node-check): one of
+    them given before ``--`` is said so."""
 
-    def __init__(self, manual: Callable[[], str] | None = None, **kwargs):
+    def __init__(self, manual: Callable[[], str] | None = None,
+                 after_dashes: Callable[[], list[str]] | None = None, **kwargs):
         super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-        self._manual = manual
+        self._manual, self._after_dashes = manual, after_dashes
 
     def format_help(self) -> str:
         if self._manual is not None:
@@ -32,19 +35,33 @@ class Parser(argparse.ArgumentParser):
         return super().format_help()
 
     def error(self, message: str):
-        raise ConfigError(message + did_you_mean(message, list(self._option_string_actions)))
+        raise ConfigError(message + did_you_mean(
+            message, list(self._option_string_actions),
+            self._after_dashes() if self._after_dashes else [], self.prog))
 
 
-def did_you_mean(message: str, options: list[str]) -> str:
-    """'; did you mean --checks?' for the first unrecognized --option close to a real one."""
+def did_you_mean(message: str, options: list[str], worker: list[str] = (),
+                 prog: str = "") -> str:
+    """'; did you mean --checks?' for the first unrecognized --option close to a real one;
+    closer to one of ``worker`` (the options that go after ``--``): where it goes instead."""
     if not message.startswith("unrecognized arguments: "):
         return ""
     for word in message.split(": ", 1)[1].split():
-        if word.startswith("--"):
-            close = difflib.get_close_matches(word.split("=")[0], options, n=1)
-            if close:
-                return f"; did you mean {close[0]}?"
+        if not word.startswith("--"):
+            continue
+        name = word.split("=")[0]
+        mine, theirs = (difflib.get_close_matches(name, o, n=1) for o in (options, worker))
+        if theirs and theirs[0] not in options and (not mine or _likeness(name, theirs[0])
+                                                     > _likeness(name, mine[0])):
+            return (f"; did you mean the worker's {theirs[0]}? it goes after --: "
+                    f"{prog} [options] -- {theirs[0]} …")
+        if mine:
+            return f"; did you mean {mine[0]}?"
     return ""
+
+
+def _likeness(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
 
 
 def worker_parser(manual: Callable[[], str] | None = None) -> Parser:

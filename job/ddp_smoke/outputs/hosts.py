@@ -244,7 +244,9 @@ def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None,
     split = by_status(hosts)
     if not split[BAD] and not split[SUSPECT]:
         return []
-    counts = ", ".join(f"{len(split[v])} {v}" for v in (BAD, SUSPECT, GOOD))
+    # a practice run's hosts are named by a failure made on purpose: "practice", never "bad"
+    counts = ", ".join(f"{len(split[v])} {v}" for v in (BAD, SUSPECT, GOOD)) if not injected \
+        else f"{len(split[BAD]) + len(split[SUSPECT])} practice, {len(split[GOOD])} good"
     lists = ", ".join([*LISTS.values()] + ([RAIL_LIST] if any(h.get("rails") for h in hosts)
                                            else []))
     where = (f"practice run: lists ({lists}) left empty in {report_dir}" if injected else
@@ -252,8 +254,10 @@ def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None,
     lines = [f"# hosts: {counts}; {where}"]
     for h in split[BAD] + split[SUSPECT]:
         first, more = _lead(h)
-        rails = "".join(f" · {rail_label(r)} {r['status']}" for r in h.get("rails", []))
-        lines.append(f"#   {h['status']:<7} {h['host']:<20}{rails} {first['check']}: "
+        label = "practice" if injected else h["status"]
+        rails = "".join(f" · {rail_label(r)} {'practice' if injected else r['status']}"
+                        for r in h.get("rails", []))
+        lines.append(f"#   {label:<7} {h['host']:<20}{rails} {first['check']}: "
                      f"{first['reason']}{more}")
     if injected:
         return lines + [f"# next steps: none; the failures were injected (--fault {injected}), "

@@ -117,6 +117,11 @@ def sec_next(report: dict) -> str:
 
 def sec_hosts(report: dict, hist: dict | None) -> str:
     hosts = _hosts(report)
+    # a practice run's hosts are named by a failure made on purpose: "practice", never "bad"
+    practice = injected(report)
+
+    def status(h: dict) -> str:
+        return "practice" if practice and h.get("status") != "good" else h.get("status")
     past = {h["entity"]: h for h in (hist or {}).get("hosts", [])}
     order = {"bad": 0, "suspect": 1}
     ranked = sorted(hosts, key=lambda h: order.get(h.get("status"), 2))
@@ -128,7 +133,7 @@ def sec_hosts(report: dict, hist: dict | None) -> str:
                           for r in _l(h.get("reasons")))
         node = " ".join(f'{k.split("_")[0]} {e(h[k])}' for k in ("slurm_node", "k8s_node")
                         if h.get(k))
-        node += "".join(f'<div>{e(rail_label(r))}: {_chip(r.get("status"))}</div>'
+        node += "".join(f'<div>{e(rail_label(r))}: {_chip(status(r))}</div>'
                         for r in map(_d, _l(h.get("rails"))))
         ranks = _l(h.get("ranks"))
         rank_text = ", ".join(str(r) for r in ranks[:16]) + (" …" if len(ranks) > 16 else "")
@@ -138,13 +143,14 @@ def sec_hosts(report: dict, hist: dict | None) -> str:
             cell = "<td>" + (_history_cell(p) if p else '<span class="muted">none</span>') \
                 + "</td>"
         rows.append(f'<tr><td><b>{e(h.get("host"))}</b><div class="muted">{node}</div></td>'
-                    f'<td>{_chip(h.get("status"))}</td><td>{e(rank_text)}</td>'
+                    f'<td>{_chip(status(h))}</td><td>{e(rank_text)}</td>'
                     f'<td><ul class="plain">{reasons}</ul></td>{cell}</tr>')
     more = len(hosts) - len(shown)
     tail = f'<p class="muted">and {more} more good hosts (report.json, good_hosts.txt)</p>' \
         if more > 0 else ""
-    counts = ", ".join(f"{sum(h.get('status') == v for h in hosts)} {v}"
-                       for v in ("bad", "suspect", "good"))
+    counts = ", ".join(f"{sum(status(h) == v for h in hosts)} {v}"
+                       for v in ("practice", "bad", "suspect", "good")
+                       if v != "practice" or practice)
     head = "<th>history</th>" if hist is not None else ""
     return (f'<section id="hosts"><h2>Hosts <small>{e(counts)}</small></h2><div class="scroll">'
             f'<table><thead><tr><th>host</th><th>status</th><th>ranks</th><th>reasons</th>'
@@ -317,7 +323,7 @@ ul.plain{margin:0;padding-left:16px}
 .chip{display:inline-block;padding:0 8px;border-radius:10px;background:#d0d7de;font-size:.85em;
 color:#000}
 .chip.pass,.chip.good{background:#aceebb}.chip.fail,.chip.bad{background:#ffcecb}
-.chip.suspect{background:#fff1a8}.chip.skip{background:#eaeef2}
+.chip.suspect,.chip.practice{background:#fff1a8}.chip.skip{background:#eaeef2}
 svg.chart{width:100%;height:auto;max-width:760px;display:block}
 table.timeline svg.chart{min-width:260px}
 svg.spark{width:120px;height:26px;vertical-align:middle}

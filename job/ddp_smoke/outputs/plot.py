@@ -7,6 +7,7 @@ that fails for another reason costs one line on stderr, never the verdict.
 """
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import sys
@@ -22,13 +23,15 @@ INSTALL = ".venv/bin/python -m pip install matplotlib"
 def not_drawn(report) -> str | None:
     """Why there is no busbw.png although the bandwidth check ran (None: it is drawn)."""
     config = (report.get("config") if isinstance(report, dict) else report.config) or {}
+    # found, not imported: importing it would cost a quick run a large part of its time
+    have = importlib.util.find_spec("matplotlib") is not None
     if config.get("level") == "quick":
         # quick: four sizes make a poor picture, and importing matplotlib and drawing would
-        # be a large part of a quick run (bench/phases.py shows where the time goes)
-        return "not drawn at the quick level (--level standard draws it)"
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+        # be a large part of a quick run (bench/phases.py shows where the time goes); the
+        # hint names all that the standard level needs, so that it leads somewhere
+        return ("not drawn at the quick level (--level standard draws it"
+                + ("" if have else f" once matplotlib is installed: {INSTALL}") + ")")
+    if not have:
         return f"not drawn: matplotlib is not installed (in the checkout: {INSTALL})"
     return None
 

@@ -47,6 +47,7 @@ check: a gate without data is not a pass.
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import math
 from importlib import resources
@@ -79,6 +80,14 @@ def load(name: str) -> dict[str, Any]:
     return copy.deepcopy(_load(name))
 
 
+def _close(name: str) -> list[str]:
+    """The shipped profiles a mistyped name is closest to, whole or by its first part (the
+    device: ``h900`` -> h100-8gpu, h200-8gpu)."""
+    whole = difflib.get_close_matches(name, names(), n=1)
+    stems = {n.split("-")[0]: n for n in names()}
+    return whole or [stems[s] for s in difflib.get_close_matches(name.split("-")[0], stems, n=2)]
+
+
 @functools.lru_cache(maxsize=8)
 def _load(name: str) -> dict[str, Any]:
     if name.endswith(".yaml"):
@@ -86,8 +95,10 @@ def _load(name: str) -> dict[str, Any]:
     elif name in names():
         text = resources.files(__package__).joinpath(f"{name}.yaml").read_text()
     else:
-        raise ConfigError(f"key 'profile' = {name!r}: no such profile; shipped: "
-                          f"{', '.join(names())}, or give a path to a .yaml file")
+        close = _close(name)
+        raise ConfigError(f"key 'profile' = {name!r}: no such profile"
+                          + (f" (did you mean {' or '.join(map(repr, close))}?)" if close else "")
+                          + f"; shipped: {', '.join(names())}, or give a path to a .yaml file")
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
