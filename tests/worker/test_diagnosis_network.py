@@ -200,13 +200,15 @@ def _links_figures(report: dict) -> str:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("attempt", range(HELD_REPEAT))
-@pytest.mark.parametrize("both_ways", [True, False], ids=["both_ways", "one_way"])
-def test_a_lossy_link_is_named_with_both_ends(box, tmp_path, attempt, both_ways):
-    """3 % of the packets lost at random between two nodes (a bad cable or optic), both ways
-    or one way only: every pair's bandwidth looks fine, so the pair's round trips (a lost
-    small message waits for a retransmission timer) and its TCP retransmissions name it."""
+def test_a_link_lossy_one_way_is_named_with_both_ends(box, tmp_path, attempt):
+    """3 % of one node's packets to another lost at random (a bad cable or optic, one
+    direction: the harder case, half the evidence): every pair's bandwidth looks fine, so the
+    pair's round trips (a lost small message waits for a retransmission timer) and its TCP
+    retransmissions name it. Loss both ways under torchrun: the rail test
+    (tests/worker/test_diagnosis_rails.py) and the Slurm template's
+    (tests/launchers/test_slurm_store.py), one run each for the suite's time."""
     a, b = box.hosts[1], box.hosts[2]
-    with faults.lossy_link(a, b, 0.03, both_ways=both_ways):
+    with faults.lossy_link(a, b, 0.03, both_ways=False):
         report = _report(_start(box, tmp_path, "environment,bandwidth", SMALL_SWEEP, 60,
                                 level="quick"), tmp_path)
     print(f"\n{_links_figures(report)}")
