@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,9 +71,9 @@ def _slug(heading: str) -> str:
 def _printed_and_written() -> dict[str, str]:
     """What points readers elsewhere: --help of the worker and node-check, the Makefile, and
     every page under docs/ with README."""
-    said = {f"{' '.join(argv)} --help": subprocess.run(
-        [str(REPO / ".venv/bin/python"), "-m", "ddp_smoke", *argv, "--help"], cwd=REPO,
-        capture_output=True, text=True, timeout=60).stdout for argv in ([], ["node-check"])}
+    said = {f"{' '.join(words)} --help": subprocess.run(
+        [sys.executable, "-m", "ddp_smoke", *words, "--help"], cwd=REPO,
+        capture_output=True, text=True, timeout=60).stdout for words in ([], ["node-check"])}
     said["Makefile"] = (REPO / "Makefile").read_text()
     for page in [README, *sorted((REPO / "docs").glob("*.md"))]:
         said[page.relative_to(REPO).as_posix()] = page.read_text()
