@@ -114,8 +114,11 @@ def _rounds(ctx, cfg, plans, pass_number, groups, spot, size, clock) -> list[dic
         pairs = plans[g][number] if g is not None and number < len(plans[g]) else []
         peer = next((b if a == me else a for a, b in pairs if me in (a, b)), None)
         if peer is not None:
-            times = _exchange(ctx, groups[g][peer], size, cfg["pair_iters"], clock)
+            # round trips first: they end on the first side half a trip after the other, and
+            # the exchange's symmetric handshake evens that out before the round's barrier
+            # (else the pairs' lower node always arrives last there: a straggler by design)
             rtt = _round_trips(ctx, groups[g][peer], me < peer, ctx.section("links"))
+            times = _exchange(ctx, groups[g][peer], size, cfg["pair_iters"], clock)
             out.append({"pass": pass_number, "round": number, "node": me, "peer_node": peer,
                         "time_us": min(times) * 1e6, "time_us_max": max(times) * 1e6,
                         **rtt, **({"rail": g} if len(groups) > 1 else {})})
