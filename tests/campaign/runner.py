@@ -211,7 +211,10 @@ def _strike(cell: Cell, launch, parts, undo: contextlib.ExitStack, folder) -> fl
         # came after them: read_only.rank0.storage.submit.1x4 passed); in place from the
         # check before it instead, which writes nothing there
         stage = matrix.STAGES[matrix.STAGES.index(stage) - 1]
-    key = (f"rank/{cell.rank}" if stage == "join" else
+    # the store killed at join: once every rank connected to it (before, a rank still
+    # starting finds no store at all: another fault, which leaves no word in lost/)
+    key = ("connect/all" if stage == "join" and k == "store_killed" else
+           f"rank/{cell.rank}" if stage == "join" else
            f"arrive/{stage}/0/{cell.rank}" if lasting else f"arrive/{stage}/0/all")
     worker = {}  # the struck rank's process, for the kinds that strike it
 

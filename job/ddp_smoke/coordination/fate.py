@@ -346,17 +346,26 @@ class Witness(threading.Thread):
                     exits.register(os.pidfd_open(pid), selectors.EVENT_READ, pid)
                 except ProcessLookupError:
                     continue  # gone before it was watched
-            for key, _ in exits.select(_LOOK_S):
-                exits.unregister(key.fileobj)
+            if not exits.select(_LOOK_S):
+                continue
+            # Every watched worker's status first, the posts after: the agent, once it finds
+            # one failed, reaps the others at once (its look at whether they live reaps them),
+            # and two ranks killed together lost the second's status to a post in between.
+            seen = []
+            for key in list(exits.get_map().values()):
                 try:
                     got = os.waitid(os.P_PIDFD, key.fileobj,
                                     os.WEXITED | os.WNOWAIT | os.WNOHANG)
                 except ChildProcessError:
                     got = None  # reaped already
-                finally:
-                    os.close(key.fileobj)
-                if got is not None:
-                    self._tell(got)
+                else:
+                    if got is None:
+                        continue  # alive
+                    seen.append(got)
+                exits.unregister(key.fileobj)
+                os.close(key.fileobj)
+            for got in seen:
+                self._tell(got)
 
     def _poll(self) -> None:
         while not self.stopped.is_set():
