@@ -36,6 +36,7 @@ WORKER = [
     ("flag-checks-repeated", ["--checks", "environment,environment"], {}, None, None,
      ["'checks'", "repeated"]),
     ("flag-backend", ["--backend", "mpi"], {}, None, None, ["--backend", "gloo"]),
+    ("flag-progress", ["--progress", "loud"], {}, None, None, ["--progress", "plain"]),
     ("flag-unknown", ["--colour", "red"], {}, None, None, ["unrecognized", "--colour"]),
     ("flag-typo-hint", ["--chekcs", "environment"], {}, None, None,
      ["unrecognized", "--chekcs", "did you mean --checks?"]),

@@ -193,6 +193,12 @@ def test_docker_run_writes_a_passing_two_rank_report(docker_engine, worker_image
         (name, "pass") for name in QUICK_CHECKS.split(",")]
     assert report.get("run_id", runs[1]) == runs[1]
     assert (out / runs[1] / "report.json").stat().st_uid == uid  # the image's non-root user
+    # the pod's log said each check as it was judged (issue 51), the joined line first
+    said = [ln[len("ddp-smoke: "):] for ln in logs.splitlines()
+            if ln.startswith(("ddp-smoke: run ", "ddp-smoke: ["))]
+    assert " 2 ranks on 1 node joined in " in said[1], said  # after the entrypoint's own
+    assert [x.split()[1:3] for x in said[2:]] == [[name, "PASS"]
+                                                  for name in QUICK_CHECKS.split(",")], said
 
 
 def test_the_verdict_is_the_last_line_of_the_image_output(docker_engine,

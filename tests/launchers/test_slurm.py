@@ -95,6 +95,12 @@ def test_two_nodes_pass(cluster, tmp_path):
     assert job.last_line().startswith("ddp-smoke: verdict pass"), job.last_line()
     # the node's name in each line's prefix (torchrun --role): only rank 0 prints on a pass
     assert f"[{cluster.node_names[0]}:0]:" in job.output, job.output[-4000:]
+    # rank 0 said the join and each check as it was judged, in the job's log (issue 51)
+    said = [ln.split("ddp-smoke: ", 1)[1] for ln in job.output.splitlines()
+            if ln.startswith(f"[{cluster.node_names[0]}:0]:") and "ddp-smoke: " in ln]
+    assert " 4 ranks on 2 nodes joined in " in said[0], said
+    assert [x.split()[:3] for x in said[1:]] == [["[1/2]", "environment", "PASS"],
+                                                  ["[2/2]", "ddp_step", "PASS"]], said
     for node in cluster.node_names:  # per-node log folders, each rank's lines in its own
         assert list(job.report_path.parent.glob(f"torchrun/{node}/*/attempt_0/0/stdout.log"))
     head = cluster.hosts.hosts[0].addr  # NodeAddr: the NodeName resolves nowhere

@@ -26,6 +26,10 @@ def test_local_two_processes_return_a_passing_report(tmp_path):
                     wait_timeout_s=150)
     assert (report["verdict"], report["world_size"]) == ("pass", 2)
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    # rank 0's task log, one the caller can tail, said each check as it was judged (issue 51)
+    logs = "".join(p.read_text(errors="replace") for p in tmp_path.rglob("*_0_log.err"))
+    assert "ddp-smoke: [1/2] environment PASS in " in logs, logs[-3000:]
+    assert "ddp-smoke: [2/2] ddp_step PASS in " in logs, logs[-3000:]
 
 
 @pytest.mark.timeout(180)

@@ -114,6 +114,9 @@ def worker_parser(manual: Callable[[], str] | None = None) -> Parser:
     p.add_argument("--node-beats", choices=rules.NODE_BEATS,
                    help="ranks beat through one rank of their node: auto (beyond 2,500 ranks, "
                         "the default), on, off")
+    p.add_argument("--progress", choices=rules.PROGRESS,
+                   help="rank 0's lines on stderr while the run runs: the join, each check as "
+                        "it is judged, who a long wait awaits; auto (default) = plain, none")
     p.add_argument("--prometheus", metavar="FILE",
                    help="also write the verdict and key figures as a node_exporter textfile")
     return p

@@ -22,6 +22,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 CHECKS = ("environment", "ddp_step", "sampler_epochs", "collectives", "storage", "bandwidth",
           "transport", "rails", "compute", "health")
 NODE_BEATS = ("auto", "on", "off")  # --node-beats: coordination.node
+PROGRESS = ("auto", "plain", "none")  # --progress: coordination.telling
 ACTS = ("slurm-drain",)  # --act: what rank 0 may do itself after the verdict
 
 GIB = 1 << 30
@@ -153,6 +154,7 @@ RULES: dict[str, Any] = {
     "duration": Real(0.0, 7 * DAY_S, lo_open=True),  # with repeat: config._validate
     "act": OneOf(ACTS),
     "node_beats": OneOf(NODE_BEATS),
+    "progress": OneOf(PROGRESS),
     "prometheus": Path(),
     "rails": Devices(64),  # a node has at most a few dozen NICs
     # >= 8: with fewer, two epochs may draw the same order by chance (1 in 8! at 8);

@@ -43,7 +43,9 @@ def finalize(c, store, aborted: bool) -> str | None:
     except Exception:  # noqa: BLE001 — the store is gone; write what this rank knows
         pass
     found, error = {}, None
+    c.teller.clear()  # the terminal's status line, before the summary
     if aborted:
+        c.teller.stopped(run.stage)
         run = run.with_results(store).with_identities(store)  # a survivor: rank 0's results
         stopped = run.stopped()
         live = judge_as_a_rank(store, stopped, run.silence, run.env.rank)

@@ -146,6 +146,9 @@ class Liveness:
         gone = [r for r in silent if r in beats and try_get(store, keys.of(prefix, r)) is None]
         if gone:
             c.abort(store, records.LostAbort, silent=gone, waiting_for=what)
+        else:
+            c.teller.waiting(store, what, c.stage, prefix, len(world), c.waiting_since,
+                             c.deadline, c.run.ranks)
 
     def follow(self, store, what: str) -> None:
         """Another rank, while it waits for rank 0 to say that every rank arrived: rank 0

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..config.launchenv import LaunchEnv
 from ..model import CheckResult, check_from_dict
 from . import (fate, forensics, judge, keys, liveness, progress, reach, records, retransmits,
-               runtime, signing)
+               runtime, signing, telling)
 from .store import POLL_MAX_S, STORE_OPS_PER_S, Silence, Stop, dead_after, listed, try_get
 
 GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watchdog acts first
@@ -144,6 +144,8 @@ class Coordinator:
         # it beats, and follows rank 0's heartbeat, in time; fewer wake-ups than a look period
         self.follow_slice = self._run.silence.after_s / 2
         self.liveness = liveness.Liveness(self)
+        self.teller = telling.Teller(cfg, env.rank)
+        self.waiting_since = 0.0  # when await_all began its wait (monotonic)
 
     # -- the run's state: read by any thread, changed by the main thread --------------------
     @property
@@ -176,6 +178,11 @@ class Coordinator:
 
     def enter(self, stage: str, deadline_s: float | None) -> None:
         self._phase = (stage, None if deadline_s is None else time.monotonic() + deadline_s)
+
+    @property
+    def deadline(self) -> float | None:
+        """The stage's deadline (monotonic), or None."""
+        return self._phase[1]
 
     def expired(self) -> bool:
         deadline = self._phase[1]
@@ -214,6 +221,8 @@ class Coordinator:
         for r, value in zip(wanted, store.multi_get([keys.of(keys.RANK, r) for r in wanted])):
             ranks[r] = json.loads(value)
         self.met(ranks)
+        self.teller.joined(env.run_id, ranks, self._run.backend, self.checks,
+                           time.monotonic() - self._run.t0, self._run.report_dir)
 
     def timed(self, phase: str, value: float) -> None:
         self._change(timings=self._run.timings + ((phase, value),))
@@ -313,7 +322,7 @@ class Coordinator:
         """Rank 0: wait until every rank has posted ``prefix/<rank>``. Meanwhile its
         watchdog watches the heartbeats of the ranks still missing
         (:meth:`ddp_smoke.coordination.liveness.Liveness.watch`)."""
-        self._waiting = ((what, prefix), None)
+        self._waiting, self.waiting_since = ((what, prefix), None), time.monotonic()
         try:
             self.wait_for(store, [keys.of(prefix, r) for r in range(self.env.world_size)], what)
         finally:
@@ -377,6 +386,9 @@ class Coordinator:
     def post_result(self, store, result: CheckResult) -> None:
         """Rank 0 keeps each judged result in the store too: a survivor may have to write."""
         self._change(judged=self._run.judged + ((self.iteration, result),))
+        self.teller.judged(result, self.checks.index(result.name) + 1, len(self.checks),
+                           self.iteration if self.cfg["repeat"] > 1 or self.cfg["duration"]
+                           else None)
         try:
             store.set(keys.of(keys.RESULT, self.key(result.name)),
                       json.dumps(dataclasses.asdict(result)))
