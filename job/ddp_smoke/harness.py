@@ -62,7 +62,7 @@ def run(cfg: dict[str, Any]) -> int:
     if env.rank == 0:
         prelaunch.hold(rdir, env.run_id)  # one live run per folder
         outputs.prepare(rdir)  # a report left by another run must never read as this run's
-        lost.clear(rdir, env.run_id, lost.process_start())  # nor its ranks' last words
+        lost.clear(rdir, env.run_id)  # nor its ranks' last words
     try:
         c = Coordinator(env, cfg, lambda may_host: _store(env, timeout, may_host), _publish,
                         started_at, t0)

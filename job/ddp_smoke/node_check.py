@@ -67,7 +67,6 @@ from . import preflight
 from .checks.health import cpu
 from .checks.health.finding import FAIL, Limits
 from .checks.health.readers import REPLAY_ENV, Node, cgroup
-from .config import defaults
 from .config.args import Parser, parse_config, worker_parser
 from .errors import ConfigError
 from .model import Culprit
@@ -149,15 +148,17 @@ def _worker(node: str, rid: str, report_dir: str, nproc: int, worker_args: list[
     return None, "stopped" if _stop["now"] else "timeout"
 
 
-def _throttle(before: dict | None, after: dict | None) -> str:
-    """The CPU quota's evidence over the check (the health check's own rule), or ""."""
+def _throttle(before: dict | None, after: dict | None, health: dict) -> str:
+    """The CPU quota's evidence over the check (the health check's own rule, with the run's
+    ``health`` settings), or ""."""
     node = {"cpu": {"start": before, "end": after}}
-    return "; ".join(f.line() for f in cpu.judge(node, Limits(defaults()["health"]))
-                     if f.level == FAIL)
+    return "; ".join(f.line() for f in cpu.judge(node, Limits(health)) if f.level == FAIL)
 
 
-def check(args, node: str, cfg_args: list[str], nproc: int) -> tuple[dict, str, float]:
-    """One node-check: (the report as written, its folder, seconds taken)."""
+def check(args, node: str, cfg_args: list[str], nproc: int,
+          cfg: dict) -> tuple[dict, str, float]:
+    """One node-check: (the report as written, its folder, seconds taken); ``cfg``: the
+    worker options' effective config, whose thresholds node-check's own findings use too."""
     t0 = time.monotonic()
     deadline = t0 + args.timeout - _MARGIN_S
     rid = run_id(node)
@@ -178,7 +179,7 @@ def check(args, node: str, cfg_args: list[str], nproc: int) -> tuple[dict, str, 
         report = launch_report.own_report(report_dir, rid) if code is not None else None
         if report is None:
             culprits = [_no_report(node, code, why, args.timeout, log_path,
-                                   _throttle(quota_before, cgroup.read()))]
+                                   _throttle(quota_before, cgroup.read(), cfg["health"]))]
     else:
         culprits, _ = launch_report.preflight_culprits([node], {node: record}, {}, report_dir)
     if report is None:
@@ -324,7 +325,7 @@ def once(args, node: str, worker_args: list[str], cfg: dict) -> int:
         return 0
     # a replayed node's GPUs are a recording's: the ranks are this machine's CPUs
     nproc = gpus if gpus and not os.environ.get(REPLAY_ENV) else args.cpu_ranks
-    report, report_dir, took = check(args, node, worker_args, nproc)
+    report, report_dir, took = check(args, node, worker_args, nproc, cfg)
     root = os.path.dirname(os.path.abspath(report_dir))
     if _stop["now"]:  # stopped, not judged: no verdict, no act, no run in the node's memory
         shutil.rmtree(report_dir, ignore_errors=True)

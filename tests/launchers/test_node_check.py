@@ -163,3 +163,23 @@ def test_a_node_under_a_cpu_quota_fails_with_the_quota_as_evidence(tmp_path):
     print("\n" + "\n".join(findings))
     assert findings and all("CPU quota" in ln for ln in findings), findings
     assert any("0.1 CPU" in ln for ln in findings), findings
+
+
+def test_the_quota_evidence_of_a_worker_past_its_time_uses_the_runs_config(tmp_path):
+    """Issue 50: node-check's own CPU-quota finding (a worker that ran past its bound wrote
+    nothing) read the package defaults, so a ``--config`` after ``--`` was ignored there. The
+    cgroup readings of 60 % of the periods throttled: the default rule (50 %) fails them, a
+    site's 90 % does not."""
+    from ddp_smoke import node_check
+
+    def reading(periods, throttled):
+        return {"version": "v2", "levels": [{"path": "/job", "quota_cpus": 0.5,
+                                             "periods": periods, "throttled": throttled,
+                                             "throttled_s": throttled * 0.05}]}
+    before, after = reading(1000, 100), reading(1100, 160)
+    _, _, cfg = node_check.parse(["--"])
+    assert "CPU quota" in node_check._throttle(before, after, cfg["health"])
+    site = tmp_path / "site.yaml"
+    site.write_text("health:\n  cpu_throttled_fraction: 0.9\n")
+    _, _, cfg = node_check.parse(["--", "--config", str(site)])
+    assert node_check._throttle(before, after, cfg["health"]) == ""

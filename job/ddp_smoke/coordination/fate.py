@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 
-from . import hosting, keys, signing
+from . import hosting, keys, proc, signing
 from .store import reads
 
 FOLDER = "fatal"
@@ -44,7 +44,6 @@ _OOM = re.compile(r"(Memory cgroup out of memory|Out of memory[^:]*): Killed pro
 _FATAL = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
           "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
 _KMSG_MAX_BYTES = 4 << 20  # the kernel log's ring is a few MB at most
-_PF_EXITING = 0x4  # a /proc/<pid>/stat flag (include/linux/sched.h): do_exit() has begun
 _file = None
 _log_mark = -1  # the kernel log's last record when this rank started (its sequence number)
 
@@ -132,23 +131,12 @@ def rank_named(pid: int) -> int | None:
 def _proc_state(pid: int) -> str | None:
     """The process's state letter (R, S, D, T, Z …; X once it has begun to exit), None
     when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return state_of(f.read())
-    except OSError:
-        return None
+    return proc.state(proc.stat(pid))
 
 
 def state_of(stat: str) -> str | None:
-    """The state letter of a ``/proc/<pid>/stat`` line; ``X`` when its flags hold
-    PF_EXITING: a killed process stays "R" while the kernel frees its memory and closes its
-    sockets (measured: 9,288 looks at "R" over the exit of a 3 GB process after SIGKILL),
-    and its peers see their connection reset in that time."""
-    try:
-        fields = stat.rsplit(")", 1)[1].split()
-        return "X" if int(fields[6]) & _PF_EXITING else fields[0]
-    except (IndexError, ValueError):
-        return None
+    """The state letter of a ``/proc/<pid>/stat`` line (:func:`.proc.state`)."""
+    return proc.state(proc.fields(stat))
 
 
 def mark_kernel_log() -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import time
+
+from . import proc
 
 FOLDER = "lost"
 
@@ -66,11 +67,12 @@ def hosts(records: dict[int, dict]) -> dict[int, str]:
     return known
 
 
-def clear(report_dir: str, run_id: str, since: float) -> None:
+def clear(report_dir: str, run_id: str, since: float | None = None) -> None:
     """Rank 0, before it connects: an earlier run's records must never speak for this run.
-    Kept: this run's records written since ``since`` (epoch seconds, rank 0's process start),
-    a rank's that lost the store while rank 0 was still starting; an earlier run of the same
-    id (a resubmitted job of one name) wrote before that."""
+    Kept: this run's records written since ``since`` (epoch seconds; default: this process's
+    start), a rank's that lost the store while rank 0 was still starting; an earlier run of
+    the same id (a resubmitted job of one name) wrote before that."""
+    since = proc.started() if since is None else since
     folder = os.path.join(report_dir, FOLDER)
     try:
         names = os.listdir(folder)
@@ -87,15 +89,3 @@ def clear(report_dir: str, run_id: str, since: float) -> None:
             os.unlink(path)
         except OSError:
             pass
-
-
-def process_start() -> float:
-    """When this process started, in epoch seconds (from /proc); now where /proc cannot say."""
-    try:
-        with open("/proc/self/stat") as f:  # field 22, starttime: clock ticks after boot
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            up = float(f.read().split()[0])
-        return time.time() - up + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time()

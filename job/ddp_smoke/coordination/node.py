@@ -29,7 +29,7 @@ import json
 import os
 import time
 
-from . import keys
+from . import keys, proc
 
 SHM = "/dev/shm"
 AUTO_FROM = 2500  # ranks: where two calls a rank a period would stretch the look period
@@ -160,11 +160,7 @@ def _alive(pid: int | None) -> bool:
     """Whether ``pid`` runs: neither gone, a zombie, nor stopped (SIGSTOP). A process of
     another PID namespace reads as gone: its rank's successor speaks too (the record is the
     same either way)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X", "T", "t")
-    except (OSError, IndexError):
-        return False
+    return proc.state(proc.stat(pid)) not in (None, "Z", "X", "T", "t")
 
 
 def unpack(record: bytes | None) -> dict[int, dict]:
