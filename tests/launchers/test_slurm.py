@@ -97,7 +97,8 @@ def test_two_nodes_pass(cluster, tmp_path):
     assert f"[{cluster.node_names[0]}:0]:" in job.output, job.output[-4000:]
     # rank 0 said the join and each check as it was judged, in the job's log (issue 51)
     said = [ln.split("ddp-smoke: ", 1)[1] for ln in job.output.splitlines()
-            if ln.startswith(f"[{cluster.node_names[0]}:0]:") and "ddp-smoke: " in ln]
+            if ln.startswith(f"[{cluster.node_names[0]}:0]:")
+            and ("ddp-smoke: run " in ln or "ddp-smoke: [" in ln)]
     assert " 4 ranks on 2 nodes joined in " in said[0], said
     assert [x.split()[:3] for x in said[1:]] == [["[1/2]", "environment", "PASS"],
                                                   ["[2/2]", "ddp_step", "PASS"]], said

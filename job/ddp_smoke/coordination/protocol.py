@@ -387,8 +387,8 @@ class Coordinator:
         """Rank 0 keeps each judged result in the store too: a survivor may have to write."""
         self._change(judged=self._run.judged + ((self.iteration, result),))
         self.teller.judged(result, self.checks.index(result.name) + 1, len(self.checks),
-                           self.iteration if self.cfg["repeat"] > 1 or self.cfg["duration"]
-                           else None)
+                           self.iteration if self.cfg.get("repeat", 1) > 1
+                           or self.cfg.get("duration") else None)
         try:
             store.set(keys.of(keys.RESULT, self.key(result.name)),
                       json.dumps(dataclasses.asdict(result)))
