@@ -71,6 +71,7 @@ def test_a_hung_rank_is_named_while_the_run_waits_and_each_check_as_it_is_judged
     assert max(b - a for a, b in zip(stamps, stamps[1:])) <= 10.5, (stamps, said)
     assert said[-1][1] == "ddp_step: the run stopped; finding who stopped it, then the report"
     assert all(t <= verdict for t, _ in said), (said, verdict)
+    assert not [x for _, x in err + out if "\x1b" in x or "\r" in x]  # a log: plain lines
     # what test_faults asserts of every fault: the rank named, the report written
     text = (tmp_path / "r" / "report.json").read_text()
     assert '"verdict": "fail"' in text and "did not arrive at ddp_step" in text
