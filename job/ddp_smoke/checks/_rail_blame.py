@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..coordination import reach
 from ..model import rail_label
 from . import perf
 
-_PROBE = "probe port, 2 tries of 1.5 s each"
+_PROBE = f"probe port, {reach.ROUNDS} tries of {reach.PROBE_S:g} s each"  # as rails tries
 
 
 def judge(ev, leaders: list[int], rails: list[dict], size: int, cut: float,
