@@ -159,6 +159,13 @@ def impossible(c: Cell) -> str | None:
         return "the store lives on one node: the store's"
     if c.kind in FOLDER and c.position != "rank0":
         return "the report folder is the writer's (rank 0's)"
+    if c.kind == "dead_link" and 0 not in (c.node, c.peer_node) and \
+            STAGES.index(c.stage) > max(STAGES.index(x) for x in COLLECTIVE):
+        return ("chance, not a cell: no check after it sends over the link, but a segment of "
+                "the last exchange may still be unacknowledged when it is cut; its sender then "
+                "retransmits into the cut and the kit names the link (right: it is dead), or "
+                "nothing was in flight and the run passes (measured: both, "
+                "dead_link.last.transport.torchrun.3x1)")
     if c.kind == "read_only" and c.launcher == "image" and c.stage != "join":
         return ("a running pod keeps its own mount of the folder: a read-only bind made over it "
                 "on the host later never reaches it (the tmpfs itself cannot be remounted "
