@@ -5,7 +5,8 @@ Not a test: it prints numbers. As root, in one invocation, on three network-name
 alternate (ABBA, so drift on a shared machine hits both alike) between
 
 * **probe**: the defaults: ``links.latency_iters`` (100) one-element round trips per pair;
-* **no probe**: ``links.latency_iters: 0``: the pairs' bandwidth exchanges alone.
+* **no probe**: ``links.latency_iters: 0``: the pairs' bandwidth exchanges alone;
+* **no beacon**: ``links.beacon_s: 0``: no byte kept on every link all run long.
 
 Per kind it prints the medians of the check's ``pairs_s`` and ``duration_s`` and the
 difference probe − no probe (the issue's bound: 1 s or less per check on three CPU nodes).
@@ -31,7 +32,8 @@ from tests.sandbox.hosts import HostSandbox  # noqa: E402
 
 PREFIX, SUBNET, NODES = "dsy", "10.231.43.0/24", 3
 SWEEP = "bandwidth:\n  max_bytes_cpu: 1048576\n  pair_bytes_cpu: 2097152\n  pair_rounds: 3\n"
-KINDS = {"probe": SWEEP, "no probe": SWEEP + "links:\n  latency_iters: 0\n"}
+KINDS = {"probe": SWEEP, "no probe": SWEEP + "links:\n  latency_iters: 0\n",
+         "no beacon": SWEEP + "links:\n  beacon_s: 0\n"}
 
 
 def snapshot_cost(connections: int = 64, reads: int = 200) -> float:
@@ -65,6 +67,8 @@ def main(rounds: int) -> int:
     print(f"# latency probe costs {med['probe']['check_s'] - med['no probe']['check_s']:+.3f} s "
           f"per check (pairs {med['probe']['pairs_s'] - med['no probe']['pairs_s']:+.3f} s; "
           f"bound 1 s); load average now {os.getloadavg()[0]:.2f}")
+    print(f"# beacon (a byte every links.beacon_s on each node's links) costs "
+          f"{med['probe']['check_s'] - med['no beacon']['check_s']:+.3f} s per check")
     print(f"# retransmits.snapshot() with 128 TCP sockets open: "
           f"{1e3 * snapshot_cost():.2f} ms per read (two reads per check)")
     return 0

@@ -280,7 +280,8 @@ def _network(cell: Cell, launch, undo: contextlib.ExitStack) -> None:
             "dead_node": lambda: faults.cut_node(a, subnet),
             "blackhole": lambda: faults.blackhole(a, b),
             "lossy_link": lambda: faults.lossy_link(a, b, 0.03),
-            "lossy_one_way": lambda: faults.lossy_link(a, b, 0.03, both_ways=False)}
+            "lossy_one_way": lambda: faults.lossy_link(a, b, 0.03, both_ways=False),
+            "flapping_link": lambda: faults.flapping_link(a, b)}
     if cell.kind in made:
         undo.enter_context(made[cell.kind]())
 

@@ -39,7 +39,7 @@ def test_the_cells_a_table_ran_stay_and_new_values_only_add_cells():
     ran = listed[:40]
     kept = matrix.cover(kept=ran)
     assert set(ran) <= set(kept.cells) and kept.pairs == COVER.pairs
-    gone = "| flapping_link.rank0.storage.torchrun.3x1 | pass {-} | pass {-} | - | 16.1 | right |"
+    gone = "| wobbly_link.rank0.storage.torchrun.3x1 | pass {-} | pass {-} | - | 16.1 | right |"
     assert matrix.cells_in(gone) == []  # a kind no longer in the matrix: not a cell
 
 

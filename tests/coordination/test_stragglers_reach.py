@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 
 from ddp_smoke.coordination import blame
-from ddp_smoke.coordination import reach, stragglers
+from ddp_smoke.coordination import reach, retransmits, stragglers
 from ddp_smoke.model import CheckResult, Culprit
 
 HOSTS = [f"n{i}" for i in range(6)]
@@ -162,6 +162,14 @@ def test_attach_leaves_out_a_rank_the_check_already_names():
     result = CheckResult("bandwidth", "fail", summary="slow node", culprits=[slow])
     stragglers.attach(result, _spent(4, 100, late=2), lambda r, why: Culprit(r, f"h{r}", why))
     assert result.culprits == [slow]
+    # a rank after the link in the ring, not one of its ends: the link's delay, not the rank's
+    result = CheckResult("collectives", "fail", summary="lossy link", culprits=[link])
+    stragglers.attach(result, _spent(4, 100, late=2), lambda r, why: Culprit(r, f"h{r}", why))
+    assert result.culprits == [link] and result.figures["waits"]["link_named"] == [2]
+    # a rank named alone (not a link) spares no other rank
+    result = CheckResult("compute", "fail", summary="slow", culprits=[slow])
+    stragglers.attach(result, _spent(4, 100, late=0), lambda r, why: Culprit(r, f"h{r}", why))
+    assert [k.rank for k in result.culprits] == [2, 0]
 
 
 def test_a_node_check_on_cpu_ranks_keeps_the_waits_as_a_figure_only():
@@ -362,3 +370,26 @@ def test_the_store_s_own_node_cut_off_explains_every_other_rank_s_silence():
                        reach=probes)
     got = blame.judge(s).culprits
     assert [(c.rank, c.host) for c in got] == [(0, "n0")] and "cut off" in got[0].reason
+
+
+def test_the_probe_reads_a_beacon_for_as_long_as_it_sends(monkeypatch):
+    """A beacon's byte every 0.3 s, the probe's read timeout 0.2 s: the probe keeps reading
+    (a beacon is silent for as long as an outage lasts), answers nothing, and every byte is a
+    data segment of a connection :mod:`retransmits` counts; a refused address is let go."""
+    monkeypatch.setattr(reach, "PROBE_S", 0.1)
+    probe, stop = reach.Probe("127.0.0.1"), threading.Event()
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        refused = closed.getsockname()
+    beat = threading.Thread(target=reach._beat, args=([(probe.addr, probe.port), refused], 0.3,
+                                                       stop), daemon=True)
+    beat.start()
+    try:
+        time.sleep(1.45)
+        mine = {c: v for c, v in retransmits.snapshot().items() if c[1][1] == probe.port}
+        assert len(mine) == 1 and list(mine.values())[0][2] >= 4, mine
+        assert beat.is_alive()
+    finally:
+        stop.set()
+        beat.join(2)
+        probe.sock.close()
+    assert not beat.is_alive()

@@ -123,12 +123,12 @@ def test_rank0_and_the_store_host_killed_the_launcher_names_the_silent_node(clus
 
 
 # Issue 45's faults between the second and third nodes, for the whole job: (the fault, the
-# checks, the worker's --timeout). Not a flapping port (down 1 s, up 1 s): this job's checks
-# at the quick level can fit inside one up-time and pass (seen in CI) — chance until the kit
-# keeps traffic on every link for the whole run (issue 45's remainder); the worker under
-# torchrun names one (tests/worker/test_diagnosis_network.py).
+# checks, the worker's --timeout). A flapping port (down 1 s, up 1 s) under checks that can
+# fit inside one up-time: the beacon's bytes on every link time out during an outage.
 LINK_FAULTS = {
     "lossy": (lambda a, b: faults.lossy_link(a, b, 0.03), "environment,bandwidth", 60),
+    "flapping": (lambda a, b: faults.flapping_link(a, b, 1.0, 1.0),
+                 "environment,collectives", 20),
 }
 
 
@@ -136,9 +136,9 @@ LINK_FAULTS = {
 @pytest.mark.parametrize("kind", list(LINK_FAULTS))
 def test_a_link_bad_some_of_the_time_under_the_template_is_named_with_both_ends(
         cluster, tmp_path, kind):
-    """3 % of the packets between the second and third nodes lost at random, both ways: the
-    job fails and names exactly that link, both ends, as the worker under torchrun does
-    (tests/worker/test_diagnosis_network.py)."""
+    """3 % of the packets between the second and third nodes lost at random, both ways, or
+    the link down 1 s and up 1 s over and over: the job fails and names exactly that link,
+    both ends, as the worker under torchrun does (tests/worker/test_diagnosis_network.py)."""
     a, b = cluster.hosts.hosts[1], cluster.hosts.hosts[2]
     fault, checks, timeout = LINK_FAULTS[kind]
     (tmp_path / "cfg.yaml").write_text("bandwidth:\n  max_bytes_cpu: 1048576\n"

@@ -190,6 +190,7 @@ RULES: dict[str, Any] = {
     "links.retransmit_share": Real(0.0, 1.0, lo_open=True),
     "links.rto_min": Int(1, 1 << 16),
     "links.factor": Real(1.0, 1e6),
+    "links.beacon_s": Real(0.0, 60.0),
     "links.latency_iters": Int(0, 100000),
     "links.latency_factor": Real(1.0, 1e6),
     "links.latency_p99_floor_ms": Real(0.0, 3.6e6),

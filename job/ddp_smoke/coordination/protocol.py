@@ -221,6 +221,7 @@ class Coordinator:
         for r, value in zip(wanted, store.multi_get([keys.of(keys.RANK, r) for r in wanted])):
             ranks[r] = json.loads(value)
         self.met(ranks)
+        reach.beacon(store, env.rank, self.cfg.get("links", {}).get("beacon_s", 0))  # leaders
         self.teller.joined(env.run_id, ranks, self._run.backend, self.checks,
                            time.monotonic() - self._run.t0, self._run.report_dir)
 
