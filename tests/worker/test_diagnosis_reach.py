@@ -112,9 +112,12 @@ def _report(nodes: Nodes, tmp: Path) -> dict:
 
 
 def _named(report: dict) -> list:
-    """Every culprit of the report: (rank, [(rank, host) of each end]) per culprit."""
-    return [(c["rank"], c["host"], sorted(zip(c.get("ranks") or [], c.get("hosts") or [])))
-            for k in report["checks"] for c in k["culprits"]]
+    """Every culprit of the report, once: (rank, host, ((rank, host) of each end)). Two checks
+    may name the same one, each by its own evidence (a node cut mid-check: the beacon's
+    timeouts in that check, the probes in the one it stopped)."""
+    return list(dict.fromkeys(
+        (c["rank"], c["host"], tuple(sorted(zip(c.get("ranks") or [], c.get("hosts") or []))))
+        for k in report["checks"] for c in k["culprits"]))
 
 
 def _rank_of(report: dict, host: Host) -> int:
@@ -122,7 +125,7 @@ def _rank_of(report: dict, host: Host) -> int:
 
 
 def _link(report: dict, a: Host, b: Host) -> list:
-    ends = sorted([(_rank_of(report, a), a.name), (_rank_of(report, b), b.name)])
+    ends = tuple(sorted([(_rank_of(report, a), a.name), (_rank_of(report, b), b.name)]))
     return [(None, None, ends)]
 
 
@@ -184,7 +187,7 @@ def test_node_cut_from_every_other_node_is_named(box, tmp_path):
         store = _in_compute(box, nodes)
         with _rules(_node_cut(cut, [endpoint, store])):
             report = _report(nodes, tmp_path / str(attempt))
-        assert _named(report) == [(_rank_of(report, cut), cut.name, [])], \
+        assert _named(report) == [(_rank_of(report, cut), cut.name, ())], \
             (_named(report), nodes.tails())
         stopped = next(c for c in report["checks"] if c["name"] == "collectives")
         assert "is cut off" in stopped["culprits"][0]["reason"]

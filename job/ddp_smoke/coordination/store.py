@@ -349,18 +349,32 @@ def dead_ranks(store, ranks, silence: Silence,
     published progress. A rank is alive when seen moving after
     ``since`` (monotonic; default: now): looks every BEAT_S until each rank is silent or seen
     moving — at once when rank 0's watchdog was watching since the trouble began, after the
-    silence when a rank is dead and nobody was."""
+    silence when a rank is dead and nobody was. A silent rank gets as long again to beat once
+    more, unless a witness or a node mate said how it ended: a link down for a second between
+    a rank and the store (a flapping port, and TCP's backoff after it) holds its heartbeats
+    as long as death would (measured: a port down 1 s in 2 named a live rank dead in 2 runs
+    of 4)."""
     start = time.monotonic()
     since = start if since is None else since
     end, latest = start + silence.after_s + BEAT_S, {}
+    decided = None  # the silent ranks once every rank was silent or seen moving
     while True:
         forged: set[int] = set()
         latest.update(read_beats(store, ranks, forged))
         silent = silence.update({r: (latest.get(r) or {}).get("n") for r in ranks}, forged)
-        if not silence.undecided(ranks, since) or time.monotonic() > end:
+        if decided is None and not silence.undecided(ranks, since):
+            decided = set(silent)
+        if decided is not None:  # a witness's or a mate's word ends the wait for that rank
+            waiting = decided & set(silent)
+            if not waiting or not waiting - {*reads(store, keys.EXIT, waiting),
+                                             *reads(store, keys.FATE, waiting)}:
+                break
+        if time.monotonic() > end:
             break
         time.sleep(BEAT_S)
-    return silent, {r: p for r, p in latest.items() if p}
+    # (a rank that fell silent during the wait is leaving after the abort, not its cause)
+    return [r for r in silent if decided is None or r in decided], \
+        {r: p for r, p in latest.items() if p}
 
 
 def posted(store, prefix: str, wait_for=(), timeout_s: float = 0.0) -> dict[int, dict]:
