@@ -222,8 +222,8 @@ def unstable(records: dict, cfg: dict, device_type: str) -> dict:
     ``latency_factor`` times its fastest and over the same floor more (on CPU, over
     ``latency_stall_ms`` more: a link that went down during one); or lossy when one round
     trip took ``latency_stall_ms`` or more (a lost message waits for TCP's loss timers,
-    200 ms or more on Linux; healthy busy pairs here stay under 17 ms). Blamed on a node when every pair of it is bad, else on the link
-    (:func:`ddp_smoke.model.nodes_or_links`).
+    200 ms or more on Linux; healthy busy pairs here stay under 17 ms). Blamed on a node when
+    every pair of it is bad, else on the link (:func:`ddp_smoke.model.nodes_or_links`).
     """
     floor_us = 1e3 * cfg["latency_p99_floor_ms_cpu" if device_type == "cpu"
                          else "latency_p99_floor_ms"]

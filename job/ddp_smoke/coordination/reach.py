@@ -130,13 +130,12 @@ def listen(env, store) -> None:
 
 def beacon(store, rank: int, every_s: float = BEACON_S) -> None:
     """On a node's leader, once every rank met: keep one TCP connection open to each leader it
-    would probe (:func:`targets`) and send one byte on each every ``every_s`` (``links.beacon_s``;
-    0: none) for the rest of
-    the run. A link down for a moment (a flapping port) leaves those bytes unacknowledged and
-    TCP counts a retransmission timeout, read with every other connection of the process by
-    :mod:`.retransmits` at each check's end, whatever the checks sent over that link and when:
-    measured on namespaced nodes, a port down 1 s in 2 gave 17 timeouts in 12 s, a healthy
-    link none. Never raises."""
+    would probe (:func:`targets`) and send one byte on each every ``every_s``
+    (``links.beacon_s``; 0: none) for the rest of the run. A link down for a moment (a
+    flapping port) leaves those bytes unacknowledged and TCP counts a retransmission timeout,
+    read with every other connection of the process by :mod:`.retransmits` at each check's
+    end, whatever the checks sent over that link and when: measured on namespaced nodes, a
+    port down 1 s in 2 gave 17 timeouts in 12 s, a healthy link none. Never raises."""
     if _PROBE is None or not every_s:
         return
     try:

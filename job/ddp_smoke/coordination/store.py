@@ -349,11 +349,11 @@ def dead_ranks(store, ranks, silence: Silence,
     published progress. A rank is alive when seen moving after
     ``since`` (monotonic; default: now): looks every BEAT_S until each rank is silent or seen
     moving — at once when rank 0's watchdog was watching since the trouble began, after the
-    silence when a rank is dead and nobody was. A silent rank gets as long again to beat once
-    more, unless a witness or a node mate said how it ended: a link down for a second between
-    a rank and the store (a flapping port, and TCP's backoff after it) holds its heartbeats
-    as long as death would (measured: a port down 1 s in 2 named a live rank dead in 2 runs
-    of 4)."""
+    silence when a rank is dead and nobody was. A silent rank is then looked at until that
+    bound (one silence and a beat after the first look) for a beat more, unless a witness or
+    a node mate said how it ended: a link down for a second between a rank and the store (a
+    flapping port, and TCP's backoff after it) holds its heartbeats as long as death would
+    (measured: a port down 1 s in 2 named a live rank dead in 2 runs of 4)."""
     start = time.monotonic()
     since = start if since is None else since
     end, latest = start + silence.after_s + BEAT_S, {}
