@@ -92,7 +92,7 @@ wheelhouse:  ## wheels for an offline `make image WHEELHOUSE=wheelhouse` (PY_VER
 image-test: $(VENV)/.test  ## build and run the image on a private Docker engine (root)
 	$(PY) -m pytest tests/launchers/test_docker.py $(PYTEST_ARGS)
 
-bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs the tutorial, busbw vs a loop, phases, pair planner, coordination at 16,384 ranks, the join's identity read, preflight's, health's and node-check's cost, rails' pairs, the link probe's
+bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs the tutorial, busbw vs a loop, phases, pair planner, coordination at 16,384 ranks, the join's identity read, preflight's, health's and node-check's cost, rails' pairs, the link probe's, the training check's
 	@echo "# bench on $$(nproc) CPUs; load average now: $$(cut -d' ' -f1-3 /proc/loadavg)"
 	$(PY) bench/smoke_vs_tutorial.py $(BENCH_ROUNDS)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=2 bench/bandwidth_vs_loop.py --rounds 7
@@ -105,6 +105,7 @@ bench: $(VENV)/.runtime  ## ratios, never absolute asserts: time to verdict vs t
 	$(PY) bench/node_check.py 3
 	$(PY) bench/rails_pairs.py 3
 	$(PY) bench/link_probe.py 3
+	$(PY) bench/training_cost.py 3
 
 gpu-check: $(VENV)/.runtime  ## on a GPU machine (CUDA torch: TORCH_SPEC/PIP_EXTRA): NVML + health, SDC, every check on NCCL, a hang's Flight Recorder, compute vs h200 (<= 8 min)
 	$(PY) bench/gpu_check.py

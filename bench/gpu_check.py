@@ -19,7 +19,13 @@ Steps (each bounded; one table row each; CUDA-only steps say why they were skipp
            10 SDC repeats (CUDA)
   sdc      3 CPU ranks with ``--fault 1:sdc@health``: the SDC culprits must be exactly rank 1
            (other health findings of this node do not count here: the nvml step shows them)
-  all      one rank with every check under NCCL (CUDA)
+  all      one rank with every check under NCCL (CUDA), the training check's MFU against the
+           GPU's dense bf16 peak: a profile file that holds only that peak, taken from the
+           shipped profile whose name the GPU's name contains (A100, H100, H200, B200)
+  training the all step's training check on its own row (no second run): tokens/s per GPU
+           and MFU of the ~1.2 B-parameter model, the figures to set beside TorchTitan's
+           (docs/training.md); its first step against the reference, step, exposed
+           communication, peak memory (CUDA)
   hang     one rank hangs at collectives: the run stops, names it, leaves the Flight Recorder
            dump (CUDA)
   compute  compute against the h200-8gpu profile's bf16 floor (CUDA; another GPU fails it)
@@ -32,6 +38,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +49,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "job"))  # the package itself, installed or not
 NVML_SPEC = "nvidia-ml-py>=13.580.65,<14"
 _MODULES = {"torch": "torch", "yaml": "PyYAML", "numpy": "numpy", "pynvml": NVML_SPEC}
+_NO_CUDA = "needs CUDA: torch.cuda.is_available() is False here"
+# The shipped profile whose peak_tflops (dense bf16) gives the training check's MFU: the first
+# whose key the GPU's name contains (GH200 reads as H200: the same Hopper GPU).
+_PEAK_PROFILES = (("B200", "b200-8gpu"), ("H200", "h200-8gpu"), ("H100", "h100-8gpu"),
+                  ("A100", "a100-8gpu"))
+# TorchTitan's published FSDP figures, to set the training row beside (docs/training.md):
+# Llama 3.1 8B, 8 H100, local batch 2, github.com/pytorch/torchtitan,
+# benchmarks/llama3_h100_202412_torchtitan.md
+_TORCHTITAN = ("TorchTitan, Llama 3.1 8B on 8 H100 with FSDP (its published figures): 5,762 "
+               "tokens/s per GPU, 33-39 % MFU; another model (~7.6x the FLOPs per token): "
+               "compare MFU, not tokens/s")
 
 
 class Check:
@@ -51,7 +70,7 @@ class Check:
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(REPO / "job")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                    if p])}
-        self.cuda = None
+        self.cuda, self.gpu, self.peak_note = None, None, ""
 
     def row(self, name: str, status: str, seconds: float, what: str) -> None:
         self.rows.append((name, status, seconds, what))
@@ -78,14 +97,15 @@ class Check:
             return False
         probe = ("import json, torch, yaml, numpy\nfrom importlib import metadata\n"
                  "v = lambda p: metadata.version(p) if p else None\n"
-                 "print(json.dumps([torch.__version__, torch.cuda.is_available(), "
-                 "v('nvidia-ml-py')]))")
-        torch_v, self.cuda, nvml_v = json.loads(subprocess.run(
+                 "c = torch.cuda.is_available()\n"
+                 "print(json.dumps([torch.__version__, c, v('nvidia-ml-py'), "
+                 "torch.cuda.get_device_name(0) if c else None]))")
+        torch_v, self.cuda, nvml_v, self.gpu = json.loads(subprocess.run(
             [sys.executable, "-c", probe], env=self.env, capture_output=True, text=True,
             timeout=120).stdout)
         self.row("deps", "PASS", time.monotonic() - t, f"python {sys.version.split()[0]}, torch "
-                 f"{torch_v} (CUDA {'available' if self.cuda else 'unavailable'}), "
-                 f"nvidia-ml-py {nvml_v}")
+                 f"{torch_v} (CUDA {'available' if self.cuda else 'unavailable'}"
+                 f"{', ' + self.gpu if self.gpu else ''}), nvidia-ml-py {nvml_v}")
         return True
 
     def nvml(self) -> None:
@@ -100,7 +120,7 @@ class Check:
                  cuda: bool = True, judge=None) -> None:
         t = time.monotonic()
         if cuda and not self.cuda:
-            self.row(name, "SKIP", 0.0, "needs CUDA: torch.cuda.is_available() is False here")
+            self.row(name, "SKIP", 0.0, _NO_CUDA)
             return
         rdir = self.out / name
         rc = self._run(name, limit_s, [sys.executable, "-m", "torch.distributed.run",
@@ -113,6 +133,56 @@ class Check:
         elif report:
             what += "; " + "; ".join(f"{c['name']} {c['status']}" for c in report["checks"])
         self.row(name, "PASS" if ok else "FAIL", time.monotonic() - t, what[:300])
+
+    def peak_profile(self) -> tuple[list[str], str]:
+        """``(--profile arguments, what they are)``: a profile file in OUT holding only the
+        training peak of the shipped profile that matches this GPU (no floors, no health
+        expectations: every other check runs as without a profile); none for another GPU."""
+        name = next((p for key, p in _PEAK_PROFILES if key in (self.gpu or "")), None)
+        shipped = REPO / "job" / "ddp_smoke" / "config" / "profiles" / f"{name}.yaml"
+        found = re.search(r"^training:\s*\n\s+peak_tflops:\s*([0-9.]+)", shipped.read_text(),
+                          re.M) if name else None
+        if not found:
+            return [], f"no shipped profile's peak for {self.gpu!r}: tokens/s only, no MFU"
+        path = self.out / f"peak-{name}.yaml"
+        path.write_text(f'description: "gpu-check: the dense bf16 peak of {name}, nothing '
+                        f'else"\ndevice_name: ""\ntraining:\n  peak_tflops: '
+                        f'{found.group(1)}\nsources:\n  - "{shipped.name} in this kit"\n')
+        return ["--profile", str(path)], f"profile {name}"
+
+    def training(self, step: str) -> None:
+        """The training check of ``step``'s run as its own row: tokens/s per GPU, MFU."""
+        if not self.cuda:
+            self.row("training", "SKIP", 0.0, _NO_CUDA)
+            return
+        c = _check(_report(self.out / step), "training")
+        if not c:
+            self.row("training", "FAIL", 0.0, f"no training check in the {step} step's report "
+                     f"(see {step}.log)")
+            return
+        status = {"pass": "PASS", "skip": "SKIP"}.get(c.get("status"), "FAIL")
+        f = c.get("figures") or {}
+        what = "" if status == "PASS" else f"training {c.get('status')}: {c.get('summary')}; "
+        if f.get("ranks"):
+            def med(key: str) -> float:
+                return statistics.median(k[key] for k in f["ranks"])
+            mfu = f.get("mfu_median")
+            what += (f"{med('tokens_per_s'):,.0f} tokens/s per GPU, MFU "
+                     + (f"{mfu:.1%} of {f['peak_tflops']:g} TFLOPS ({self.peak_note})"
+                        if mfu is not None else f"- ({self.peak_note or 'no peak'})")
+                     + f"; {f['model']['params'] / 1e9:.2f} B parameters, "
+                     f"{f['flops_per_token'] / 1e9:.2f} GFLOP a token, {f['tokens_per_step']} "
+                     f"tokens a GPU a step; step {med('step_s_median') * 1e3:.0f} ms (p90 "
+                     f"{med('step_s_p90') * 1e3:.0f}), exposed communication "
+                     f"{med('exposed_comm_s') * 1e3:.0f} ms, peak "
+                     f"{max(k['peak_memory_bytes'] for k in f['ranks']) / 2**30:.1f} GiB; "
+                     f"first step against the reference: gradients "
+                     f"{max(k['grad_diff'] or 0 for k in f['ranks']):.2g}, weights "
+                     f"{max(k['param_diff'] or 0 for k in f['ranks']):.2g} (tolerance "
+                     f"{f['tolerance']:g})")
+        self.row("training", status, c.get("duration_s", 0.0), what.rstrip("; ")[:400] or "-")
+        if f.get("ranks"):
+            print(f"  {'':<8} {'':<5} {'':>7}  ({_TORCHTITAN})", flush=True)
 
     def _run(self, name: str, limit_s: int, cmd: list[str]) -> int:
         with open(self.out / f"{name}.log", "w") as log:
@@ -219,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
                        "--checks", "environment,compute,bandwidth,health", judge=_health)
         check.torchrun("sdc", 60, 1, 3, "--backend", "gloo", "--checks", "health", "--fault",
                        "1:sdc@health", cuda=False, judge=_sdc)
-        check.torchrun("all", 150, 0, 1, *nccl)
+        # all: 150 s for the other checks, and the training check's own bound, the 90 s
+        # timeout (its ~1.2 B-parameter model is drawn on the CPU first: docs/training.md)
+        peak, check.peak_note = check.peak_profile() if check.cuda else ([], "")
+        check.torchrun("all", 240, 0, 1, *nccl, *peak)
+        check.training("all")
         check.torchrun("hang", 75, 1, 1, *nccl, "--checks", "environment,collectives",
                        "--fault", "0:hang@collectives", "--timeout", "20", judge=_hang)
         check.torchrun("compute", 60, 0, 1, *nccl, "--checks", "compute", "--profile",

@@ -30,13 +30,13 @@ def test_gpu_check_runs_bare_on_cpu_with_a_faulty_recorded_node(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr  # one failed step: nvml
     assert [(s, rows[s]["status"]) for s in rows] == [
         ("deps", "PASS"), ("nvml", "FAIL"), ("health", "SKIP"), ("sdc", "PASS"),
-        ("all", "SKIP"), ("hang", "SKIP"), ("compute", "SKIP")]
+        ("all", "SKIP"), ("training", "SKIP"), ("hang", "SKIP"), ("compute", "SKIP")]
     assert re.search(r"^8 GPU\(s\) read in 0\.\d+ s \(start \+ end readings\) \(replayed from",
                      rows["nvml"]["result"])
     assert "8 failure(s)" in rows["nvml"]["result"]
     assert rows["sdc"]["result"] == "SDC culprits [1] (want [1])"  # the node's 8 not counted
     assert all(rows[s]["result"] == "needs CUDA: torch.cuda.is_available() is False here"
-               for s in ("health", "all", "hang", "compute"))
-    assert "  nvml     FAIL" in done.stdout and "gpu-check: 2 pass, 1 fail, 4 skip" in done.stdout
+               for s in ("health", "all", "training", "hang", "compute"))
+    assert "  nvml     FAIL" in done.stdout and "gpu-check: 2 pass, 1 fail, 5 skip" in done.stdout
     findings = json.loads((tmp_path / "nvml.json").read_text())["findings"]
     assert sorted(f["gpu"]["index"] for f in findings if f["level"] == "fail") == list(range(8))

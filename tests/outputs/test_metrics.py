@@ -68,12 +68,14 @@ def test_a_practice_run_marks_every_series_and_a_real_one_none():
 
 @pytest.mark.timeout(240)
 def test_real_run_writes_a_textfile_prometheus_reads(tmp_path):
-    """Two real ranks with bandwidth and compute; every figure in the file is the report's."""
+    """Two real ranks with bandwidth, compute and training; every figure in the file is the
+    report's."""
     config = tmp_path / "small.yaml"
     config.write_text(yaml.safe_dump(SMALL))
     textfile = tmp_path / "textfile" / "ddp_smoke.prom"
     textfile.parent.mkdir()
-    run = smoke_local(2, "--checks", "environment,bandwidth,compute", "--config", str(config),
+    run = smoke_local(2, "--checks", "environment,bandwidth,compute,training", "--config",
+                      str(config),
                       "--prometheus", str(textfile), report_dir=tmp_path / "report")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = run.report
@@ -82,7 +84,7 @@ def test_real_run_writes_a_textfile_prometheus_reads(tmp_path):
     assert got["ddp_smoke_pass"][0].value == 1
     assert (got["ddp_smoke_world_size"][0].value, got["ddp_smoke_nodes"][0].value) == (2, 1)
     assert values(got["ddp_smoke_check_pass"], "check", "host") == {
-        (c, host): 1 for c in ("environment", "bandwidth", "compute")}
+        (c, host): 1 for c in ("environment", "bandwidth", "compute", "training")}
     rows = run.check("bandwidth")["figures"]["results"]
     assert values(got["ddp_smoke_busbw_gbps"], "collective", "size_bytes") == pytest.approx(
         {(r["collective"], str(r["size_bytes"])): r["busbw_gbps"] for r in rows})
@@ -92,6 +94,11 @@ def test_real_run_writes_a_textfile_prometheus_reads(tmp_path):
     assert values(got["ddp_smoke_tflops"], "host", "gpu", "local_rank", "dtype") == \
         pytest.approx({(host, "", str(r["rank"]), "fp32"): r["matmul"]["fp32"]["tflops"]
                        for r in ranks})
+    trained = run.check("training")["figures"]["ranks"]
+    assert values(got["ddp_smoke_training_tokens_per_second"], "host", "gpu",
+                  "local_rank") == pytest.approx({(host, "", str(r["rank"])): r["tokens_per_s"]
+                                                  for r in trained})
+    assert "ddp_smoke_training_mfu" not in got  # CPU ranks: no dense peak, no MFU
     assert values(got["ddp_smoke_host_status"], "status") == {("good",): 1, ("suspect",): 0,
                                                                 ("bad",): 0}
     assert got["ddp_smoke_run_duration_seconds"][0].value == report["timings"]["total_s"]

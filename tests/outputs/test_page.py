@@ -6,6 +6,7 @@ hand to reach the corners (hostile strings, missing keys, an index gone stale or
 from __future__ import annotations
 
 import copy
+import html
 import json
 import os
 import re
@@ -113,6 +114,29 @@ def test_compute_reads_as_the_terminal_sustained_and_in_gflops_on_cpu():
     assert "median 100" in text  # 0.1 TFLOPS median block = 100 GFLOPS
 
 
+def test_training_step_times_are_charted_per_rank_and_absent_when_it_was_skipped():
+    report = _with_training(_report(host_b=HOSTILE), 1250.0)
+    check = report["checks"][-1]
+    check["figures"]["ranks"][2].update(step_s=[0.1, 0.3, 0.12], step_s_p90=0.3)
+    check["culprits"] = [{"rank": 2, "host": "node3", "reason": "the step waits for it"}]
+    text = page.render(report)
+    section = text[text.index('<section id="training">'):text.index('id="timeline"')]
+    assert "FSDP 3, 1.97 M parameters, batch 2x64 tokens a rank" in section
+    assert section.count("<svg") == 1 and "job 3750 tokens/s" in section
+    assert [re.search(r"<title>(rank \d .*?):", t)[1] for t in
+            re.findall(r"<title>rank \d [^<]*compute only", section)] == \
+        ["rank 0 node1", f"rank 1 {html.escape(HOSTILE)}", "rank 2 node3 (named)"]
+    assert "rank 2 node3 (named): step 2 300 ms" in section  # each step a dot with its time
+    assert "step median 102.4 ms, p90 300 ms" in section and "<script" not in section
+    check.update(status="skip", figures={"waits": {"collectives": 0}})  # the quick level
+    assert 'id="training"' not in page.render(report)
+    check.update(status="fail", figures={"ranks": ["x", {"step_s_median": "?"},
+                                                   {"rank": 0, "step_s_median": 0.1,
+                                                    "step_s_p90": None, "step_s": [None]}]})
+    text = page.render(report)
+    assert 'id="training"' not in text and "not drawn" not in text
+
+
 def test_a_practice_run_says_so_on_the_page_and_lists_nothing_to_drain():
     """Issue 35: report.html of a --fault run read as a real failure, drain commands and all."""
     report = _report(pair=0.05, verdict="fail")
@@ -192,6 +216,70 @@ def test_history_flags_exactly_the_host_whose_figure_fell(tmp_path):
     text = page.render(json.loads(open(last).read()), hist)
     rows = re.findall(r"<tr>.*?</tr>", text[text.index('id="hosts"'):text.index('id="checks"')])
     assert [re.search(r"<b>(.*?)</b>", r)[1] for r in rows if 'degrading</span>' in r] == ["node3"]
+
+
+def _with_training(report: dict, tokens_per_s: float, mfu: float | None = None,
+                   seq_len: int = 64) -> dict:
+    """The report with the training check's figures (checks/training.py), every rank at the
+    same rate: ``mfu`` None on CPU."""
+    ranks = [{"rank": r["rank"], "host": r["host"], "step_s_median": 128 / tokens_per_s,
+              "step_s_p90": 128 / tokens_per_s, "step_s": [128 / tokens_per_s] * 3,
+              "compute_s_median": 0.02, "exposed_comm_s": 128 / tokens_per_s - 0.02,
+              "tokens_per_s": tokens_per_s, "mfu": mfu, "pace": 1.0,
+              "peak_memory_bytes": 1 << 28, "loss_diff": 0.0, "grad_diff": 0.0,
+              "param_diff": 0.0} for r in report["ranks"]]
+    model = {"vocab": 512, "dim": 192, "layers": 4, "heads": 4, "ffn": 512, "seq_len": seq_len,
+             "micro_batch": 2, "params": 1967808, "params_non_embedding": 1869504}
+    report["checks"].append({"name": "training", "status": "pass", "summary": "",
+                             "duration_s": 1.0, "culprits": [], "figures": {
+                                 "layout": "fsdp", "mesh": [3], "model": model,
+                                 "tokens_per_step": 128, "tokens_per_s": 3 * tokens_per_s,
+                                 "mfu_median": mfu, "ranks": ranks}})
+    return report
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu slot", "gpu"])
+def test_history_flags_the_slot_whose_training_tokens_per_s_fell(tmp_path, gpu):
+    """Training's tokens/s per rank (and MFU on a GPU), keyed by layout, mesh, model size and
+    batch, degrade by the trend rule as compute's sustained rate does."""
+    def run(i: int, tps: float = 1250.0, slow: float | None = None, seq_len: int = 64):
+        report = _with_training(_report(started=f"2026-11-30T1{i}:00:00+00:00"), tps,
+                                0.4 if gpu else None, seq_len)
+        if gpu:
+            for r in report["ranks"]:
+                r.update(device="cuda:0", identity={"gpu_serial": f"S{r['rank']}"})
+        if slow:
+            row = report["checks"][-1]["figures"]["ranks"][2]
+            row.update(tokens_per_s=slow, mfu=0.4 * slow / tps if gpu else None)
+        return _write(tmp_path, f"run{i}", report)
+    for i in range(3):
+        run(i)
+    last = run(3, slow=400.0)
+    what = "training fsdp 3 ranks, 1.968M params, batch 2x64"
+    text = history.run(str(tmp_path), min_runs=2)
+    flagged = [line for line in text.splitlines() if line.startswith("degrading:")]
+    slot = "device serial:S2: " if gpu else "device node3:0: "
+    assert flagged == [f"degrading: {slot}{what} 400 tokens/s, 68% below its median 1250 of "
+                       f"the 3 runs before (margin {10 if gpu else 50}%; run "
+                       "run-2026-11-30T13:00:00+00:00)"] + (
+        [f"degrading: {slot}{what} MFU 12.8 %, 68% below its median 40 of the 3 runs before "
+         "(margin 10%; run run-2026-11-30T13:00:00+00:00)"] if gpu else []), text
+    assert "# training: the rank's tokens/s over its median step" in text
+    hist = history.for_report(json.loads(open(last).read()), last)
+    assert [g["label"] for g in hist["gpus"] if g["degrading"]] == [
+        "GPU serial S2 (now node3 gpu 0)" if gpu else "node3 cpu slot 0"]
+    page_text = page.render(json.loads(open(last).read()), hist)
+    past = page_text[page_text.index('id="history"'):page_text.index('id="identity"')]
+    assert f'<span class="muted">{what}</span> 400 -68% <span class="chip bad">degrading' \
+        in past
+    # another batch is another series: its first run, slower, judges nothing
+    run(4, tps=300.0, seq_len=128)
+    lines = history.run(str(tmp_path), min_runs=2).splitlines()
+    assert any(line.startswith(f"  {what[:-2]}128 (tokens/s)") for line in lines), lines
+    assert not any("2x128" in line for line in lines if line.startswith("degrading:"))
+    figures = {f["figure"] for f in runs.figures(json.loads(open(last).read()))
+               if f["figure"].startswith("training")}
+    assert figures == {what, f"{what} MFU"} if gpu else {what}
 
 
 def test_a_re_rendered_old_report_shows_the_history_it_had(tmp_path):

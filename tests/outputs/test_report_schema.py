@@ -128,3 +128,58 @@ def test_the_config_keys_the_schema_names_are_defaults_yamls():
     from ddp_smoke import config
     schema = report_schema.validator().schema
     assert schema["properties"]["config"]["propertyNames"]["enum"] == sorted(config.defaults())
+
+
+def _training(gpu: bool = False, change: dict | None = None) -> CheckResult:
+    """The training check's judgement of made-up observations (checks/training.py judge)."""
+    from ddp_smoke import config
+    from ddp_smoke.checks import training
+    from ddp_smoke.checks.api import Evidence
+    from ddp_smoke.config import profiles
+    ref = [6.279, 12.5, 301.25]
+    one = {"device_type": "cuda" if gpu else "cpu", "layout": "fsdp", "mesh": [2],
+           "layout_note": "", "model": {"vocab": 512, "dim": 192, "layers": 4, "heads": 4,
+                                        "ffn": 512, "seq_len": 64, "micro_batch": 2,
+                                        "params": 1967808, "params_non_embedding": 1869504},
+           "flops_per_token": 11806848, "tokens_per_step": 128, "step_s": [0.1, 0.12, 0.1],
+           "compute_s": [0.02] * 3, "job_losses": [6.28, 6.0, 5.5], "peak_memory_bytes": 1 << 28,
+           "checked": {"loss": ref[0], "reference": ref, "grad_diff": 0.0, "param_diff": 0.0},
+           "threads": 1, "cores": 8, "profile": profiles.load("h100-8gpu" if gpu else "cpu")}
+    obs = [{**copy.deepcopy(one), **(change or {}).get(r, {})} for r in range(2)]
+    return training.judge(Evidence("training", obs, RANKS[:2], config.resolve({}, {})))
+
+
+def test_the_training_checks_figures_conform_run_skipped_or_failed():
+    """Its judge's figures on CPU (no MFU) and on a GPU (MFU), a rank whose shards were not
+    measured (grad_diff None) and a loss gone NaN; the quick level's skip has none."""
+    nan = {"job_losses": [6.2, float("nan")],
+           "checked": {"loss": 6.279, "reference": [6.279, 12.5, 301.25], "grad_diff": None,
+                       "param_diff": float("inf")}}
+    results = [_training(), _training(gpu=True), _training(change={1: nan}),
+               CheckResult("training", SKIP, summary="not run at the quick level",
+                           figures={"waits": {"collectives": 0}})]
+    assert [results[0].status, results[2].status, results[3].status] == [PASS, FAIL, SKIP]
+    assert results[1].figures["ranks"][0]["mfu"] > 0 and results[0].figures["mfu_median"] is None
+    for result in results:
+        report = _passed()
+        report["checks"].append(json.loads(to_json(Report(
+            "0.1.0", "2026-11-30T23:22:51+00:00", "gloo", 2, [], [result], {}, {})))
+            ["checks"][0])
+        assert report_schema.problems(report) == [], result.summary
+
+
+@pytest.mark.parametrize("breaks, where", [
+    (lambda f: f["ranks"][0].update(tokens_per_second=1.0), "figures/ranks/0"),
+    (lambda f: f["ranks"][1].pop("step_s_p90"), "figures/ranks/1"),
+    (lambda f: f.update(layout="ddp"), "figures/layout"),
+    (lambda f: f["model"].update(params="2M"), "figures/model/params"),
+    (lambda f: f.update(tokens_per_s_total=1.0), "tokens_per_s_total"),
+], ids=["unnamed rank key", "rank without p90", "unknown layout", "params not a count",
+        "unnamed figure"])
+def test_training_figures_that_break_the_contract_are_refused(breaks, where):
+    report = _passed()
+    report["checks"].append(json.loads(to_json(Report(
+        "0.1.0", "2026-11-30T23:22:51+00:00", "gloo", 2, [], [_training()], {}, {})))
+        ["checks"][0])
+    breaks(report["checks"][1]["figures"])
+    assert any(where in p for p in report_schema.problems(report)), report_schema.problems(report)

@@ -31,7 +31,7 @@ box = sandbox_fixture(PREFIX, SUBNET, 3)
 def _run_job(box: HostSandbox, tmp_path: Path, nnodes: int, nproc: int, port: int) -> dict:
     """Runs the worker on nnodes×nproc ranks; returns report.json plus the job's wall time."""
     hosts, report_dir = box.hosts[:nnodes], tmp_path / "report"
-    worker = ["--backend", "gloo", "--checks", "environment,ddp_step", "--timeout", "60",
+    worker = ["--backend", "gloo", "--checks", "environment,ddp_step,training", "--timeout", "60",
               "--expect-nodes", str(nnodes), "--expect-world-size", str(nnodes * nproc),
               "--report-dir", str(report_dir)]
     nodes = _Nodes(box, tmp_path)
@@ -58,6 +58,10 @@ def _assert_spans(report: dict, hosts: list[Host], nproc: int) -> None:
         assert r["addresses"]["eth0"] == addr[r["host"]], r
         assert r["route_address"] == addr[r["host"]], r  # gloo's path leaves by eth0, not lo
     assert [r["rank"] for r in report["ranks"]] == list(range(report["world_size"]))
+    # HSDP as large jobs lay it out: shard within a node, replicate across the nodes
+    training = next(c for c in report["checks"] if c["name"] == "training")["figures"]
+    assert (training["layout"], training["mesh"]) == ("hsdp", [len(hosts), nproc]), training
+    assert {k["host"] for k in training["ranks"]} == {h.name for h in hosts}
 
 
 @pytest.mark.timeout(180)

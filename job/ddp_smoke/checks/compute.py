@@ -73,7 +73,7 @@ from ..config import profiles, rules
 from ..model import FAIL, PASS, CheckResult, Culprit
 from . import perf
 from ._timing import Clock
-from .api import usable_cores
+from .api import shared_hosts, usable_cores
 
 _HBM_BYTES = 1 << 30  # 1 GiB: many times any GPU's L2 cache, so the copy streams from HBM
 _HBM_REPEATS = 10
@@ -163,7 +163,7 @@ def _cpu_name() -> str:
 def judge(ev) -> CheckResult:
     obs, cfg = ev.observations, ev.section()
     profile, cpu = obs[0]["profile"], obs[0]["device_type"] == "cpu"
-    shared = _shared_hosts(ev) if cpu else []
+    shared = shared_hosts(ev) if cpu else []
     margin = cfg["straggler_margin_cpu_shared" if shared else
                  "straggler_margin_cpu" if cpu else "straggler_margin"]
     medians, paces, culprits = {}, {}, []
@@ -226,19 +226,6 @@ def _floors(ev, profile: dict, cpu: bool) -> list:
                     f"{perf.shortfall_pct(_sustained(got), floor):.1f} % below the "
                     f"{profile['name']} floor {_rate(floor, cpu)}")))
     return out
-
-
-def _shared_hosts(ev) -> list:
-    """Hosts whose ranks share cores: as many rank threads there as the host's usable cores or
-    more. With every core taken by a rank, anything else on the host (the launcher, the store
-    host, gloo's threads, a browser on a laptop) takes its time from some rank: measured, a
-    healthy 2-rank run on 2 cores in CI at a pace of 0.59."""
-    threads, cores = {}, {}
-    for r, o in enumerate(ev.observations):
-        h = ev.host(r)
-        threads[h] = threads.get(h, 0) + o["threads"]
-        cores[h] = min(cores.get(h, o["cores"]), o["cores"])
-    return sorted((h for h in threads if threads[h] >= cores[h]), key=str)
 
 
 def _slow_reason(dtype: str, m: dict, pace: float, median: float, margin: float,

@@ -123,6 +123,11 @@ def _validate(cfg: dict[str, Any]) -> None:
         raise ConfigError("key 'expect_transport' = '': expected ib, socket or a net plugin's "
                           "name (e.g. libfabric)")
     parse_faults(cfg["fault"], checks)
+    for device, size in (("cpu", cfg["training"]["cpu"]), ("gpu", cfg["training"]["gpu"])):
+        if size["dim"] % size["heads"] or (size["dim"] // size["heads"]) % 2:
+            raise ConfigError(f"keys 'training.{device}.dim' = {size['dim']} and "
+                              f"'training.{device}.heads' = {size['heads']}: expected a dim that "
+                              "is the heads times an even head size (rotary positions)")
     if cfg["act"] and cfg["fault"]:  # an injected fault is no reason to take a node away
         raise ConfigError(f"keys 'act' and 'fault': --act {cfg['act']} never acts on an "
                           f"injected fault ({cfg['fault']}); drop one of them")

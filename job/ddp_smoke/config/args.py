@@ -77,7 +77,8 @@ def worker_parser(manual: Callable[[], str] | None = None) -> Parser:
                    help="bound on every wait: init, arrival, work, gather (default 90)")
     p.add_argument("--level", choices=tuple(levels.LEVELS),
                    help="how much the performance checks measure: quick (make smoke-local), "
-                        "standard (default), long (full sweep); every level runs every check")
+                        "standard (default), long (full sweep); every level runs every check "
+                        "but training (not at quick)")
     p.add_argument("--backend", choices=rules.BACKENDS,
                    help="auto = nccl when CUDA is usable, else gloo (default auto)")
     p.add_argument("--expect-nodes", metavar="N", type=int,

@@ -10,13 +10,16 @@ iterations (1-based), to test that an intermittent fault is flagged as one:
   hang     the rank stops before arriving at the check and sleeps until it is killed.
   stall    the rank enters the check's first collective and its call never returns: its own
            count says inside, its backend never got the call (as a rank whose GPU kernel or
-           communication thread hung); the others wait inside it.
+           communication thread hung); the others wait inside it. In training: the first
+           training step, after the set-up's collectives.
   slow     the rank's timed loops run ``SLOWDOWN``× slower (compute, bandwidth); default 4.
            Written ``slow=2.5`` to choose the factor.
   corrupt  the rank's contribution to the check is wrong by one element (checks that
            exchange or compare data: ddp_step, collectives, storage, bandwidth …).
   sdc      silent data corruption: the rank's seeded matrix product (health) is off by one
-           unit in the last place in one element, as a marginal GPU's would be.
+           unit in the last place in one element, as a marginal GPU's would be; in training,
+           one element of the first block's feed-forward product is off by 1.0 in every
+           forward pass (one unit in the last place there is below a step's own rounding).
 """
 from __future__ import annotations
 
@@ -124,9 +127,14 @@ class Injector:
             tensor.view(-1)[0] += 1
         return tensor
 
+    @property
+    def sdc_active(self) -> bool:
+        """``sdc``: this rank's products in the current check are silently off."""
+        return self._active("sdc") is not None
+
     def perturb_product(self, tensor):
         """``sdc``: move one element of a product by one unit in the last place (in place)."""
-        if self._active("sdc") and tensor.numel():
+        if self.sdc_active and tensor.numel():
             first = tensor.view(-1)[:1]
             first.copy_(first.nextafter(first + 1))
         return tensor

@@ -1,6 +1,7 @@
 """Measurement levels: how much the performance checks measure, and so how long a run takes.
 
-Every level runs every selected check, and every check proves the same things at every level
+Every level runs every selected check but training (not at the quick level: a real step
+costs seconds), and every check proves the same things at every level it runs
 (exact collectives, the DDP step, the sampler, storage, correct data at each swept size); the
 levels differ in how many sizes, iterations and blocks the measurements take (DCGM's
 diagnostic levels, ``dcgmi diag -r 1..4``, trade depth for time too, by choosing tests). A level is a set of config values laid over ``defaults.yaml``, under a user's
@@ -11,15 +12,15 @@ diagnostic levels, ``dcgmi diag -r 1..4``, trade depth for time too, by choosing
     512 KiB, 16 MiB on CPU; and 512 MiB on a GPU), each timed as many times as fit 0.02 s at
     the pace of its checked first run, at least 3 and at most 10; no separate warm-up (the
     checked run warms the size up); three compute blocks of 0.05 s (shorter blocks than half a
-    CFS quota period, 100 ms, let a throttled rank's bursts decide a block); no busbw.png.
-    About a second of checks on two CPU ranks.
+    CFS quota period, 100 ms, let a throttled rank's bursts decide a block); no busbw.png; no
+    training steps (the training check skips). About a second of checks on two CPU ranks.
 ``standard``
     The worker's default, what the cluster launchers run: ``defaults.yaml`` as written — sizes
     1 KiB … 64 MiB (CPU) / 1 GiB (GPU) by ×4, up to 20 iterations or 0.25 s per size; five
-    0.1 s compute blocks.
+    0.1 s compute blocks; five measured training steps.
 ``long``
     nccl-tests' full sweep: sizes by ×2 over the same range, all five swept collectives, up to
-    100 iterations or 1 s per size, ten 0.2 s compute blocks, more node-pair rounds, every
+    100 iterations or 1 s per size, ten 0.2 s compute blocks, twenty training steps, more node-pair rounds, every
     collectives dtype. Minutes on a large cluster: for acceptance, not for a quick look.
 
 A profile's floor sizes (``--profile``) are measured at every level.
@@ -34,6 +35,7 @@ LEVELS: dict[str, dict[str, Any]] = {
                       "max_bytes_gpu": 512 << 20, "warmup_iters": 0, "min_iters": 3,
                       "iters": 10, "time_per_size_s": 0.02, "pair_iters": 3},
         "compute": {"blocks": 3, "block_s": 0.05},
+        "training": {"steps": 0},
     },
     "standard": {},
     "long": {
@@ -42,6 +44,7 @@ LEVELS: dict[str, dict[str, Any]] = {
                       "step_factor": 2, "warmup_iters": 5, "min_iters": 5, "iters": 100,
                       "time_per_size_s": 1.0, "pair_rounds": 6, "pair_iters": 10},
         "compute": {"blocks": 10, "block_s": 0.2},
+        "training": {"steps": 20, "warmup_steps": 3},
         "collectives": {"dtypes": ["float32", "float64", "int32", "int64", "bfloat16",
                                    "float16"]},
     },

@@ -20,9 +20,10 @@ from ..errors import ConfigError
 BACKENDS = ("auto", "gloo", "nccl")
 # The checks in their default order (checks/__init__.py imports each by this name).
 CHECKS = ("environment", "ddp_step", "sampler_epochs", "collectives", "storage", "bandwidth",
-          "transport", "rails", "compute", "health")
+          "transport", "rails", "compute", "training", "health")
 NODE_BEATS = ("auto", "on", "off")  # --node-beats: coordination.node
 PROGRESS = ("auto", "plain", "none")  # --progress: coordination.telling
+LAYOUTS = ("auto", "fsdp", "hsdp")  # training.layout: checks/training.py
 ACTS = ("slurm-drain",)  # --act: what rank 0 may do itself after the verdict
 
 GIB = 1 << 30
@@ -206,6 +207,18 @@ RULES: dict[str, Any] = {
     "compute.blocks": Int(1, 1000),
     "compute.block_s": Real(0.0, 600.0, lo_open=True),
     "compute.hbm": Any_(),
+    "training.layout": OneOf(LAYOUTS),
+    "training.steps": Int(0, 10000),
+    "training.warmup_steps": Int(0, 10000),
+    "training.lr": Real(0.0, 1.0, lo_open=True),
+    "training.seed": SEED,
+    "training.tolerance_cpu": Real(0.0, 1.0, lo_open=True),
+    "training.tolerance_gpu": Real(0.0, 1.0, lo_open=True),
+    **{f"training.{device}.{key}": rule for device in ("cpu", "gpu")
+       for key, rule in (("vocab", Int(2, 1 << 20)), ("dim", Int(2, 65536)),
+                         ("layers", Int(1, 1024)), ("heads", Int(1, 1024)),
+                         ("ffn", Int(1, 1 << 20)), ("seq_len", Int(1, 1 << 20)),
+                         ("micro_batch", Int(1, 1 << 16)))},
     "history.margin": MARGIN,
     "history.margin_cpu": MARGIN,
     "history.window": Int(1, 10000),

@@ -52,7 +52,7 @@ _GAP = "…"        # where the failing nodes' reasons differ
 _SHARED_KIND = {"storage": "storage", "bandwidth": "fabric", "transport": "fabric",
                 "collectives": "fabric", "launch": "fabric", "environment": "image",
                 "ddp_step": "image", "sampler_epochs": "image", "compute": "load or power",
-                "health": "hardware or driver"}
+                "training": "image", "health": "hardware or driver"}
 _PREFLIGHT_KIND = {"report_dir": "storage", "interfaces": "fabric", "rendezvous": "fabric",
                    "joined": "fabric", "rendezvous_host": "fabric", "torch": "image",
                    "python": "image"}

@@ -17,7 +17,10 @@ Figures kept, each named with what makes two runs comparable (size, dtype, rank 
   slot on CPU runs): compute's sustained matmul rate per dtype — its median block, the figure
   the verdict judges, in the terminal's unit (TFLOPS on a GPU, GFLOPS on a CPU slot) — and HBM
   copy bandwidth. Not the best block: a device held back for most of the run (a throttled GPU,
-  a CPU quota) keeps its best block, and only the sustained rate shows the fall.
+  a CPU quota) keeps its best block, and only the sustained rate shows the fall; and the
+  training check's tokens/s of the rank (its median step) and its MFU (% of the profile's
+  peak; GPU runs only), named with the layout and mesh (so the world size), the model's
+  parameters and the batch (micro_batch x seq_len).
 
 Practice runs (``--fault``, ``injected`` in the report) are indexed but left out of every
 series, trend and verdict list: a failure made on purpose is no drift of the cluster's.
@@ -181,7 +184,9 @@ def render(index: Index, shown: int = 6) -> str:
              f"# degrading = the latest value more than {margin} below the median of the "
              f"{s['window']} runs before it (at least {s['min_runs']}); values oldest -> newest",
              "# compute: the sustained rate (median block), the figure its verdict judges; "
-             "GFLOPS on a CPU slot, TFLOPS on a GPU"]
+             "GFLOPS on a CPU slot, TFLOPS on a GPU",
+             "# training: the rank's tokens/s over its median step, and MFU (% of the profile's "
+             "peak, GPU runs), per layout, mesh, model size and batch"]
     flagged = []
     for kind, title in (("host", "host"), ("gpu", "device")):
         for ent in summarize(index, kind):

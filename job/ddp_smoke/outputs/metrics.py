@@ -17,6 +17,8 @@ name ending in ``.prom``. Each run replaces the file; series (all gauges)::
     ddp_smoke_pair_busbw_gbps{host_a,host_b[,rail]} bandwidth node pairs (sendrecv), per rail
     ddp_smoke_tflops{host,gpu,local_rank,dtype}     compute, best block; gpu = the CUDA device
                                                     index, empty for a CPU rank
+    ddp_smoke_training_tokens_per_second{host,gpu,local_rank}  training, the median step
+    ddp_smoke_training_mfu{host,gpu,local_rank}     training, against the profile's peak (GPU)
     ddp_smoke_run_duration_seconds                  the run's wall time
     ddp_smoke_last_run_timestamp_seconds            when this file was written (Unix time)
 
@@ -50,6 +52,10 @@ _HELP = {
                   "definition.",
     "pair_busbw_gbps": "Bandwidth between two hosts' leader ranks (sendrecv), GB/s (1e9 B/s).",
     "tflops": "Dense matmul throughput of a rank's device, TFLOPS (1e12 FLOP/s), best block.",
+    "training_tokens_per_second": "Tokens a rank trained per second in the training check "
+                                  "(its median step).",
+    "training_mfu": "Model FLOPs utilisation of a rank in the training check (0..1) against "
+                    "the profile's dense peak.",
     "run_duration_seconds": "Wall time of the last ddp-smoke run.",
     "last_run_timestamp_seconds": "When the last ddp-smoke run wrote this file (Unix time).",
 }
@@ -96,21 +102,28 @@ def _bandwidth(report) -> tuple[list, list]:
     return busbw, pairs
 
 
+def _slot(ranks: list, rank) -> dict:
+    """A rank's device labels: its host's GPU index (empty for a CPU rank: never "0", it read
+    as GPU 0) and its local rank."""
+    known = isinstance(rank, int) and 0 <= rank < len(ranks)
+    local = ranks[rank].get("local_rank") if known else None
+    device = str(ranks[rank].get("device") or "") if known else ""
+    return {"gpu": device.partition("cuda:")[2], "local_rank": local if local is not None
+            else rank}
+
+
 def _tflops(report) -> list:
     ranks = list(get_field(report, "ranks") or [])
-    out = []
-    for r in _figures(report, "compute").get("ranks", []):
-        rank = r.get("rank")
-        local = ranks[rank].get("local_rank") if isinstance(rank, int) and rank < len(ranks) \
-            else None
-        device = str(ranks[rank].get("device") or "") if isinstance(rank, int) and \
-            rank < len(ranks) else ""
-        for dtype, m in (r.get("matmul") or {}).items():
-            # a CPU rank has no GPU: an empty label, never "0" (it read as GPU 0)
-            out.append(({"host": r.get("host"), "gpu": device.partition("cuda:")[2],
-                         "local_rank": local if local is not None else rank,
-                         "dtype": dtype}, m["tflops"]))
-    return out
+    return [({"host": r.get("host"), **_slot(ranks, r.get("rank")), "dtype": dtype},
+             m["tflops"])
+            for r in _figures(report, "compute").get("ranks", [])
+            for dtype, m in (r.get("matmul") or {}).items()]
+
+
+def _training(report, key: str) -> list:
+    ranks = list(get_field(report, "ranks") or [])
+    return [({"host": r.get("host"), **_slot(ranks, r.get("rank"))}, r[key])
+            for r in _figures(report, "training").get("ranks", []) if r.get(key) is not None]
 
 
 def render(report, run_id: str, now_s: float) -> str:
@@ -130,6 +143,8 @@ def render(report, run_id: str, now_s: float) -> str:
         "busbw_gbps": busbw,
         "pair_busbw_gbps": pairs,
         "tflops": _tflops(d),
+        "training_tokens_per_second": _training(d, "tokens_per_s"),
+        "training_mfu": _training(d, "mfu"),
         "run_duration_seconds": [({}, (d.get("timings") or {}).get("total_s", 0.0))],
         "last_run_timestamp_seconds": [({}, now_s)],
     }

@@ -3,8 +3,9 @@
 For the people who read a run without having run it (the vendor replacing a GPU, the colleague
 signing off a cluster, the on-call engineer): the verdict and the culprits first, with the next
 commands; then the hosts, busbw by size against the profile's floor, the node-pair heatmap, per
-rank compute, a timeline of stages per rank with where the run stopped, the victims, the run's
-identity, and each host's and GPU's history when the report's root holds earlier runs.
+rank compute, each rank's training step times, a timeline of stages per rank with where the run
+stopped, the victims, the run's identity, and each host's and GPU's history when the report's
+root holds earlier runs.
 
 Design, and why:
 
@@ -34,6 +35,7 @@ from . import history
 from .runs import _d, _l, _num
 from .files import write_atomic
 from .hosts import hosts_section, next_commands
+from .training_chart import sec_training
 from .report import as_dict, practice_note
 from .charts import (MAX_ROWS, check_of, checks_of, e, fmt, seconds, sec_bandwidth, sec_compute,
                      sec_pairs, sec_timeline, sparkline)
@@ -355,8 +357,8 @@ def render(report, hist: dict | None = None, source: str = "report.json") -> str
         problems.append(f"the report lacks {', '.join(missing)}: partial or another version")
     parts = []
     sections = [sec_verdict, sec_culprits, sec_next, lambda r: sec_hosts(r, hist), sec_checks,
-                sec_gpus, sec_bandwidth, sec_pairs, sec_compute, sec_timeline, sec_victims,
-                lambda r: sec_history(hist), sec_identity]
+                sec_gpus, sec_bandwidth, sec_pairs, sec_compute, sec_training, sec_timeline,
+                sec_victims, lambda r: sec_history(hist), sec_identity]
     for section in sections:
         try:
             parts.append(section(report))

@@ -17,7 +17,9 @@ from ..model import injected
 from . import fleet
 
 INDEX_NAME = ".ddp-smoke-history.sqlite"
-SCHEMA = 3  # 2: runs.practice, compute figures the sustained median block; 3: the fleet memory's tables (_FLEET_TABLES)
+# 2: runs.practice, compute figures the sustained median block; 3: the fleet memory's tables
+# (_FLEET_TABLES); 4: the training check's figures (a report indexed before is read again)
+SCHEMA = 4
 REPORT = "report.json"
 # Folders a run writes beside its report: never a run of their own, not worth a walk.
 _ARTIFACT_DIRS = {"storage", "flight", "stacks", "nccl", "torchrun"}
@@ -94,6 +96,12 @@ def figures(report: dict) -> list[dict]:
                         "host": str(host) if host else None, "figure": figure, "unit": unit,
                         "value": value})
 
+    def slot(row: dict) -> tuple[str, str, str | None]:  # a per-rank row's device: key, label, host
+        rank = row.get("rank")
+        record = ranks[rank] if isinstance(rank, int) and 0 <= rank < len(ranks) else {}
+        host = record.get("host") or row.get("host")
+        return (*gpu_key({**record, "host": host}), host)
+
     bw = _d(_check(report, "bandwidth").get("figures"))
     pairs = _d(bw.get("pairs"))
     best: dict[str, float] = {}
@@ -121,12 +129,8 @@ def figures(report: dict) -> list[dict]:
     size = comp.get("matrix_size")
     # the terminal's unit: GFLOPS for a CPU slot, TFLOPS for a GPU (checks/compute.py)
     unit, scale = ("TFLOPS", 1.0) if device_type(report) == "cuda" else ("GFLOPS", 1e3)
-    for row in _l(comp.get("ranks")):
-        row = _d(row)
-        rank = row.get("rank")
-        record = ranks[rank] if isinstance(rank, int) and 0 <= rank < len(ranks) else {}
-        key, label = gpu_key({**record, "host": record.get("host") or row.get("host")})
-        host = record.get("host") or row.get("host")
+    for row in map(_d, _l(comp.get("ranks"))):
+        key, label, host = slot(row)
         for dtype, m in _d(row.get("matmul")).items():
             # the median block, the rate the verdict judges: a throttled or quota-held device
             # keeps its best block (a CPU slot's best is even timed in CPU seconds)
@@ -134,6 +138,17 @@ def figures(report: dict) -> list[dict]:
             add("gpu", key, label, host, f"{dtype} matmul n={size} sustained", unit,
                 None if sustained is None else sustained * scale)
         add("gpu", key, label, host, "hbm copy", "GB/s", row.get("hbm_gbps"))
+    train = _d(_check(report, "training").get("figures"))
+    model = _d(train.get("model"))
+    # comparable runs: the same layout and mesh (world size), model size and batch
+    what = (f"training {train.get('layout')} {'x'.join(map(str, _l(train.get('mesh'))))} ranks, "
+            f"{(_num(model.get('params')) or 0) / 1e6:.4g}M params, batch "
+            f"{model.get('micro_batch')}x{model.get('seq_len')}")
+    for row in map(_d, _l(train.get("ranks"))):
+        key, label, host = slot(row)
+        add("gpu", key, label, host, what, "tokens/s", row.get("tokens_per_s"))
+        mfu = _num(row.get("mfu"))  # null on CPU: no figure
+        add("gpu", key, label, host, f"{what} MFU", "%", None if mfu is None else mfu * 100)
     return out
 
 

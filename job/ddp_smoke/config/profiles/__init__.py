@@ -20,6 +20,9 @@ profile file holds::
     expect_transport: ib    # the network NCCL must use between nodes (transport check)
     compute:
       min_tflops: {bf16: 676.0}   # per rank and dtype (fp32 on CPU)
+    training:               # the training check's MFU (absent: tokens/s only)
+      peak_tflops: 989.0    # the GPU's dense bf16 peak, 1e12 FLOP/s (the datasheet's)
+      min_mfu: 0.3          # a floor, where a source gives one for the kit's model
     health:                 # what the health check expects of each node (absent: not judged)
       gpus_per_node: 8      # also makes a run a GPU run: GPUs that cannot be read fail it
       pcie_gen: 5           # every GPU's PCIe link under load, at least
@@ -60,7 +63,8 @@ from .. import rules
 
 DEFAULT = "cpu"
 _TOP = {"description": str, "device_name": str, "bandwidth": dict, "compute": dict,
-        "sources": list, "expect_transport": str, "multi_node": dict, "health": dict}
+        "sources": list, "expect_transport": str, "multi_node": dict, "health": dict,
+        "training": dict}
 
 
 def names() -> list[str]:
@@ -116,6 +120,7 @@ def _read_path(path: str) -> str:
 
 
 _SECTIONS = {"bandwidth": ("world_size", "nodes", "floors"), "compute": ("min_tflops",),
+             "training": ("peak_tflops", "min_mfu"),
              "health": ("gpus_per_node", "pcie_gen", "pcie_width", "nvlink_links", "hca_names",
                         "hca_ports", "hca_rate_gbps")}
 _FLOOR = "{collective, size_bytes (int >= 1), min_busbw_gbps (finite number > 0)}"
@@ -168,6 +173,10 @@ def _validate(name: str, data: Any) -> None:
                 fail(f"health.hca_names = {value!r}: expected a list of device-name globs")
         elif not (_integer(value) and value >= 1):
             fail(f"health.{key} = {value!r}: expected an integer >= 1")
+    for key, value in data.get("training", {}).items():
+        if not (_positive(value) and (key != "min_mfu" or value < 1)):
+            fail(f"training.{key} = {value!r}: expected a finite number > 0"
+                 + (" and < 1 (a share of the peak)" if key == "min_mfu" else ""))
     tflops = data.get("compute", {}).get("min_tflops", {})
     dtypes = rules.GPU_MATMUL_DTYPES  # fp32 is also the CPU's
     if (not isinstance(tflops, dict) or not all(k in dtypes for k in tflops)

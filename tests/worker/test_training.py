@@ -1,0 +1,67 @@
+"""The training check on real launches: FSDP2 steps on 4 CPU ranks, and the rank named
+when its products are silently off, when its weights drift, or when it hangs inside a step.
+
+Each launch is ``make smoke-local``'s launcher (the ranks forked with the worker imported) at
+the standard level, checks environment and training only. A CPU quota on one rank is in
+tests/worker/test_diagnosis_straggler.py; HSDP across namespaced nodes in
+tests/worker/test_multihost.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.launch import REPEAT, smoke_local
+
+CHECKS = ("--checks", "environment,training", "--backend", "gloo", "--level", "standard")
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _training(run) -> dict:
+    assert run.report is not None, run.why()
+    return run.check("training")
+
+
+@pytest.mark.timeout(240)
+def test_healthy_ranks_train_sharded_equal_to_the_reference_with_their_figures(tmp_path):
+    nproc = 4  # 2 ranks: tests/outputs/test_metrics.py's real run, training included
+    run = smoke_local(nproc, *CHECKS, "--timeout", "60", report_dir=tmp_path / "r", env=ENV)
+    training = _training(run)
+    assert run.returncode == 0 and training["status"] == "pass", run.why()
+    f = training["figures"]
+    assert f["layout"] == "fsdp" and f["mesh"] == [nproc]
+    assert f["job_losses"][-1] < f["job_losses"][0]
+    assert 1.5e6 < f["model"]["params"] < 3e6 and f["mfu_median"] is None  # CPU: no peak
+    assert [k["rank"] for k in f["ranks"]] == list(range(nproc))
+    for k in f["ranks"]:
+        assert 0 < k["step_s_median"] <= k["step_s_p90"] and len(k["step_s"]) == 5
+        assert k["tokens_per_s"] == pytest.approx(128 / k["step_s_median"], rel=1e-3)
+        assert k["grad_diff"] <= 1e-5 and k["param_diff"] <= 1e-5 and k["loss_diff"] == 0
+        assert k["peak_memory_bytes"] > 0 and k["exposed_comm_s"] >= 0
+    assert f["tokens_per_s"] == pytest.approx(sum(k["tokens_per_s"] for k in f["ranks"]))
+    assert "# training: fsdp mesh" in run.stdout and "tokens/s" in run.stdout
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fault, reason", [
+    ("1:sdc@training", "its single-process reference step disagrees with the other ranks'"),
+    ("2:corrupt@training", "its shards differ from the single-process reference"),
+])
+def test_a_rank_whose_step_is_silently_wrong_is_named_alone(tmp_path, fault, reason):
+    run = smoke_local(4, *CHECKS, "--timeout", "60", "--fault", fault,
+                      report_dir=tmp_path / "r", env=ENV)
+    training = _training(run)
+    assert training["status"] == "fail", run.why()
+    assert [k["rank"] for k in training["culprits"]] == [int(fault[0])], run.why()
+    assert reason in training["culprits"][0]["reason"]
+
+
+@pytest.mark.timeout(REPEAT * 120)
+def test_a_rank_that_hangs_inside_a_step_is_named_and_the_others_are_victims(tmp_path):
+    for attempt in range(REPEAT):
+        run = smoke_local(4, *CHECKS, "--timeout", "5", "--fault", "2:stall@training",
+                          report_dir=tmp_path / f"r{attempt}", env=ENV)
+        training = _training(run)
+        assert run.returncode != 0 and training["status"] == "fail", run.why()
+        assert [k["rank"] for k in training["culprits"]] == [2], run.why()
+        assert "training_step" in training["culprits"][0]["reason"], run.why()
+        assert sorted(v["rank"] for v in training["figures"]["victims"]) == [0, 1, 3]
