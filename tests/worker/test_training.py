@@ -1,16 +1,18 @@
 """The training check on real launches: FSDP2 steps on 4 CPU ranks, and the rank named
-when its products are silently off, when its weights drift, or when it hangs inside a step.
+when its products are silently off, when its weights drift, when it hangs inside a step, or
+when a CPU quota holds it back.
 
 Each launch is ``make smoke-local``'s launcher (the ranks forked with the worker imported) at
-the standard level, checks environment and training only. A CPU quota on one rank is in
-tests/worker/test_diagnosis_straggler.py; HSDP across namespaced nodes in
-tests/worker/test_multihost.py.
+the standard level, checks environment and training only (a CPU quota's rank: a torchrun
+launch, whose worker pids the test finds). HSDP across namespaced nodes is in
+tests/worker/test_multihost.py; healthy ranks beside a held-back one in the last test here.
 """
 from __future__ import annotations
 
 import pytest
 
-from tests.launch import REPEAT, smoke_local
+from tests.launch import HELD_REPEAT, REPEAT, Spawned, smoke_local
+from tests.sandbox.faults import CpuQuota
 
 CHECKS = ("--checks", "environment,training", "--backend", "gloo", "--level", "standard")
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -65,3 +67,25 @@ def test_a_rank_that_hangs_inside_a_step_is_named_and_the_others_are_victims(tmp
         assert [k["rank"] for k in training["culprits"]] == [2], run.why()
         assert "training_step" in training["culprits"][0]["reason"], run.why()
         assert sorted(v["rank"] for v in training["figures"]["victims"]) == [0, 1, 3]
+
+
+@pytest.mark.timeout(HELD_REPEAT * 120)
+def test_a_rank_held_back_by_a_cpu_quota_is_the_one_the_step_waits_for(tmp_path):
+    """Rank 1 of 2 held to 12 % of a core from its first beat: the training check alone (no
+    compute check in the run) names it, by its compute-only pace; nobody else. (15 %, the
+    straggler test's quota, barely binds when a loaded CI host gives each rank little more.)"""
+    if CpuQuota.missing():
+        pytest.skip(CpuQuota.missing())
+    for attempt in range(HELD_REPEAT):
+        with CpuQuota(0.12) as quota:
+            run = Spawned(2, *CHECKS, "--timeout", "60", report_dir=tmp_path / f"r{attempt}",
+                          env=ENV)
+            run.wait_until(lambda beats: True)
+            quota.add(run.worker_pid(1))
+            done = run.finish(timeout_s=120)
+        training = _training(done)
+        print(f"\nattempt {attempt + 1}: {training['summary']}")
+        assert [k["rank"] for k in training["culprits"]] == [1], done.why()
+        assert "the training step waits for it" in training["culprits"][0]["reason"]
+        paces = [k["pace"] for k in training["figures"]["ranks"]]
+        assert paces[1] < paces[0], paces
