@@ -393,3 +393,21 @@ def test_the_probe_reads_a_beacon_for_as_long_as_it_sends(monkeypatch):
         beat.join(2)
         probe.sock.close()
     assert not beat.is_alive()
+
+
+def test_nodes_of_one_kernel_share_its_cores_nodes_of_their_own_do_not():
+    """Four launcher nodes of one rank each (namespaces as hosts) on one 2-core kernel: each
+    says its node's cores are its own, but the kernel's threads outnumber its cores, so the
+    rank the others waited for is the scheduler's choice; on four kernels it is named."""
+    def pace(kernel: str) -> dict:
+        return {"shared": False, "held_s": 0.0, "kernel": kernel, "threads": 1, "cores": 2}
+
+    for kernels, expected in [(["k"] * 4, []), (["k0", "k1", "k2", "k3"], [0]),
+                              (["k0", "k1", "k1", "k2"], [0]), ([None] * 4, [0])]:
+        got = [pace(k) for k in kernels]
+        assert [p["shared"] for p in stragglers.shared_kernels(got)] == \
+            [kernels.count(k) >= 2 and k is not None for k in kernels]
+        result = CheckResult("collectives", "pass", summary="28/28 cases exact")
+        stragglers.attach(result, _spent(4, 100, late=0),
+                          lambda r, why: Culprit(r, f"h{r}", why), None, got)
+        assert [c.rank for c in result.culprits] == expected, kernels

@@ -40,14 +40,18 @@ class Context:
 
     def cpu_pace(self, held_before: float | None) -> dict | None:
         """Posted beside a check's waits on a CPU rank (coordination/stragglers.py): whether
-        this node's ranks share its cores (as many rank threads as usable cores, or more), and
-        the seconds a CPU quota held this rank back since ``held_before`` (:meth:`held_s`)."""
+        this node's ranks share its cores (as many rank threads as usable cores, or more), the
+        seconds a CPU quota held this rank back since ``held_before`` (:meth:`held_s`), and
+        what rank 0 needs to count the ranks of other launcher nodes on the same kernel (the
+        boot id, this rank's threads, its usable cores): namespaces or containers as nodes of
+        one machine share its cores too."""
         if self.device.type != "cpu":
             return None
-        held = self.held_s()
-        return {"shared": self.env.local_world_size * torch.get_num_threads() >= usable_cores(),
+        held, threads, cores = self.held_s(), torch.get_num_threads(), usable_cores()
+        return {"shared": self.env.local_world_size * threads >= cores,
                 "held_s": None if held is None or held_before is None else
-                round(held - held_before, 3)}
+                round(held - held_before, 3),
+                "kernel": cgroup.boot_id(), "threads": threads, "cores": cores}
 
 
 def usable_cores() -> int:
