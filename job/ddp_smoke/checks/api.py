@@ -9,6 +9,7 @@ import torch
 
 from ..config.faults import Injector
 from ..config.launchenv import LaunchEnv
+from ..coordination import stragglers
 from ..model import Culprit
 from .health.readers import cgroup
 
@@ -68,12 +69,17 @@ def shared_hosts(ev) -> list:
     rank, anything else on the host (the launcher, the store host, gloo's threads, a browser
     on a laptop) takes its time from some rank: measured, a healthy 2-rank run on 2 cores in
     CI at a pace of 0.59."""
-    threads, cores = {}, {}
-    for r, o in enumerate(ev.observations):
-        h = ev.host(r)
-        threads[h] = threads.get(h, 0) + o["threads"]
-        cores[h] = min(cores.get(h, o["cores"]), o["cores"])
-    return sorted((h for h in threads if threads[h] >= cores[h]), key=str)
+    return sorted(stragglers.oversubscribed((ev.host(r), o["threads"], o["cores"])
+                                            for r, o in enumerate(ev.observations)), key=str)
+
+
+def pace_margin(ev, cpu: bool) -> tuple[float, list]:
+    """``(straggler margin, hosts whose ranks share cores)`` for a check that judges ranks'
+    pace (compute, training): the ``compute`` section's margin for GPUs, for CPU ranks with
+    cores of their own, or for CPU ranks sharing their host's cores."""
+    cfg, shared = ev.config["compute"], shared_hosts(ev) if cpu else []
+    return cfg["straggler_margin_cpu_shared" if shared else
+               "straggler_margin_cpu" if cpu else "straggler_margin"], shared
 
 
 @dataclass

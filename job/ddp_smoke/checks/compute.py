@@ -73,7 +73,7 @@ from ..config import profiles, rules
 from ..model import FAIL, PASS, CheckResult, Culprit
 from . import perf
 from ._timing import Clock
-from .api import shared_hosts, usable_cores
+from .api import pace_margin, usable_cores
 
 _HBM_BYTES = 1 << 30  # 1 GiB: many times any GPU's L2 cache, so the copy streams from HBM
 _HBM_REPEATS = 10
@@ -163,16 +163,12 @@ def _cpu_name() -> str:
 def judge(ev) -> CheckResult:
     obs, cfg = ev.observations, ev.section()
     profile, cpu = obs[0]["profile"], obs[0]["device_type"] == "cpu"
-    shared = shared_hosts(ev) if cpu else []
-    margin = cfg["straggler_margin_cpu_shared" if shared else
-                 "straggler_margin_cpu" if cpu else "straggler_margin"]
+    margin, shared = pace_margin(ev, cpu)
     medians, paces, culprits = {}, {}, []
     for dtype in obs[0]["matmul"]:
-        values = {r: _sustained(o["matmul"][dtype]) for r, o in enumerate(obs)}
-        medians[dtype] = statistics.median(values.values())
+        medians[dtype] = statistics.median(_sustained(o["matmul"][dtype]) for o in obs)
         paces[dtype], slow = perf.stragglers(
             {r: o["matmul"][dtype]["block_tflops"] for r, o in enumerate(obs)}, margin)
-        slow = [r for r in slow if values[r] < (1 - margin) * medians[dtype]]  # both views
         culprits += [ev.culprit(r, _slow_reason(dtype, obs[r]["matmul"][dtype], paces[dtype][r],
                                                 medians[dtype], margin, shared, cpu))
                      for r in slow]

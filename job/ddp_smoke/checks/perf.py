@@ -101,9 +101,15 @@ def pace(blocks: dict[int, list[float]]) -> dict[int, float]:
 
 
 def stragglers(blocks: dict[int, list[float]], margin: float) -> tuple[dict, list[int]]:
-    """``(pace, ranks)``: every rank's :func:`pace`, and the ranks below 1 − margin."""
+    """``(pace, ranks)``: every rank's :func:`pace`, and the ranks behind in both views: a
+    pace below 1 − margin, and a median block below 1 − margin of the ranks' median (which
+    of many ranks sharing cores a block's turn on a core falls to is the scheduler's: a rank
+    is named only when its median block is behind too; checks/compute.py)."""
     got = pace(blocks)
-    return got, sorted(r for r, p in got.items() if p < 1 - margin)
+    medians = {r: statistics.median(b) for r, b in blocks.items()}
+    typical = statistics.median(medians.values())
+    return got, sorted(r for r, p in got.items()
+                       if p < 1 - margin and medians[r] < (1 - margin) * typical)
 
 
 

@@ -57,7 +57,7 @@ from ..coordination import progress
 from ..model import FAIL, PASS, SKIP, CheckResult, percentile
 from . import _transformer as tf
 from . import perf
-from .api import shared_hosts, usable_cores
+from .api import pace_margin, usable_cores
 
 _MESHES: dict = {}  # (device type, shape) -> DeviceMesh: made once per process (repeat mode)
 
@@ -251,17 +251,11 @@ def judge(ev) -> CheckResult:
     cfg, first = ev.section(), obs[0]
     cpu = first["device_type"] == "cpu"
     tolerance = cfg["tolerance_cpu" if cpu else "tolerance_gpu"]
-    shared = shared_hosts(ev) if cpu else []
-    compute = ev.config["compute"]
-    margin = compute["straggler_margin_cpu_shared" if shared else
-                     "straggler_margin_cpu" if cpu else "straggler_margin"]
+    margin, shared = pace_margin(ev, cpu)
     culprits = _correctness(ev, tolerance)
     tokens = first["tokens_per_step"]
-    rates = {r: [tokens / s for s in o["compute_s"]] for r, o in enumerate(obs)}
-    paces, slow = perf.stragglers(rates, margin)
-    medians = {r: statistics.median(v) for r, v in rates.items()}
-    typical = statistics.median(medians.values())
-    slow = [r for r in slow if medians[r] < (1 - margin) * typical]  # both views, as compute
+    paces, slow = perf.stragglers({r: [tokens / s for s in o["compute_s"]]
+                                   for r, o in enumerate(obs)}, margin)
     culprits += [ev.culprit(r, _slow_reason(obs[r], paces[r], margin, shared)) for r in slow]
     peak = first["profile"].get("training", {}).get("peak_tflops")
     ranks = [_rank_figures(ev, r, o, paces[r], None if cpu else peak) for r, o in enumerate(obs)]

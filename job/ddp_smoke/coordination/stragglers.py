@@ -165,21 +165,26 @@ def attach(result, spent: list[list | None], culprit, run=None,
         result.summary = f"straggler: {slow[0][1]}; {result.summary}"
 
 
+def oversubscribed(members) -> set:
+    """The groups (a host, a kernel) whose members' threads are as many as the fewest usable
+    cores among them, or more; ``members``: ``(group, threads, cores)`` each."""
+    threads: dict = {}
+    cores: dict = {}
+    for group, n, usable in members:
+        threads[group] = threads.get(group, 0) + n
+        cores[group] = min(cores.get(group, usable), usable)
+    return {g for g in threads if threads[g] >= cores[g]}
+
+
 def shared_kernels(pace: list[dict | None]) -> list[dict | None]:
     """Each CPU rank's ``pace`` with ``shared`` also true where the ranks of every launcher
     node on its kernel (the same boot id: network namespaces or containers as nodes of one
     machine) hold as many threads as the fewest usable cores among them, or more. Measured: 4
     namespaced "nodes" of one rank each on 2 cores beside two busy loops in CI named a healthy
     rank that the others waited for 1.3 s (0.33 s without its longest wait)."""
-    threads: dict[str, int] = {}
-    cores: dict[str, int] = {}
-    for p in pace:
-        if p and p.get("kernel") and p.get("threads") and p.get("cores"):
-            k = p["kernel"]
-            threads[k] = threads.get(k, 0) + p["threads"]
-            cores[k] = min(cores.get(k, p["cores"]), p["cores"])
-    return [{**p, "shared": True} if p and p.get("kernel") in threads
-            and threads[p["kernel"]] >= cores[p["kernel"]] else p for p in pace]
+    shared = oversubscribed((p["kernel"], p["threads"], p["cores"]) for p in pace
+                            if p and p.get("kernel") and p.get("threads") and p.get("cores"))
+    return [{**p, "shared": True} if p and p.get("kernel") in shared else p for p in pace]
 
 
 def scheduler_paced(run) -> bool:
