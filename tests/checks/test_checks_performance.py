@@ -18,6 +18,7 @@ import os
 import re
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -130,6 +131,33 @@ def test_link_suspects_are_measured_again_before_blame():
     # measured again in pass 2 (a busy moment on a shared host is not a bad link).
     link = {(0, 1): 2.0, (0, 2): 10.0, (0, 3): 10.0, (1, 2): 10.0, (1, 3): 9.5, (2, 3): 10.0}
     assert perf.second_pass(4, link, 0.25, 3) == [[(0, 1)]]
+
+
+_LATE_PEER = """
+import sys, time, types, torch, torch.distributed as dist
+from ddp_smoke.checks import _pairs
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank,
+                        world_size=2)
+if rank == 1:
+    time.sleep(0.4)  # left the last barrier late (a lossy link elsewhere slowed it)
+got = _pairs._round_trips(types.SimpleNamespace(device=torch.device("cpu")), 1 - rank,
+                          rank == 0, {"latency_iters": 20})
+print(got.get("rtt_us", [0, 0, 0])[2])
+dist.destroy_process_group()
+"""
+
+
+def test_a_peer_arriving_late_is_not_a_slow_round_trip():
+    # CI named a healthy pair's node: its partner left the round's barrier 200 ms late (a
+    # retransmission on a lossy link elsewhere) and the first timed trip waited for it
+    port, env = str(free_port()), {**os.environ, "PYTHONPATH": str(REPO / "job")}
+    procs = [subprocess.Popen([sys.executable, "-c", _LATE_PEER, str(r), port], env=env,
+                              stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    slowest_us = float(procs[0].communicate(timeout=60)[0].split()[-1])
+    procs[1].communicate(timeout=60)
+    assert [p.returncode for p in procs] == [0, 0]
+    assert slowest_us < 200e3, slowest_us
 
 
 def test_bandwidth_judge_applies_floors_and_says_by_how_much():
