@@ -84,10 +84,10 @@ def test_matmul_rate_stragglers_and_shortfall():
     assert perf.matmul_tflops(1000, 3, 6e-3) == pytest.approx(1.0)  # 3·2e9 FLOP in 6 ms
     # pace: per block, the rank's rate over the ranks' median of that block; the median over
     # the blocks. Rank 2 is behind in two of three blocks: named, though its best is the top.
-    pace, slow = perf.stragglers({0: [100.0, 100.0, 100.0], 1: [100.0, 90.0, 110.0],
+    pace, slow = perf.slow_paced({0: [100.0, 100.0, 100.0], 1: [100.0, 90.0, 110.0],
                                   2: [80.0, 70.0, 120.0]}, 0.1)
     assert pace == pytest.approx({0: 1.0, 1: 1.0, 2: 0.8}) and slow == [2]
-    assert perf.stragglers({0: [100.0], 1: [91.0]}, 0.1)[1] == []
+    assert perf.slow_paced({0: [100.0], 1: [91.0]}, 0.1)[1] == []
     # a whole block slowed for everyone (load) moves the reference with it
     assert perf.pace({0: [100.0, 10.0], 1: [90.0, 9.0], 2: [95.0, 9.5]})[1] == pytest.approx(
         90 / 95)

@@ -58,7 +58,7 @@ K8S_VERSIONS = kc.K8S_VERSIONS
 CONFIG_KEYS = {"report_dir", "checks", "timeout", "backend", "expect_nodes", "expect_world_size",
                "storage_dir", "fault", "expect_transport"}
 CHECKS = {"environment", "ddp_step", "sampler_epochs", "collectives", "storage", "bandwidth",
-          "transport", "rails", "compute", "health"}
+          "transport", "rails", "compute", "training", "health"}
 # Names the operator appends after the user's env: a user value would be silently overridden.
 OPERATOR_ENV = re.compile(r"^(PET_.*|MASTER_ADDR|MASTER_PORT|WORLD_SIZE|RANK|PYTHONUNBUFFERED)$")
 GPU = "nvidia.com/gpu"

@@ -121,9 +121,11 @@ def log_files(pattern: str, pid: int) -> list[str]:
     return sorted(glob.glob(pattern.replace("%h", "*").replace("%p", str(pid))))
 
 
-def read_own_log(pattern: str, pid: int | None = None) -> tuple[dict, list[str]]:
-    """Parse this process's NCCL log files; returns the facts and the files read."""
-    files = log_files(pattern, os.getpid() if pid is None else pid)
+def read_own_log(pattern: str | None = None, pid: int | None = None) -> tuple[dict, list[str]]:
+    """Parse this process's NCCL log files (``NCCL_DEBUG_FILE`` unless ``pattern`` is given;
+    none set: no facts); returns the facts and the files read. The one reader of the log."""
+    pattern = os.environ.get("NCCL_DEBUG_FILE", "") if pattern is None else pattern
+    files = log_files(pattern, os.getpid() if pid is None else pid) if pattern else []
     lines: list[str] = []
     for path in files:
         with open(path, errors="replace") as f:

@@ -22,8 +22,7 @@ def mine(ctx) -> dict:
     """``{"index", "device", "port", "source", "sent_on", "dead", …}`` for this rank."""
     out = {"index": ctx.local_rank, "device": None, "port": None, "dead": None}
     if ctx.backend == "nccl":
-        pattern = os.environ.get("NCCL_DEBUG_FILE", "")
-        facts = nccl_log.read_own_log(pattern)[0] if pattern else nccl_log.parse([])
+        facts = nccl_log.read_own_log()[0]
         nic = nccl_log.sending_nic(facts)
         if nic is None:
             return {**out, "source": "NCCL log: no channel through a network"}
@@ -38,9 +37,7 @@ def mine(ctx) -> dict:
     if given:
         return {**out, "device": given, "sent_on": given, "source": "GLOO_SOCKET_IFNAME",
                 "address": runtime.interface_addresses().get(given)}
-    host, port = ctx.env.store or (ctx.env.master_addr, ctx.env.master_port)
-    addr = runtime.route_address(host, port)
-    name = next((n for n, a in runtime.interface_addresses().items() if a == addr), None)
+    addr, name = runtime.store_route(ctx.env)
     return {**out, "device": name, "sent_on": name, "address": addr,
             "source": "route to the store"}
 

@@ -167,7 +167,7 @@ def judge(ev) -> CheckResult:
     medians, paces, culprits = {}, {}, []
     for dtype in obs[0]["matmul"]:
         medians[dtype] = statistics.median(_sustained(o["matmul"][dtype]) for o in obs)
-        paces[dtype], slow = perf.stragglers(
+        paces[dtype], slow = perf.slow_paced(
             {r: o["matmul"][dtype]["block_tflops"] for r, o in enumerate(obs)}, margin)
         culprits += [ev.culprit(r, _slow_reason(dtype, obs[r]["matmul"][dtype], paces[dtype][r],
                                                 medians[dtype], margin, shared, cpu))

@@ -100,7 +100,7 @@ def pace(blocks: dict[int, list[float]]) -> dict[int, float]:
             for r, b in blocks.items()}
 
 
-def stragglers(blocks: dict[int, list[float]], margin: float) -> tuple[dict, list[int]]:
+def slow_paced(blocks: dict[int, list[float]], margin: float) -> tuple[dict, list[int]]:
     """``(pace, ranks)``: every rank's :func:`pace`, and the ranks behind in both views: a
     pace below 1 − margin, and a median block below 1 − margin of the ranks' median (which
     of many ranks sharing cores a block's turn on a core falls to is the scheduler's: a rank

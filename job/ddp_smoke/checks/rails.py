@@ -50,8 +50,7 @@ def run(ctx) -> dict:
     wanted = rail_binding.interface(setting, ctx.local_rank) if setting else None
     bus = _bus_id(ctx.device)
     if ctx.backend == "nccl":
-        pattern = os.environ.get("NCCL_DEBUG_FILE", "")
-        facts = nccl_log.read_own_log(pattern)[0] if pattern else nccl_log.parse([])
+        facts = nccl_log.read_own_log()[0]
         listed = [n["device"] for t in nccl_log.nics(facts["devices"]).values()
                   for n in t.values()]
         candidates = nccl_candidates(topology.rdma_devices("/"), listed, setting)

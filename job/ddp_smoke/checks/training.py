@@ -254,7 +254,7 @@ def judge(ev) -> CheckResult:
     margin, shared = pace_margin(ev, cpu)
     culprits = _correctness(ev, tolerance)
     tokens = first["tokens_per_step"]
-    paces, slow = perf.stragglers({r: [tokens / s for s in o["compute_s"]]
+    paces, slow = perf.slow_paced({r: [tokens / s for s in o["compute_s"]]
                                    for r, o in enumerate(obs)}, margin)
     culprits += [ev.culprit(r, _slow_reason(obs[r], paces[r], margin, shared)) for r in slow]
     peak = first["profile"].get("training", {}).get("peak_tflops")

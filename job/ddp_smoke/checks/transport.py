@@ -42,8 +42,7 @@ def run(ctx) -> dict:
     # NCCL chooses its network when the first communicator is created; make sure it exists
     # even when this check runs alone.
     progress.all_reduce(torch.ones(1, device=ctx.device))  # settles the stream itself
-    pattern = os.environ.get("NCCL_DEBUG_FILE", "")
-    facts, files = nccl_log.read_own_log(pattern) if pattern else (nccl_log.parse([]), [])
+    facts, files = nccl_log.read_own_log()
     return {**facts, "log_files": files, "nccl_debug": os.environ.get("NCCL_DEBUG"),
             "nccl_debug_subsys": os.environ.get("NCCL_DEBUG_SUBSYS")}
 

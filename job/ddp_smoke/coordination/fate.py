@@ -43,7 +43,6 @@ _NAMED = re.compile(r"ddp-smoke r(\d+)")
 _OOM = re.compile(r"(Memory cgroup out of memory|Out of memory[^:]*): Killed process (\d+) ")
 _FATAL = {"Segmentation fault": "SIGSEGV", "Aborted": "SIGABRT", "Bus error": "SIGBUS",
           "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
-_KMSG_MAX_BYTES = 4 << 20  # the kernel log's ring is a few MB at most
 _file = None
 _log_mark = -1  # the kernel log's last record when this rank started (its sequence number)
 
@@ -164,31 +163,16 @@ def oom_kills(pids: set[int]) -> dict[int, str]:
 
 def _kernel_log():
     """The kernel log's records, oldest first: (sequence number, text). Nothing where it
-    cannot be read (no root or CAP_SYSLOG, or no /dev/kmsg: a container)."""
+    cannot be read (:func:`.proc.kernel_log`)."""
     try:
-        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
-        return
-    read = 0
-    try:
-        while read < _KMSG_MAX_BYTES:
-            try:
-                record = os.read(fd, 8192)
-            except BlockingIOError:
-                break  # the end of the log
-            except OSError:
-                continue  # EPIPE: a record overwritten while we read; go on
-            if not record:
-                break
-            read += len(record)
-            # "<prio>,<seq>,<usec since boot>,<flags>;text"
-            head, _, text = record.decode("utf-8", "replace").partition(";")
+        for record in proc.kernel_log():
+            head, _, text = record.partition(";")
             try:
                 yield int(head.split(",")[1]), text.strip()
             except (IndexError, ValueError):
                 continue
-    finally:
-        os.close(fd)
+    except OSError:
+        return
 
 
 def look(ranks: list[dict], me: int, report_dir: str) -> dict[int, dict]:

@@ -68,7 +68,7 @@ def bind(c, store, rails: list[str] | None, backend: str) -> None:
     addr = runtime.interface_addresses().get(name)
     records, group, found = _survey(c, store, name, addr)
     dead = _dead(env.rank, records, group, found)
-    sent_on = _fallback(env) if dead else name
+    sent_on = runtime.store_route(env)[1] if dead else name
     if sent_on:
         os.environ["GLOO_SOCKET_IFNAME"] = sent_on
     else:  # no interface found for the store's route: gloo's own default (the hostname)
@@ -117,11 +117,6 @@ def _dead(rank: int, records: list[dict], group: list[int], found: dict) -> dict
     return {"why": why, "unreached": unreached, "tried": len(found[rank]["tried"])}
 
 
-def _fallback(env) -> str | None:
-    """The interface of this node's route to the store: the network the run already uses."""
-    host, port = env.store or (env.master_addr, env.master_port)
-    addr = runtime.route_address(host, port)
-    return next((n for n, a in runtime.interface_addresses().items() if a == addr), None)
 
 
 def cut_off(found: dict[int, dict]) -> dict[int, str]:

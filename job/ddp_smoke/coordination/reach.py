@@ -48,7 +48,7 @@ import threading
 import time
 
 from ..model import Culprit
-from . import keys
+from . import keys, runtime
 
 PROBE_S = 1.5          # one connect's timeout: a connect within the sandbox or a fabric takes ms
 ROUNDS = 2             # a target missed twice is unreachable
@@ -106,22 +106,17 @@ def _count(conn: socket.socket) -> None:
 _PROBE: Probe | None = None
 
 
-def route_address(host: str, port: int) -> str:
-    """This machine's address on the route to ``host`` (no packet is sent: a UDP socket's
-    connect only picks the route)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(host), port))
-        return s.getsockname()[0]
-
-
 def listen(env, store) -> None:
     """On a node's leader: open the probe port and post it. Never raises: without a probe
     the run goes on, and an abort is judged without this evidence."""
     global _PROBE
     if env.local_rank != 0:
         return
+    addr = runtime.route_address(env.master_addr, env.master_port)
+    if addr is None:  # no route to the store's host: nothing to listen on
+        return
     try:
-        _PROBE = Probe(route_address(env.master_addr, env.master_port))
+        _PROBE = Probe(addr)
         store.set(keys.of(keys.PROBE, env.rank), json.dumps({"addr": _PROBE.addr, "port": _PROBE.port}))
         store.append(keys.listed(keys.PROBE), f"{env.rank},")
     except Exception:  # noqa: BLE001 — no route, no socket, or the store is gone

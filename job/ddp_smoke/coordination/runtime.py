@@ -146,14 +146,23 @@ def interface_addresses() -> dict[str, str]:
     return out
 
 
-def route_address(master_addr: str, master_port: int) -> str | None:
-    """The local address this host uses to reach the master (a UDP connect sends nothing)."""
+def route_address(host: str, port: int) -> str | None:
+    """This machine's address on the route to ``host`` (a name or an address; a UDP
+    socket's connect only picks the route, no packet is sent); None without a route."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master_addr, master_port))
+            s.connect((socket.gethostbyname(host), port))
             return s.getsockname()[0]
     except OSError:
         return None
+
+
+def store_route(env) -> tuple[str | None, str | None]:
+    """The address and interface of this node's route to the coordination store: the network
+    the run already uses (each is None when unknown)."""
+    host, port = env.store or (env.master_addr, env.master_port)
+    addr = route_address(host, port)
+    return addr, next((n for n, a in interface_addresses().items() if a == addr), None)
 
 
 def hostname_addresses(host: str) -> list[str]:

@@ -8,20 +8,20 @@ GPUs (clock-event reasons, PCIe link, temperatures) and the ports while compute 
 load them, waiting on NVML's XID events in between. ``health`` (last in the default order)
 takes the end readings and judges the whole run, one signal family per module (gpud's layout):
 
-======== ===============================================================================
-presence NVML opens (a GPU run that cannot read its GPUs fails), count, unreachable and lost
-         GPUs, the driver's GPUs NVML misses, readings NVML refused (not measured)
-memory   ECC mode and volatile uncorrected errors, remapped rows, retired pages, recovery action
-xid      NVML XID events during the run, kernel-log XIDs / XID 154 / fallen off the bus / SXids
-clocks   HW slowdown under load, SW thermal, power and thermal violation time, temperatures
-pcie     the link under load against the profile, replays over the run
-nvlink   every link's state against the SKU's design, per-link error counters
-fabric   NVSwitch fabric registration, health mask and summary
-config   persistence, MIG, InfoROM, VBIOS uniformity, stray processes
-hca      GPU-traffic ports' state and rate, counters (saturation too), flaps
-cpu      a cgroup CPU quota that held the node's processes back during the run
-sdc      the same seeded product on every rank, bit for bit
-======== ===============================================================================
+============ ===============================================================================
+presence     NVML opens (a GPU run that cannot read its GPUs fails), count, unreachable and lost
+             GPUs, the driver's GPUs NVML misses, readings NVML refused (not measured)
+memory       ECC mode and volatile uncorrected errors, remapped rows, retired pages, recovery action
+xid          NVML XID events during the run, kernel-log XIDs / XID 154 / fallen off the bus / SXids
+clocks       HW slowdown under load, SW thermal, power and thermal violation time, temperatures
+pcie         the link under load against the profile, replays over the run
+nvlink       every link's state against the SKU's design, per-link error counters
+fabric       NVSwitch fabric registration, health mask and summary
+gpu_settings persistence, MIG, InfoROM, VBIOS uniformity, stray processes
+hca          GPU-traffic ports' state and rate, counters (saturation too), flaps
+cpu          a cgroup CPU quota that held the node's processes back during the run
+sdc          the same seeded product on every rank, bit for bit
+============ ===============================================================================
 
 Each family is ``judge(node, limits) -> [Finding]`` (:mod:`.finding`) on recorded JSON, so a
 recorded node judges as a live one; ``DDP_SMOKE_HEALTH_REPLAY=<recording>`` makes the readers
@@ -40,12 +40,13 @@ import time
 from ...config import profiles
 from ...coordination import forensics
 from ...model import FAIL, PASS, SKIP, CheckResult
-from . import clocks, config, cpu, fabric, hca, memory, nvlink, pcie, presence, sdc, xid
+from . import (clocks, cpu, fabric, gpu_settings, hca, memory, nvlink, pcie, presence, sdc,
+               xid)
 from .finding import CHECKED, NOT_MEASURED, WARN, Finding, Limits
 from .readers import REPLAY_ENV, Node, cgroup, replay
 from .reading import end_gpus, gpu_reading, samples
 
-FAMILIES = (presence, memory, xid, clocks, pcie, nvlink, fabric, config, hca, cpu)
+FAMILIES = (presence, memory, xid, clocks, pcie, nvlink, fabric, gpu_settings, hca, cpu)
 _NODE: dict = {}  # this process's node reader (local rank 0 only)
 
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import time
+
+from ....coordination import proc
 
 _BUS = r"([0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})"
 _XID = re.compile(r"NVRM: Xid \(PCI:" + _BUS + r"[^)]*\): (\d+)")
@@ -92,23 +93,23 @@ class KmsgReader:
 
     def finish(self) -> dict:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+            with open(self.uptime_path) as f:
+                uptime_s = float(f.read().split()[0])
+            log = proc.kernel_log(self.path)
         except OSError as e:
             return {"unavailable": f"kernel log /dev/kmsg not readable here ({e.strerror})"}
         try:
-            with open(self.uptime_path) as f:
-                uptime_s = float(f.read().split()[0])
-            return self._read(fd, uptime_s)
+            return self._read(log, uptime_s)
         except OSError as e:
             return {"unavailable": f"kernel log /dev/kmsg: {e.strerror}"}
         finally:
-            os.close(fd)
+            log.close()
 
-    def _read(self, fd: int, uptime_s: float) -> dict:
+    def _read(self, log, uptime_s: float) -> dict:
         out = {"records": 0, "nvrm": False, "oldest_age_s": None, "xids": [], "recovery": [],
                "fallen": [], "sxids": [], "partial": None}
         end = time.monotonic() + self.limit_s
-        for record in _records(fd):
+        for record in log:
             if time.monotonic() > end:  # the newest records, the ones that matter, not reached
                 out["partial"] = f"not read to its end within {self.limit_s} s"
                 break
@@ -121,32 +122,3 @@ class KmsgReader:
             if got["kind"] in ("xid", "recovery", "fallen", "sxid"):
                 out[{"xid": "xids", "sxid": "sxids"}.get(got["kind"], got["kind"])].append(got)
         return out
-
-
-def _records(fd: int):
-    """One record per read on the character device; a plain file (a replayed node) holds
-    one record per line, dictionary lines starting with a space."""
-    if not stat.S_ISCHR(os.fstat(fd).st_mode):
-        with os.fdopen(os.dup(fd), errors="replace") as f:
-            record = ""
-            for line in f:
-                if line.startswith(" ") and record:
-                    continue
-                if record:
-                    yield record
-                record = line.rstrip("\n")
-            if record:
-                yield record
-        return
-    while True:
-        try:
-            record = os.read(fd, 8192).decode(errors="replace")
-        except BlockingIOError:
-            return  # the end of the buffer
-        except OSError as e:
-            if e.errno == 32:  # EPIPE: a record was overwritten while reading; go on
-                continue
-            raise
-        if not record:
-            return
-        yield record

@@ -1,4 +1,4 @@
-"""Configuration: persistence, MIG, InfoROM, VBIOS uniformity, stray processes.
+"""The GPU's settings: persistence, MIG, InfoROM, VBIOS uniformity, stray processes.
 
 Rules:
 
