@@ -71,12 +71,11 @@ from .config.args import Parser, parse_config, worker_parser
 from .errors import ConfigError
 from .model import Culprit
 from .outputs import act as acts, fleet, launch_report, publish
-from .outputs.hosts import drain_reason, hosts_section
+from .outputs.hosts import hosts_section
 from .outputs.runs import host_runs
 
 CHECKS = "environment,collectives,bandwidth,health"
 DEFAULT_TIMEOUT_S = 45.0  # Slurm kills a HealthCheckProgram at 60 s: time left to act
-OWN_REASON = "ddp-smoke node-check:"  # the drain reasons node-check may lift
 LABEL, CHECKED_AT, FINDING, RUN = ("ddp-smoke/health", "ddp-smoke/health-checked-at",
                                    "ddp-smoke/health-finding", "ddp-smoke/health-run")
 LOG = "node-check.log"
@@ -235,30 +234,18 @@ def act_slurm(node: str, report: dict, share: float, bad_lemon: dict | None) -> 
         return [f"not acted: {e}"], []
     if node not in nodes:
         return [f"not acted: Slurm has no node {node} (give --node the NodeName)"], []
-    state, reason = nodes[node]["state"], nodes[node]["reason"]
     host = (report.get("hosts") or [{}])[0]
     failed = report.get("verdict") != "pass" or (bad_lemon or {}).get("action") == fleet.RMA
-    if not failed:
-        if acts.drained(state) and reason.startswith(OWN_REASON):
-            return _do(node, fleet.RESUME, reason, lambda: acts.slurm_resume(node),
-                       f"resumed (its drain was node-check's own: {reason})")
-        if acts.drained(state):
-            return [f"left drained: drained by someone else (Reason={reason})"], []
-        return [], []
-    why = drain_reason(_lemon_reasons(host, bad_lemon), "node-check")
-    if acts.drained(state) and not reason.startswith(OWN_REASON):
-        return [f"left drained as it is: drained already by someone else (Reason={reason})"], []
-    if acts.drained(state) and reason.startswith(why[:60]):
-        return [f"stays drained ({reason})"], []
-    others = {n: [_parsed(v["reason"])] for n, v in nodes.items()
-              if n != node and acts.drained(v["state"]) and v["reason"].startswith("ddp-smoke ")}
-    tripped = fleet.breaker({**others, node: host.get("reasons") or [_parsed(why)]},
-                            len(nodes), share)
-    if tripped:
-        return [f"not drained: {tripped['line']}"], [fleet.entry(node, fleet.HOLD,
-                                                                 tripped["line"], True)]
-    return _do(node, fleet.DRAIN, why, lambda: acts.slurm_drain(node, why),
-               f"drained: Reason={why}")
+    why = fleet.drain_reason(_lemon_reasons(host, bad_lemon), fleet.NODE_CHECK)
+    action, line, reason = fleet.slurm_decision(node, nodes, failed, why,
+                                                host.get("reasons") or [], share)
+    if action == fleet.RESUME:
+        return _do(node, action, reason, lambda: acts.slurm_resume(node), line)
+    if action == fleet.DRAIN:
+        return _do(node, action, reason, lambda: acts.slurm_drain(node, why), line)
+    if action == fleet.HOLD:
+        return [line], [fleet.entry(node, action, reason, True)]
+    return [line] if line else [], []
 
 
 def _lemon_reasons(host: dict, bad_lemon: dict | None) -> dict:
@@ -268,14 +255,6 @@ def _lemon_reasons(host: dict, bad_lemon: dict | None) -> dict:
         reasons.insert(0, {"check": "lemon", "reason": f"failed {bad_lemon['failed']} of its "
                            f"last {bad_lemon['of']} runs: {bad_lemon['action']}"})
     return {**host, "reasons": reasons}
-
-
-def _parsed(reason: str) -> dict:
-    """A kit drain reason (``ddp-smoke <tier or run id>: <check>: <reason>``) as the hosts
-    section's reason."""
-    rest = reason.split(": ", 1)[-1]
-    check, _, why = rest.partition(": ")
-    return {"check": check, "reason": why or rest}
 
 
 def _do(node: str, action: str, reason: str, call, said: str) -> tuple[list[str], list[dict]]:

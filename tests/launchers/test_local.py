@@ -190,19 +190,6 @@ def test_check_only_starts_nothing(tmp_path, launcher, worker, status, says):
     assert made == ([".ddp-smoke.lock"] if status == 0 and not launcher else []), made
 
 
-def test_plain_torchrun_bad_input_is_each_ranks_one_line_and_the_agents_status(tmp_path):
-    """What README promises where the kit does not hold the launch: under a bare torchrun the
-    rank says the one line (no traceback of its own) and torchrun's agent exits 1 with its
-    summary (its first failed rank's: the agent stops the others at once); the kit's
-    launchers (make, the sbatch, the image, submit) check before any rank starts instead."""
-    run = torchrun(1, "--backend", "gloo", "--chekcs", "environment",
-                   report_dir=tmp_path / "rep", timeout_s=60)
-    said = [ln for ln in run.stderr.splitlines() if "did you mean --checks?" in ln]
-    assert run.returncode == 1 and len(said) == 1, run.why()
-    assert all(ln.split("]:", 1)[-1].startswith("ddp-smoke: error: ") for ln in said), said
-    assert run.report is None, run.why()  # no rank ran a check
-
-
 def test_a_report_folder_that_cannot_be_written_is_bad_input(tmp_path):
     """Issue 25 item 4 (before: 78 lines in 14.5 s, a FAIL table blaming the launcher)."""
     if os.geteuid() != 0:

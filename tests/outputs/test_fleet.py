@@ -89,6 +89,54 @@ def test_different_checks_on_each_node_are_said_as_unclear():
     assert tripped["kind"] == "unclear" and "no check failed on all of them" in tripped["common"]
 
 
+# -- what node-check does to its Slurm node -------------------------------------------------
+
+def _nodes(**given) -> dict:
+    """Slurm's view of a 10-node cluster: idle but for the nodes given as (state, reason)."""
+    nodes = {f"n{i}": {"state": "IDLE", "reason": ""} for i in range(10)}
+    return {**nodes, **{n: {"state": s, "reason": r} for n, (s, r) in given.items()}}
+
+
+def test_the_kit_reads_back_only_its_own_drain_reasons():
+    mine = fleet.drain_reason({"reasons": _reasons("health", "GPU 3: XID 79")}, fleet.NODE_CHECK)
+    assert mine == "ddp-smoke node-check: health: GPU 3: XID 79"
+    assert fleet.read_reason(mine) == {"by": "node-check", "check": "health",
+                                       "reason": "GPU 3: XID 79"}
+    assert fleet.read_reason("ddp-smoke local-1: preflight: eth1 down")["by"] == "local-1"
+    for theirs in ("", "bad DIMM, ticket 4711", "ddp-smoke said so", "Kill task failed"):
+        assert fleet.read_reason(theirs) is None, theirs
+
+
+@pytest.mark.parametrize("state, reason, failed, action, says", [
+    ("IDLE", "", False, None, ""),
+    ("IDLE+DRAIN", "ddp-smoke node-check: health: XID 79", False, "resume", "resumed"),
+    ("DRAINED", "bad DIMM", False, None, "left drained: drained by someone else"),
+    ("IDLE", "", True, "drain", "drained: Reason=ddp-smoke node-check: health: XID 48"),
+    ("DRAINING", "ddp-smoke node-check: health: XID 48", True, None, "stays drained"),
+    ("IDLE+DRAIN", "ddp-smoke node-check: preflight: eth1 down", True, "drain", "drained"),
+    ("IDLE+DRAIN", "bad DIMM", True, None, "left drained as it is"),
+    ("IDLE+DRAIN", "ddp-smoke local-7: health: XID 48", True, None, "left drained as it is"),
+], ids=["pass", "pass-own-drain", "pass-their-drain", "fail", "fail-same-drain",
+        "fail-other-own-drain", "fail-their-drain", "fail-a-jobs-drain"])
+def test_node_checks_slurm_decision(state, reason, failed, action, says):
+    why = "ddp-smoke node-check: health: XID 48"
+    got, line, _ = fleet.slurm_decision("n0", _nodes(n0=(state, reason)), failed, why,
+                                        _reasons("health", "XID 48"), 0.2)
+    assert got == action and line.startswith(says), line
+
+
+def test_node_check_holds_when_the_kit_drained_too_many_nodes_already():
+    why = "ddp-smoke node-check: health: CPU quota: 97 % of periods throttled"
+    kit = ("IDLE+DRAIN", why)
+    theirs = ("IDLE+DRAIN", "bad DIMM")  # not the kit's: not counted
+    got, line, recorded = fleet.slurm_decision(
+        "n0", _nodes(n1=kit, n2=kit, n3=theirs), True, why,
+        _reasons("health", "CPU quota: 97 % of periods throttled"), 0.2)
+    assert got == "hold" and line == f"not drained: {recorded}" and "3 of 10" in recorded
+    assert fleet.slurm_decision("n0", _nodes(n1=kit, n3=theirs), True, why, [], 0.2)[0] == \
+        "drain"
+
+
 # -- lemons ---------------------------------------------------------------------------------
 
 def _runs(statuses: str, boots: str = "") -> list[dict]:

@@ -64,12 +64,6 @@ def slurm_nodes(environ=None) -> dict[str, dict]:
     return parse_nodes(_scontrol("show", "node", environ=environ))
 
 
-def drained(state: str) -> bool:
-    """A node state that takes no new jobs because someone drained it (DRAIN, DRAINING,
-    DRAINED: ``IDLE+DRAIN`` …)."""
-    return "DRAIN" in state.upper()
-
-
 def slurm_drain(node: str, reason: str, environ=None) -> None:
     _scontrol("update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}", environ=environ)
 

@@ -15,6 +15,10 @@ Three rules, pure, on what the reports and the history index hold (docs/continuo
   **reboot**; once it failed again after a reboot (its failing runs span two boot ids, read
   from ``/proc/sys/kernel/random/boot_id`` by the health check), **drain and RMA**. The runs
   are the evidence.
+* **What node-check does to its Slurm node** (:func:`slurm_decision`): drain, resume its own
+  drain, hold (the breaker), or leave a drain that is not the kit's as it is. The kit's drain
+  reasons are written and read back here alone (:func:`drain_reason`, :func:`read_reason`):
+  ``ddp-smoke <by>: <check>: <reason>``, ``<by>`` the run id or ``node-check``.
 * **Drain records.** Every drain, resume or refusal the kit makes is recorded in the run's
   folder, ``actions.json`` (:func:`record`), with the run id and the reason; ``ddp-smoke
   history`` lists the nodes the kit drained and why (:func:`render`).
@@ -49,13 +53,17 @@ REBOOT, RMA = "reboot", "drain and RMA"
 _MIN_SHARED = 12  # characters two reasons must share to be quoted as their common words
 _GAP = "…"        # where the failing nodes' reasons differ
 # What a check's failure on many nodes at once most likely points at.
-_SHARED_KIND = {"storage": "storage", "bandwidth": "fabric", "transport": "fabric",
+_SHARED_KIND = {"storage": "storage", "bandwidth": "fabric", "transport": "fabric", "rails": "fabric",
                 "collectives": "fabric", "launch": "fabric", "environment": "image",
                 "ddp_step": "image", "sampler_epochs": "image", "compute": "load or power",
                 "training": "image", "health": "hardware or driver"}
 _PREFLIGHT_KIND = {"report_dir": "storage", "interfaces": "fabric", "rendezvous": "fabric",
                    "joined": "fabric", "rendezvous_host": "fabric", "torch": "image",
                    "python": "image"}
+REASON_CHARS = 160      # a Slurm node reason is one line in sinfo -R: keep it readable
+_UNSAFE = re.compile(r"[^A-Za-z0-9 _.,:;=+/@%()<>\[\]{}#~^*|'-]")  # nothing a shell expands
+_KIT_REASON = re.compile(r"ddp-smoke (\S+): (.*)$")  # the kit's own drain reasons
+NODE_CHECK = "node-check"  # node-check's drains: the ones it may lift
 # A health finding is the hardware's, except a limit that a setting put on the node: the same
 # CPU quota on every node is one configuration pushed to all of them (a slice, a pod limit).
 _HEALTH_KIND = {"CPU quota": "the nodes' set-up"}
@@ -154,6 +162,72 @@ def _shared(texts: list[str]) -> str:
         words = kept
     said = " ".join(w for w in words if w != _GAP)
     return " ".join(words).strip(" ;,:") if len(said) >= _MIN_SHARED else ""
+
+
+# -- the kit's drains (pure) ----------------------------------------------------------------
+
+def drain_reason(host: dict, by: str) -> str:
+    """``ddp-smoke <by>: <check>: <first conviction>``, one shell-safe line, bounded; ``by``:
+    the run id, or :data:`NODE_CHECK`."""
+    first, more = lead(host)
+    text = f"ddp-smoke {by}: {first['check']}: {first['reason']}"
+    text = " ".join(_UNSAFE.sub(" ", text).split())
+    if len(text) + len(more) > REASON_CHARS:
+        text = text[:REASON_CHARS - len(more) - 3].rstrip() + "..."
+    return text + more
+
+
+def lead(host: dict) -> tuple[dict, str]:
+    """The reason to show first (a conviction before a link) and "(+N more)" for the rest."""
+    reasons = sorted(host["reasons"], key=lambda r: "link" in r)
+    first = reasons[0] if reasons else {"check": "?", "reason": "named by ddp-smoke"}
+    return first, f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
+
+
+def read_reason(reason: str) -> dict | None:
+    """A Slurm node's reason as the kit wrote it (:func:`drain_reason`): ``{"by", "check",
+    "reason"}``, the hosts section's reason plus who drained; None for anyone else's."""
+    m = _KIT_REASON.match(reason or "")
+    if not m:
+        return None
+    check, _, why = m.group(2).partition(": ")
+    return {"by": m.group(1), "check": check, "reason": why or m.group(2)}
+
+
+def drained(state: str) -> bool:
+    """A Slurm node state that takes no new jobs because someone drained it (DRAIN,
+    DRAINING, DRAINED: ``IDLE+DRAIN`` …)."""
+    return "DRAIN" in state.upper()
+
+
+def slurm_decision(node: str, nodes: dict[str, dict], failed: bool, why: str,
+                   reasons: list[dict], max_share: float) -> tuple[str | None, str, str]:
+    """What node-check does to its Slurm node: ``(action or None, the line that says so, the
+    reason to record)``.
+
+    ``nodes``: every Slurm node's ``{"state", "reason"}``; ``failed``: this run failed (or
+    the node is a lemon for RMA); ``why``: the drain reason it would write; ``reasons``: this
+    node's reasons. A drain that is not node-check's own is never lifted or rewritten; the
+    breaker counts the nodes the kit drained already plus this one."""
+    state, reason = nodes[node]["state"], nodes[node]["reason"]
+    own = (read_reason(reason) or {}).get("by") == NODE_CHECK
+    if not failed:
+        if drained(state) and own:
+            return RESUME, f"resumed (its drain was node-check's own: {reason})", reason
+        if drained(state):
+            return None, f"left drained: drained by someone else (Reason={reason})", reason
+        return None, "", ""
+    if drained(state) and not own:
+        return (None, f"left drained as it is: drained already by someone else "
+                      f"(Reason={reason})", reason)
+    if drained(state) and reason.startswith(why[:60]):
+        return None, f"stays drained ({reason})", reason
+    others = {n: [read_reason(v["reason"])] for n, v in nodes.items()
+              if n != node and drained(v["state"]) and read_reason(v["reason"])}
+    tripped = breaker({**others, node: reasons or [read_reason(why)]}, len(nodes), max_share)
+    if tripped:
+        return HOLD, f"not drained: {tripped['line']}", tripped["line"]
+    return DRAIN, f"drained: Reason={why}", why
 
 
 # -- lemons (pure) --------------------------------------------------------------------------

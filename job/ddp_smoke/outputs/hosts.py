@@ -61,9 +61,7 @@ GOOD, SUSPECT, BAD = "good", "suspect", "bad"
 HOST_STATUSES = (GOOD, SUSPECT, BAD)
 LISTS = {BAD: "bad_hosts.txt", SUSPECT: "suspect_hosts.txt", GOOD: "good_hosts.txt"}
 RAIL_LIST = "bad_rails.txt"
-REASON_CHARS = 160      # a Slurm node reason is one line in sinfo -R: keep it readable
 DRAIN_BUDGET_S = 5.0    # slurmctld answers in milliseconds; a stuck one must not hold the exit
-_UNSAFE = re.compile(r"[^A-Za-z0-9 _.,:;=+/@%()<>\[\]{}#~^*|'-]")  # nothing a shell expands
 
 
 # -- the hosts section (pure) ---------------------------------------------------------------
@@ -171,28 +169,11 @@ def host_lists(hosts: list[dict]) -> dict[str, str]:
 
 # -- next steps (pure) ----------------------------------------------------------------------
 
-def drain_reason(host: dict, run_id: str) -> str:
-    """``ddp-smoke <run id>: <check>: <first conviction>``, one shell-safe line, bounded."""
-    first, more = _lead(host)
-    text = f"ddp-smoke {run_id}: {first['check']}: {first['reason']}"
-    text = " ".join(_UNSAFE.sub(" ", text).split())
-    if len(text) + len(more) > REASON_CHARS:
-        text = text[:REASON_CHARS - len(more) - 3].rstrip() + "..."
-    return text + more
-
-
-def _lead(host: dict) -> tuple[dict, str]:
-    """The reason to show first (a conviction before a link) and "(+N more)" for the rest."""
-    reasons = sorted(host["reasons"], key=lambda r: "link" in r)
-    first = reasons[0] if reasons else {"check": "?", "reason": "named by ddp-smoke"}
-    return first, f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
-
-
 def drain_argv(host: dict, run_id: str) -> list[str]:
     """The scontrol command that drains one bad host's Slurm node."""
     node = host.get("slurm_node") or host["host"]
     return ["scontrol", "update", f"NodeName={node}", "State=DRAIN",
-            f"Reason={drain_reason(host, run_id)}"]
+            f"Reason={fleet.drain_reason(host, run_id)}"]
 
 
 def next_commands(hosts: list[dict], run_id: str) -> list[str]:
@@ -253,7 +234,7 @@ def render(hosts: list[dict], run_id: str, report_dir: str, act: str | None,
              f"lists ({lists}) in {report_dir}")
     lines = [f"# hosts: {counts}; {where}"]
     for h in split[BAD] + split[SUSPECT]:
-        first, more = _lead(h)
+        first, more = fleet.lead(h)
         label = "practice" if injected else h["status"]
         rails = "".join(f" · {rail_label(r)} {'practice' if injected else r['status']}"
                         for r in h.get("rails", []))
