@@ -16,8 +16,12 @@ import time
 import types
 from pathlib import Path
 
+import pytest
+
+from ddp_smoke import config
 from ddp_smoke.coordination import blame
 from ddp_smoke.coordination import reach, retransmits, stragglers
+from ddp_smoke.errors import ConfigError
 from ddp_smoke.model import CheckResult, Culprit
 
 HOSTS = [f"n{i}" for i in range(6)]
@@ -126,7 +130,7 @@ def test_one_long_hiccup_is_not_a_straggler():
 
 
 def test_few_collectives_or_small_waits_name_nobody():
-    assert stragglers.judge(_spent(4, 9, late=1))[1] == []  # under MIN_COUNTED
+    assert stragglers.judge(_spent(4, 9, late=1))[1] == []  # under waits_min_counted
     tiny = [[0.0101 if r == 1 else 0.0102] * 100 for r in range(4)]  # 0.1 ms waits
     assert stragglers.judge(tiny)[1] == []
 
@@ -138,6 +142,37 @@ def test_broadcasts_and_missing_ranks_are_left_out():
     figure, slow = stragglers.judge(rows)
     assert [r for r, _ in slow] == [3] and figure["collectives"] == 60
     assert stragglers.judge([None, None])[0]["collectives"] == 0
+
+
+def test_the_runs_own_diagnosis_settings_judge_its_waits(tmp_path):
+    """The rule's thresholds are the run's config (``diagnosis``): on each check (attach, with
+    the run) and on an abort (blame, with the settings the run posted), validated like any."""
+    spent = _spent(4, 100, late=2)
+    path = tmp_path / "c.yaml"
+    path.write_text("diagnosis:\n  waits_min_total_s: 600\n")
+    lenient = config.resolve(config.load_file(str(path)), {})["diagnosis"]
+    assert [r for r, _ in stragglers.judge(spent)[1]] == [2]
+    assert stragglers.judge(spent, lenient)[1] == []
+    run = types.SimpleNamespace(env=types.SimpleNamespace(run_id="7"), ranks=[{}] * 4,
+                                cfg={"diagnosis": lenient})
+    result = CheckResult("collectives", "pass", summary="28/28 cases exact")
+    stragglers.attach(result, spent, lambda r, why: Culprit(r, f"h{r}", why), run)
+    assert result.status == "pass" and result.figures["waits"]["most_last"][0]["rank"] == 2
+    snap = dict(stage="collectives", world_size=4, timeout_s=1.0, hosts=["h"] * 4,
+                connected=set(range(4)), arrived=set(range(4)), dead=set(),
+                aborts={0: {"kind": "timeout"}}, waits=dict(enumerate(spent)))
+    assert list(blame._waited_for(blame.Snapshot(**snap))) == [2]
+    assert blame._waited_for(blame.Snapshot(**snap, wait_rules=lenient)) == {}
+    path.write_text("diagnosis:\n  waits_share: 0\n")
+    with pytest.raises(ConfigError, match="key 'diagnosis.waits_share' = 0"):
+        config.resolve(config.load_file(str(path)), {})
+
+
+def test_docs_quote_every_diagnosis_threshold_as_the_defaults_set_it():
+    text = " ".join((Path(__file__).resolve().parents[2] / "docs" / "diagnosis.md")
+                    .read_text().split())
+    for key, value in config.defaults()["diagnosis"].items():
+        assert f"`{key}` {value:g}" in text, key
 
 
 def test_attach_fails_a_passing_check_and_leaves_a_skip_alone():
@@ -177,7 +212,7 @@ def test_a_node_check_on_cpu_ranks_keeps_the_waits_as_a_figure_only():
     ranks are the node's GPUs, and an acceptance run on CPU names its straggler as before."""
     def run(run_id: str, device: str):
         env = types.SimpleNamespace(run_id=run_id)
-        return types.SimpleNamespace(env=env, ranks=[{"device": device}] * 4)
+        return types.SimpleNamespace(env=env, ranks=[{"device": device}] * 4, cfg={})
 
     node = "node-check-n1-20261201-100000-abcdef"
     for got, expected in [(run(node, "cpu"), []), (run(node, "cuda:0"), [0]),
@@ -197,7 +232,8 @@ def test_a_cpu_rank_sharing_cores_is_named_only_when_a_cpu_quota_held_it():
     held = {"shared": True, "held_s": 2.1}
     for pace, expected in [({"shared": True, "held_s": 0.0}, []), (held, [0]),
                            ({"shared": True, "held_s": None}, []),
-                           ({"shared": True, "held_s": stragglers.MIN_TOTAL_S - 0.01}, []),
+                           ({"shared": True,
+                             "held_s": stragglers.RULES["waits_min_total_s"] - 0.01}, []),
                            ({"shared": False, "held_s": 0.0}, [0]), (None, [0])]:
         result = CheckResult("collectives", "pass", summary="28/28 cases exact")
         stragglers.attach(result, _spent(4, 100, late=0),

@@ -71,6 +71,8 @@ class Snapshot:
             the quota held that node's ranks back over the run so far.
         lossy: the links (or nodes) whose TCP connections lost packets in the stopped check,
             as culprits (:func:`ddp_smoke.coordination.retransmits.culprits`).
+        wait_rules: the run's ``diagnosis`` thresholds for :func:`.stragglers.judge` (None:
+            the package's).
     """
 
     stage: str
@@ -92,6 +94,7 @@ class Snapshot:
     waits: dict = field(default_factory=dict)
     held: dict = field(default_factory=dict)
     lossy: list = field(default_factory=list)
+    wait_rules: dict | None = None
 
 
 @dataclass
@@ -335,7 +338,7 @@ def _waited_for(s: Snapshot) -> dict[int, str]:
     ranks = range(s.world_size)
     if not _deadline_passed(s) or any(r not in s.waits for r in ranks):
         return {}
-    return dict(stragglers.judge([s.waits[r] for r in ranks])[1])
+    return dict(stragglers.judge([s.waits[r] for r in ranks], s.wait_rules)[1])
 
 
 def _unfinished(s: Snapshot) -> list:

@@ -11,16 +11,17 @@ For every collective k of a check (the k-th world collective is the same call on
 
 * the last arriver is the rank with the smallest ``t``;
 * the wait it caused is the median of the others' ``t`` minus its own: what the job lost;
-* the collective counts when that wait is at least ``MIN_WAIT_S`` (below it, who is "last" is
+* the collective counts when that wait is at least ``waits_min_s`` (below it, who is "last" is
   scheduling noise).
 
 A rank is named a straggler of the check by the time the others waited for it, not by how
-often it came last: the waits it caused add up to at least ``MIN_FRACTION`` of the time the
-others spent inside collectives and ``wait_share(n)`` of all the waits of the check (half with
+often it came last: the waits it caused add up to at least ``waits_min_fraction`` of the time the
+others spent inside collectives and :func:`wait_share` of all the waits of the check (half with
 4 ranks or more; 67 % with 3; 85 % with 2, where one of the two always has half), and, without
-the longest of them, to at least ``MIN_TOTAL_S``; over at least ``MIN_COUNTED`` counted
+the longest of them, to at least ``waits_min_total_s``; over at least ``waits_min_counted`` counted
 collectives, in at least its fair share (1/n) of which it came last. One long hiccup (a GC
 pause, a stopped process: 0.64 s in one collective among 16 healthy ranks) is not a straggler.
+The thresholds are the configuration's ``diagnosis`` keys (``waits_*``), the run's own.
 
 Why time and not the count: a rank held back by a CPU quota runs in bursts (15 ms of every
 100 ms), so it comes last only in the collectives that fall into its throttled stretches
@@ -56,12 +57,12 @@ from __future__ import annotations
 
 import statistics
 
+from ..config import defaults
 from ..config.launchenv import NODE_RUN_PREFIX
 
-MIN_WAIT_S = 0.001   # a collective's wait below this says nothing about who was late
-MIN_COUNTED = 10     # fewer counted collectives: no verdict (the figure is still given)
-MIN_TOTAL_S = 0.3    # a straggler's waits without its longest add up to this (healthy <= 0.16)
-MIN_FRACTION = 0.25  # all its waits: at least this share of the others' time inside collectives
+# The rule's thresholds: the configuration's ``diagnosis`` section (defaults.yaml says why
+# each has its value); a run's own settings where the judge knows the run's config.
+RULES = defaults()["diagnosis"]
 BUDGET = 4_000_000   # durations kept per check over all ranks, at most (bounds rank 0's work)
 
 
@@ -71,17 +72,20 @@ def keep_per_rank(world_size: int) -> int:
     return max(64, min(2048, BUDGET // max(1, world_size)))
 
 
-def wait_share(n: int) -> float:
+def wait_share(n: int, rules: dict = RULES) -> float:
     """The share of all the check's waits a rank must have caused to be named, by world size."""
-    return {2: 0.85, 3: 0.67}.get(n, 0.5)
+    return {2: rules["waits_share_of_2"], 3: rules["waits_share_of_3"]}.get(n, rules["waits_share"])
 
 
-def judge(spent: list[list | None]) -> tuple[dict, list[tuple[int, str]]]:
+def judge(spent: list[list | None],
+          rules: dict | None = None) -> tuple[dict, list[tuple[int, str]]]:
     """The waits figure of a check and its stragglers as ``(rank, reason)``.
 
     ``spent[r]`` is rank r's list of seconds inside each collective (None entries: not
-    comparable, e.g. a broadcast), or None when the rank sent none.
+    comparable, e.g. a broadcast), or None when the rank sent none; ``rules``: the run's
+    ``diagnosis`` settings (default: the package's).
     """
+    rules = rules or RULES
     n = len(spent)
     rows = [s or [] for s in spent]
     total = min(len(s) for s in rows) if rows else 0
@@ -98,15 +102,16 @@ def judge(spent: list[list | None]) -> tuple[dict, list[tuple[int, str]]]:
         others = t[:r] + t[r + 1:]
         wait = statistics.median(others) - t[r]
         inside += statistics.median(others)
-        if wait < MIN_WAIT_S:
+        if wait < rules["waits_min_s"]:
             continue
         counted += 1
         last[r] += 1
         caused[r] += wait
         longest[r] = max(longest[r], wait)
     waits = sum(caused)
-    figure = {"collectives": total, "counted": counted, "min_wait_s": MIN_WAIT_S,
-              "wait_s": round(waits, 4), "wait_share_to_name": wait_share(n) if n > 1 else None,
+    figure = {"collectives": total, "counted": counted, "min_wait_s": rules["waits_min_s"],
+              "min_counted": rules["waits_min_counted"], "wait_s": round(waits, 4),
+              "wait_share_to_name": wait_share(n, rules) if n > 1 else None,
               "legend": "per collective, the last rank to arrive is the one that spent the "
                         "least time inside; counted: collectives whose wait (the others' median "
                         "time inside minus the last one's) was at least min_wait_s; wait_s: "
@@ -120,9 +125,9 @@ def judge(spent: list[list | None]) -> tuple[dict, list[tuple[int, str]]]:
                             if last[r]]}
     culprits = []
     for r in range(n):
-        if (counted >= MIN_COUNTED and caused[r] >= wait_share(n) * waits
-                and caused[r] - longest[r] >= MIN_TOTAL_S and caused[r] >= MIN_FRACTION * inside
-                and last[r] * n >= counted):
+        if (counted >= rules["waits_min_counted"] and caused[r] >= wait_share(n, rules) * waits
+                and caused[r] - longest[r] >= rules["waits_min_total_s"]
+                and caused[r] >= rules["waits_min_fraction"] * inside and last[r] * n >= counted):
             others = [q for q in range(n) if q != r]
             culprits.append((r, f"ranks {_ranks(others)} waited for rank {r} "
                                 f"{caused[r]:.1f} s in all, {100 * caused[r] / waits:.0f} % of "
@@ -146,7 +151,8 @@ def attach(result, spent: list[list | None], culprit, run=None,
     wait 3.4 s for rank 2, 73 % of the waits; the figure keeps them, ``link_named``). Nor is
     a CPU rank sharing its node's (or its kernel's: :func:`shared_kernels`) cores that no CPU
     quota held back (``cpu[r]``, :func:`scheduler_chose`)."""
-    figure, slow = judge(spent)
+    rules = (run.cfg.get("diagnosis") if run is not None else None) or RULES
+    figure, slow = judge(spent, rules)
     result.figures["waits"] = figure
     named = {r for k in result.culprits for r in [k.rank, *(k.ranks or []),
                                                    *((k.rail or {}).get("ranks") or [])]
@@ -155,10 +161,10 @@ def attach(result, spent: list[list | None], culprit, run=None,
     slow = [(r, reason) for r, reason in slow if r not in named]
     if slow and any(k.rank is None and len(k.ranks or []) == 2 for k in result.culprits):
         figure["link_named"], slow = [r for r, _ in slow], []
-    spared = [r for r, _ in slow if scheduler_chose(pace[r])]
+    spared = [r for r, _ in slow if scheduler_chose(pace[r], rules)]
     if spared:  # the figure says who would have been named, and why not
         figure["scheduler_chose"] = spared
-    slow = [(r, reason + _held(pace[r])) for r, reason in slow if r not in spared]
+    slow = [(r, reason + _held(pace[r], rules)) for r, reason in slow if r not in spared]
     if slow and result.status != "skip" and not scheduler_paced(run):
         result.culprits += [culprit(r, reason) for r, reason in slow]
         result.status = "fail"
@@ -197,25 +203,28 @@ def scheduler_paced(run) -> bool:
         all(str(r.get("device", "")).startswith("cpu") for r in run.ranks)
 
 
-def scheduler_chose(pace: dict | None) -> bool:
+def scheduler_chose(pace: dict | None, rules: dict = RULES) -> bool:
     """A CPU rank on a node whose ranks share its cores, and no CPU quota held it back for
-    ``MIN_TOTAL_S`` in the check: which rank the others waited for was the OS scheduler's choice
-    under whatever else ran there, not a finding about the rank. Measured: a healthy 4-rank run
-    on 2 cores beside another test's Slurm and Docker work in CI named a rank; three busy
-    processes beside it (12 runs) brought a healthy rank to 0.19 s without its longest wait.
+    ``waits_min_total_s`` in the check: which rank the others waited for was the OS scheduler's
+    choice under whatever else ran there, not a finding about the rank. Measured: a healthy
+    4-rank run on 2 cores beside another test's Slurm and Docker work in CI named a rank;
+    three busy processes beside it (12 runs) brought a healthy rank to 0.19 s without its
+    longest wait.
     A quota that held it (a pod's CPU limit, a cgroup's: the CPU's power cap) is a finding."""
-    return bool(pace and pace.get("shared") and (pace.get("held_s") or 0.0) < MIN_TOTAL_S)
+    return bool(pace and pace.get("shared") and
+                (pace.get("held_s") or 0.0) < rules["waits_min_total_s"])
 
 
-def _held(pace: dict | None) -> str:
+def _held(pace: dict | None, rules: dict) -> str:
     held = (pace or {}).get("held_s") or 0.0
-    return f"; a CPU quota held it back {held:.1f} s in the check" if held >= MIN_TOTAL_S else ""
+    return (f"; a CPU quota held it back {held:.1f} s in the check"
+            if held >= rules["waits_min_total_s"] else "")
 
 
 def line(figure: dict) -> str | None:
     """The figure in a few words, for the human summary (None for a check with too few
     collectives to judge: a line under every check would be noise)."""
-    if figure.get("collectives", 0) < MIN_COUNTED:
+    if figure.get("collectives", 0) < figure.get("min_counted", RULES["waits_min_counted"]):
         return None
     top = figure["most_last"][0] if figure["most_last"] else None
     most = (f"waited for longest: rank {top['rank']}, {top['wait_s']:.2f} s "
