@@ -162,7 +162,7 @@ def test_the_runs_own_diagnosis_settings_judge_its_waits(tmp_path):
                 connected=set(range(4)), arrived=set(range(4)), dead=set(),
                 aborts={0: {"kind": "timeout"}}, waits=dict(enumerate(spent)))
     assert list(blame._waited_for(blame.Snapshot(**snap))) == [2]
-    assert blame._waited_for(blame.Snapshot(**snap, wait_rules=lenient)) == {}
+    assert blame._waited_for(blame.Snapshot(**snap, rules=lenient)) == {}
     path.write_text("diagnosis:\n  waits_share: 0\n")
     with pytest.raises(ConfigError, match="key 'diagnosis.waits_share' = 0"):
         config.resolve(config.load_file(str(path)), {})

@@ -194,6 +194,7 @@ RULES: dict[str, Any] = {
     "diagnosis.waits_share_of_2": Real(0.5, 1.0),
     "diagnosis.waits_share_of_3": Real(1 / 3, 1.0),
     "diagnosis.waits_share": Real(0.0, 1.0, lo_open=True),
+    "diagnosis.stuck_after_s": Real(0.0, DAY_S),
     "links.retransmits_min": Int(1, 1 << 30),
     "links.retransmit_share": Real(0.0, 1.0, lo_open=True),
     "links.rto_min": Int(1, 1 << 16),

@@ -36,10 +36,6 @@ from ..model import Culprit
 from . import fate, reach, stragglers
 
 
-# A rank inside an older collective than the others' for less than this was moving through it
-# when the run stopped (measured: 0.009 s inside, beside the rank that really held the others,
-# on a loaded node); one that held the others there sat in it for most of the deadline.
-STUCK_AFTER_S = 1.0
 
 
 @dataclass
@@ -71,8 +67,8 @@ class Snapshot:
             the quota held that node's ranks back over the run so far.
         lossy: the links (or nodes) whose TCP connections lost packets in the stopped check,
             as culprits (:func:`ddp_smoke.coordination.retransmits.culprits`).
-        wait_rules: the run's ``diagnosis`` thresholds for :func:`.stragglers.judge` (None:
-            the package's).
+        rules: the run's ``diagnosis`` thresholds (None: the package's): ``stuck_after_s``
+            here, the waits' in :func:`.stragglers.judge`.
     """
 
     stage: str
@@ -94,7 +90,7 @@ class Snapshot:
     waits: dict = field(default_factory=dict)
     held: dict = field(default_factory=dict)
     lossy: list = field(default_factory=list)
-    wait_rules: dict | None = None
+    rules: dict | None = None
 
 
 @dataclass
@@ -258,7 +254,7 @@ def _by_progress(s: Snapshot) -> list:
                                              f"which waits in it ({_describe(p)})"))
             continue
         if p.get("inside"):
-            if (p.get("for_s") or 0) < STUCK_AFTER_S:
+            if (p.get("for_s") or 0) < (s.rules or stragglers.RULES)["stuck_after_s"]:
                 continue  # moving through it as the run stopped: not what held the others
             out.append(_culprit(s, r, (
                 f"stuck inside collective #{p['seq']} ({_describe(p)}) for {p.get('for_s')} s "
@@ -338,7 +334,7 @@ def _waited_for(s: Snapshot) -> dict[int, str]:
     ranks = range(s.world_size)
     if not _deadline_passed(s) or any(r not in s.waits for r in ranks):
         return {}
-    return dict(stragglers.judge([s.waits[r] for r in ranks], s.wait_rules)[1])
+    return dict(stragglers.judge([s.waits[r] for r in ranks], s.rules)[1])
 
 
 def _unfinished(s: Snapshot) -> list:

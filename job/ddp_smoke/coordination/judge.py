@@ -49,7 +49,7 @@ class Stopped:
     writer: str = "rank 0"
     report_dir: str = ""  # where the ranks' last words are (coordination/fate.py)
     link_rules: dict | None = None  # the run's ``links`` thresholds (coordination/retransmits.py)
-    wait_rules: dict | None = None  # its ``diagnosis`` thresholds (coordination/stragglers.py)
+    rules: dict | None = None  # its ``diagnosis`` thresholds (coordination/blame.py)
     rails: list | None = None       # the run's ``rails`` setting
 
     def host(self, rank: int) -> str | None:
@@ -112,7 +112,7 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
             retransmits.links([(found.get(r) or {}).get("tcp") for r in world], s.ranks),
             s.link_rules, s.ranks, s.rails) if s.link_rules else [],
         fates=_fates(store, s, sorted(dead), me), store=s.store_address,
-        wait_rules=s.wait_rules,
+        rules=s.rules,
         dead_after_s=dead_after(s.world_size))
     blamed = blame.judge(snap)
     # Each live rank leaves its forensics once it sees the abort, maybe after this judge
@@ -258,7 +258,7 @@ def last_resort(store, meta: dict, silent_at: dict[int, float], address: str, wh
                         if (g := try_get(store, keys.of(keys.RESULT, keys.stage(name, it))))],
                 store_address=address, writer=STORE_HOST,
                 report_dir=str(meta.get("report_dir") or ""), link_rules=cfg.get("links"),
-                wait_rules=cfg.get("diagnosis"),
+                rules=cfg.get("diagnosis"),
                 rails=cfg.get("rails"))
     first_t = min(silent_at.values(), default=now)
     judge_abort(store, s, set(gone), beats, {

@@ -87,7 +87,7 @@ class Run:
             judged=list(self.judged), store_address=self.env.store_address,
             writer="rank 0" if me == 0 else f"rank {me} (took over from rank 0)",
             report_dir=self.report_dir, link_rules=self.cfg.get("links"),
-            wait_rules=self.cfg.get("diagnosis"), rails=self.cfg.get("rails"))
+            rules=self.cfg.get("diagnosis"), rails=self.cfg.get("rails"))
 
     def with_results(self, store) -> "Run":
         """A survivor that writes the report takes rank 0's judged results from the store."""
