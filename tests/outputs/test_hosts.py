@@ -202,7 +202,7 @@ def test_drain_reports_a_refusing_or_silent_scontrol_and_the_command_to_run(tmp_
     lines = drain(bad, "9", {**env, "PATH": str(silent)})
     assert [line.split(" (")[0] for line in lines] == [
         "--act slurm-drain: gpu01 NOT drained", "--act slurm-drain: gpu02 NOT drained"]
-    assert all(f"no answer within {DRAIN_BUDGET_S} s" in line for line in lines)
+    assert all(f"no answer within {DRAIN_BUDGET_S:g} s" in line for line in lines)
 
 
 # -- real runs ---------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """What the kit does to one node on its own: Slurm drain and resume, a Kubernetes node's label.
 
 Slurm, through ``scontrol`` (the node's state and reason; drain; resume), each call bounded by
-``SCONTROL_S``: a slurmctld that does not answer must not hold a health check past its time.
+``SCONTROL_S``: a slurmctld that does not answer must not hold a health check past its time;
+a run's bad hosts drained side by side under one deadline (:func:`slurm_drain_all`).
 
 Kubernetes, through the API server from inside a pod (the pod's service account: its token
 and CA under ``SERVICE_ACCOUNT``, the server at ``KUBERNETES_SERVICE_HOST``/``_PORT``, both
@@ -15,6 +16,7 @@ import json
 import os
 import ssl
 import subprocess
+import time
 import urllib.error
 import urllib.request
 
@@ -64,8 +66,44 @@ def slurm_nodes(environ=None) -> dict[str, dict]:
     return parse_nodes(_scontrol("show", "node", environ=environ))
 
 
+def drain_argv(node: str, reason: str) -> list[str]:
+    """The scontrol command that drains ``node`` with ``reason``."""
+    return ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"]
+
+
 def slurm_drain(node: str, reason: str, environ=None) -> None:
-    _scontrol("update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}", environ=environ)
+    _scontrol(*drain_argv(node, reason)[1:], environ=environ)
+
+
+def slurm_drain_all(reasons: dict[str, str], budget_s: float,
+                    environ=None) -> dict[str, str | None]:
+    """Drain each node with its reason, the calls side by side under one deadline (the
+    other ranks wait for rank 0's verdict meanwhile): node -> None when drained, else why
+    not (scontrol's last line, or the deadline)."""
+    procs = {}
+    for node, reason in reasons.items():
+        try:
+            procs[node] = subprocess.Popen(drain_argv(node, reason), stdin=subprocess.DEVNULL,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True, env=environ)
+        except OSError as e:  # no scontrol on this node
+            procs[node] = e
+    deadline = time.monotonic() + budget_s
+    return {node: _finish(proc, deadline, budget_s) for node, proc in procs.items()}
+
+
+def _finish(proc, deadline: float, budget_s: float) -> str | None:
+    if isinstance(proc, OSError):
+        return f"{type(proc).__name__}: {proc}"
+    try:
+        output, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return f"scontrol gave no answer within {budget_s:g} s"
+    if proc.returncode == 0:
+        return None
+    return (output.strip().splitlines() or [f"scontrol exit {proc.returncode}"])[-1]
 
 
 def slurm_resume(node: str, environ=None) -> None:

@@ -42,19 +42,18 @@ bad_hosts.txt must find nothing to drain after a failure made on purpose, and a 
 vouches for no host either. Its ``hosts`` section in report.json keeps the judgement (the
 alerting path under test reads it), beside ``injected``.
 
-Everything here but :func:`finish` and :func:`drain` is pure.
+Everything here but :func:`finish` and :func:`drain` is pure; scontrol runs in
+:mod:`.act`, the kit's one actuator.
 """
 from __future__ import annotations
 
 import os
-import re
 import shlex
-import subprocess
 import sys
-import time
 
 from ..model import get_field, injected, rail_label
 from . import fleet
+from .act import drain_argv as slurm_drain_argv, slurm_drain_all
 from .files import write_atomic
 
 GOOD, SUSPECT, BAD = "good", "suspect", "bad"
@@ -171,9 +170,8 @@ def host_lists(hosts: list[dict]) -> dict[str, str]:
 
 def drain_argv(host: dict, run_id: str) -> list[str]:
     """The scontrol command that drains one bad host's Slurm node."""
-    node = host.get("slurm_node") or host["host"]
-    return ["scontrol", "update", f"NodeName={node}", "State=DRAIN",
-            f"Reason={fleet.drain_reason(host, run_id)}"]
+    return slurm_drain_argv(host.get("slurm_node") or host["host"],
+                            fleet.drain_reason(host, run_id))
 
 
 def next_commands(hosts: list[dict], run_id: str) -> list[str]:
@@ -281,12 +279,12 @@ def drain(hosts: list[dict], run_id: str, environ=os.environ, report_dir: str | 
         return [f"--act slurm-drain: {tripped['line']}"]
     out = [f"--act slurm-drain: {h['host']} not drained: its ranks recorded no SLURMD_NODENAME"
            for h in bad if not h.get("slurm_node")]
-    started = [(h, drain_argv(h, run_id)) for h in bad if h.get("slurm_node")]
-    procs = [(h, argv, _start(argv, dict(environ))) for h, argv in started]
-    deadline = time.monotonic() + DRAIN_BUDGET_S
+    named = [h for h in bad if h.get("slurm_node")]
+    whys = slurm_drain_all({h["slurm_node"]: fleet.drain_reason(h, run_id) for h in named},
+                           DRAIN_BUDGET_S, dict(environ))
     done = []
-    for h, argv, proc in procs:
-        why = _finish(proc, deadline)
+    for h in named:
+        argv, why = drain_argv(h, run_id), whys[h["slurm_node"]]
         done.append(fleet.entry(h["slurm_node"], fleet.DRAIN, argv[-1][len("Reason="):],
                                 why is None, why or "scontrol: ok"))
         out.append(f"--act slurm-drain: {h['slurm_node']} " + (
@@ -325,29 +323,6 @@ def shared_parts(report) -> dict[str, str]:
     return {}
 
 
-def _start(argv: list[str], env):
-    try:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=env)
-    except OSError as e:  # no scontrol on this node
-        return e
-
-
-def _finish(proc, deadline: float) -> str | None:
-    """None when scontrol succeeded, else why not (its last line, or the deadline)."""
-    if isinstance(proc, OSError):
-        return f"{type(proc).__name__}: {proc}"
-    try:
-        output, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return f"scontrol gave no answer within {DRAIN_BUDGET_S} s"
-    if proc.returncode == 0:
-        return None
-    return (output.strip().splitlines() or [f"scontrol exit {proc.returncode}"])[-1]
-
-
 def _untrusted(security: dict) -> str | None:
     """Why ``--act`` must not act on this run's verdict, if it must not: the store held
     records the run did not write, or its records were not signed."""
@@ -372,15 +347,15 @@ def finish(report, report_dir: str, run_id: str) -> list[str]:
         for name, text in lists.items():
             write_atomic(os.path.join(report_dir, name), text)
         config = get_field(report, "config") or {}
-        act = config.get("act")
-        refused = _untrusted(get_field(report, "security") or {}) if act else None
+        asked = config.get("act")
+        refused = _untrusted(get_field(report, "security") or {}) if asked else None
         share = (config.get("fleet") or {}).get("drain_max_share", 1.0)
         where = shared_parts(report)
-        lines = render(hosts, run_id, report_dir, None if refused else act, injected=practice,
+        lines = render(hosts, run_id, report_dir, None if refused else asked, injected=practice,
                        held=bool(held_by_breaker(hosts, share, where)))
         if refused:
             lines.append(f"# {refused}")
-        elif act == "slurm-drain":
+        elif asked == "slurm-drain":
             lines += [f"# {m}" for m in drain(hosts, run_id, report_dir=report_dir,
                                               max_share=share, where=where)]
         return lines
