@@ -48,7 +48,7 @@ import threading
 import time
 
 from ..model import Culprit
-from . import keys, runtime
+from . import keys
 
 PROBE_S = 1.5          # one connect's timeout: a connect within the sandbox or a fabric takes ms
 ROUNDS = 2             # a target missed twice is unreachable
@@ -103,6 +103,17 @@ def _count(conn: socket.socket) -> None:
             pass
 
 
+def route_address(host: str, port: int) -> str | None:
+    """This machine's address on the route to ``host`` (a name or an address; a UDP
+    socket's connect only picks the route, no packet is sent); None without a route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), port))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
 _PROBE: Probe | None = None
 
 
@@ -112,7 +123,7 @@ def listen(env, store) -> None:
     global _PROBE
     if env.local_rank != 0:
         return
-    addr = runtime.route_address(env.master_addr, env.master_port)
+    addr = route_address(env.master_addr, env.master_port)
     if addr is None:  # no route to the store's host: nothing to listen on
         return
     try:

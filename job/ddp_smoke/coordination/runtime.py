@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import identity, keys, records
+from .reach import route_address
 from ..config.launchenv import LaunchEnv
 from ..errors import ConfigError
 
@@ -144,17 +145,6 @@ def interface_addresses() -> dict[str, str]:
                 continue  # interface without an IPv4 address
             out[name] = socket.inet_ntoa(packed[20:24])
     return out
-
-
-def route_address(host: str, port: int) -> str | None:
-    """This machine's address on the route to ``host`` (a name or an address; a UDP
-    socket's connect only picks the route, no packet is sent); None without a route."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(host), port))
-            return s.getsockname()[0]
-    except OSError:
-        return None
 
 
 def store_route(env) -> tuple[str | None, str | None]:

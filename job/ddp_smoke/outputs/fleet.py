@@ -53,10 +53,11 @@ REBOOT, RMA = "reboot", "drain and RMA"
 _MIN_SHARED = 12  # characters two reasons must share to be quoted as their common words
 _GAP = "…"        # where the failing nodes' reasons differ
 # What a check's failure on many nodes at once most likely points at.
-_SHARED_KIND = {"storage": "storage", "bandwidth": "fabric", "transport": "fabric", "rails": "fabric",
-                "collectives": "fabric", "launch": "fabric", "environment": "image",
-                "ddp_step": "image", "sampler_epochs": "image", "compute": "load or power",
-                "training": "image", "health": "hardware or driver"}
+_SHARED_KIND = {"storage": "storage", "bandwidth": "fabric", "transport": "fabric",
+                "rails": "fabric", "collectives": "fabric", "launch": "fabric",
+                "environment": "image", "ddp_step": "image", "sampler_epochs": "image",
+                "compute": "load or power", "training": "image",
+                "health": "hardware or driver"}
 _PREFLIGHT_KIND = {"report_dir": "storage", "interfaces": "fabric", "rendezvous": "fabric",
                    "joined": "fabric", "rendezvous_host": "fabric", "torch": "image",
                    "python": "image"}
@@ -147,21 +148,29 @@ def _masked(reason: str, node: str) -> str:
 def _shared(texts: list[str]) -> str:
     """The words every text has, in their order, "…" where the texts differ ("held back in
     100%" and "in 98%": "held back in …"; "36 of 36 periods" and "37 of 37": "… of …
-    periods"); "" when they share under _MIN_SHARED characters. Whole words only: two
-    numbers never share a stray digit, and words past the first difference are still said
-    (the quota's cgroup and its action, after two nodes' differing throttled counts)."""
+    periods"); "" when they share under _MIN_SHARED characters. Whole words only, and a
+    number matches a number in its place, said only where the texts agree on it: "158 of 159"
+    and "157 of 158" are "… of …", never a stray "158" that one text had elsewhere; words
+    past the first difference are still said (the quota's cgroup and its action, after two
+    nodes' differing throttled counts)."""
     words = texts[0].split()
     for other in texts[1:]:
         theirs, kept, a0, b0 = other.split(), [], 0, 0
-        matcher = difflib.SequenceMatcher(None, words, theirs, autojunk=False)
+        matcher = difflib.SequenceMatcher(None, [_token(w) for w in words],
+                                          [_token(w) for w in theirs], autojunk=False)
         for a, b, size in matcher.get_matching_blocks():
-            if (a > a0 or b > b0) and kept[-1:] != [_GAP]:
+            if a > a0 or b > b0:
                 kept.append(_GAP)
-            kept += words[a:a + size]
+            kept += [w if w == t else _GAP for w, t in zip(words[a:a + size], theirs[b:b + size])]
             a0, b0 = a + size, b + size
-        words = kept
+        words = [w for i, w in enumerate(kept) if w != _GAP or kept[i - 1:i] != [_GAP]]
     said = " ".join(w for w in words if w != _GAP)
     return " ".join(words).strip(" ;,:") if len(said) >= _MIN_SHARED else ""
+
+
+def _token(word: str) -> str:
+    """What a word matches by: a number (any word with a digit) matches any number."""
+    return "#" if word != _GAP and any(c.isdigit() for c in word) else word
 
 
 # -- the kit's drains (pure) ----------------------------------------------------------------
