@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -21,6 +22,10 @@ FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, be
 TAKEOVER_S = 3 * DEAD_AFTER_S  # rank 0 silent this long, before writing: a survivor writes
 # (both in units of the small world's silence: stretched with it where the world is large)
 TAKE_OVER = "take over"  # what await_report returns to the rank that must write the report
+# Two threads (the watchdog and the main thread) may find the store gone at once: one says it
+# and exits the process; the other waits this long for that, then leaves without a word.
+_GIVING_UP = threading.Lock()
+GIVE_UP_WAIT_S = 10.0
 _AT_LEAVE: list[Callable[[], None]] = []
 
 
@@ -130,6 +135,9 @@ def give_up(c, e: BaseException) -> None:
     lost), or leaving failed otherwise: say what this rank knows as one JSON line on stderr,
     and leave it as REPORT_DIR/lost/<rank>.json too, for the launcher to read
     (:mod:`ddp_smoke.coordination.lost`)."""
+    if not _GIVING_UP.acquire(blocking=False):  # the other thread is saying it (CI: twice)
+        time.sleep(GIVE_UP_WAIT_S)
+        leave(None, code=1)
     run, store = c.run, c.env.store_address
     gone = isinstance(e, (RuntimeError, OSError))  # c10d's store errors are RuntimeErrors
     stage = run.stage
