@@ -9,7 +9,8 @@ import socket
 import pytest
 
 from ddp_smoke.outputs.fleet import REASON_CHARS, drain_reason
-from ddp_smoke.outputs.hosts import (DRAIN_BUDGET_S, drain, drain_argv, held_by_breaker, host_lists, hosts_section, next_commands, render)
+from ddp_smoke.outputs.hosts import (DRAIN_BUDGET_S, drain, drain_argv, held_by_breaker,
+                                     host_lists, hosts_section, next_commands, render)
 from ddp_smoke.outputs.report import as_dict
 from ddp_smoke.model import FAIL, PASS, CheckResult, Culprit, Report
 from tests.launch import torchrun

@@ -1,8 +1,8 @@
 """What the kernel says of processes: ``/proc/<pid>/stat``, and the kernel log
 (``/dev/kmsg``); the one reader of each (no torch here).
 
-The stat file's fields are read after the command name's closing parenthesis (a name may hold spaces and
-parentheses); ``fields[0]`` is the file's field 3, the state letter (proc(5)).
+The stat file's fields are read after the command name's closing parenthesis (a name may hold
+spaces and parentheses); ``fields[0]`` is the file's field 3, the state letter (proc(5)).
 """
 from __future__ import annotations
 

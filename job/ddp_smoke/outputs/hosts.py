@@ -279,17 +279,16 @@ def drain(hosts: list[dict], run_id: str, environ=os.environ, report_dir: str | 
         return [f"--act slurm-drain: {tripped['line']}"]
     out = [f"--act slurm-drain: {h['host']} not drained: its ranks recorded no SLURMD_NODENAME"
            for h in bad if not h.get("slurm_node")]
-    named = [h for h in bad if h.get("slurm_node")]
-    whys = slurm_drain_all({h["slurm_node"]: fleet.drain_reason(h, run_id) for h in named},
-                           DRAIN_BUDGET_S, dict(environ))
+    reasons = {h["slurm_node"]: fleet.drain_reason(h, run_id) for h in bad
+               if h.get("slurm_node")}
+    whys = slurm_drain_all(reasons, DRAIN_BUDGET_S, dict(environ))
     done = []
-    for h in named:
-        argv, why = drain_argv(h, run_id), whys[h["slurm_node"]]
-        done.append(fleet.entry(h["slurm_node"], fleet.DRAIN, argv[-1][len("Reason="):],
-                                why is None, why or "scontrol: ok"))
-        out.append(f"--act slurm-drain: {h['slurm_node']} " + (
+    for node, reason in reasons.items():
+        why = whys[node]
+        done.append(fleet.entry(node, fleet.DRAIN, reason, why is None, why or "scontrol: ok"))
+        out.append(f"--act slurm-drain: {node} " + (
             "drained" if why is None else f"NOT drained ({why}); run by hand: "
-                                          f"{shlex.join(argv)}"))
+                                          f"{shlex.join(slurm_drain_argv(node, reason))}"))
     _record(report_dir, run_id, done)
     return out
 
