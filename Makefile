@@ -21,7 +21,7 @@ REPORT_DIR ?=
 ARGS       ?=
 PYTEST_ARGS ?=
 # make test's pytest-xdist workers: modules side by side, each real part in one (tests/conftest.py)
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 BENCH_ROUNDS ?= 5
 
 VENV := .venv
@@ -64,7 +64,7 @@ smoke-local: $(VENV)/.runtime  ## two CPU ranks with gloo on this machine (NPROC
 	@$(PY) -m ddp_smoke.launch_local --nproc-per-node=$(NPROC) $(if $(OVERSUBSCRIBE),--oversubscribe) -- \
 	  --backend gloo --level $(LEVEL) $(if $(REPORT_DIR),--report-dir $(REPORT_DIR)) $(ARGS)
 
-test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docker, manifests; TEST_WORKERS=2)
+test: $(VENV)/.test  ## the whole suite (real torchrun, namespaces, Slurm, Docker, manifests; TEST_WORKERS=3)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: $(VENV)/.test  ## shellcheck the scripts, hadolint the Dockerfile, parse the manifests

@@ -48,8 +48,9 @@ def test_no_two_groups_share_a_sandbox_prefix_or_subnet():
 def test_the_shared_parts_are_grouped_and_the_rest_is_per_module():
     def group(rel):
         return parallel_group(ROOT / rel)
-    assert group("tests/launchers/test_slurm.py") == group("tests/launchers/test_submit.py") \
-        == "slurm"
+    assert group("tests/launchers/test_slurm.py") == \
+        group("tests/launchers/test_submit_slurm.py") == "slurm"
+    assert group("tests/launchers/test_submit.py") == "tests/launchers/test_submit.py"
     assert group("tests/launchers/test_k8s_run.py") == group("tests/launchers/test_docker.py") \
         == "docker"
     assert group("tests/campaign/test_four_faults.py") == "campaign"

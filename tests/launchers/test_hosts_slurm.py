@@ -9,6 +9,7 @@ same quota (a shared cause: one setting pushed to all of them) every node fails,
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from typing import Iterator
 
 import pytest
 
@@ -47,23 +49,40 @@ def resumed(cluster):
 
 
 @pytest.fixture
-def slow_second_node(cluster):
-    """Rank 1, on the second node, held to 15 % of a core (a cgroup CPU quota its process
-    joins as soon as it exists: the job must carry ``SLOW_TAG=tag``); yields (node, tag). A
-    real slow rank, not an injected fault, since --act slurm-drain never drains on an
-    injected one. Not the node's slurmd, whose quota every process of the job on that node
-    inherits: the preflight's and torchrun's own imports at 15 % cost ~20 s a test. (A
-    quarter of a core passed once, on a host loaded enough that the other node's rank got
-    little more.)"""
-    tag, stop = uuid.uuid4().hex, threading.Event()
-    with CpuQuota(0.15, name=f"ddp-smoke-slurm-{os.getpid()}") as quota:
-        def hold():
-            pid = _worker(tag, "1", 120, stop)
-            if pid:
-                quota.add(pid)
-        thread = threading.Thread(target=hold, daemon=True)
-        thread.start()
+def slow_second_node(cluster, tmp_path):
+    """Rank 1, on the second node, held to 8 % of a core once rank 0 said its first check (a
+    cgroup CPU quota its process joins: the job must carry ``SLOW_TAG=tag``); yields (node,
+    tag). A real slow rank, not an injected fault, since --act slurm-drain never drains on an
+    injected one. (15 % passed once, at 76 % pace, while an image build beside it left the
+    other node's rank 26 % of a core; a quarter of a core passed once too.)"""
+    tag = uuid.uuid4().hex
+    with CpuQuota(0.08, name=f"ddp-smoke-slurm-{os.getpid()}") as quota, \
+            _held(quota, tag, ["1"], tmp_path):
         yield cluster.node_names[1], tag
+
+
+@contextlib.contextmanager
+def _held(quota: CpuQuota, tag: str, ranks: list[str], submit_dir) -> Iterator[None]:
+    """The job's workers of ``ranks`` (its jobs carry ``SLOW_TAG=tag``) join ``quota`` once
+    rank 0's first progress line ("[1/N] environment …") is in the job's output: the run's
+    work is held from then on, not the workers' imports (~20 s a test under a quota), nor
+    torchrun's agents or the store host (a quota on slurmd holds them too: the agents' keep-
+    alives to the rendezvous then failed and a job ran out of 150 s)."""
+    stop = threading.Event()
+
+    def hold():
+        pids = [_worker(tag, rank, 120, stop) for rank in ranks]
+        while not stop.wait(0.05):
+            if any("] environment " in out.read_text(errors="replace")
+                   for out in submit_dir.glob("ddp-smoke-*.out")):
+                for pid in filter(None, pids):
+                    quota.add(pid)
+                return
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
         stop.set()
         thread.join(10)
 
@@ -94,36 +113,21 @@ def test_act_slurm_drain_drains_exactly_the_bad_node_with_the_reason(resumed, sl
 
 @pytest.mark.timeout(240)
 def test_act_slurm_drain_drains_no_node_when_every_node_fails_from_one_cause(resumed, tmp_path):
-    """Every node's slurmd under one CPU quota (as when a quota meant for one daemon is pushed
-    to every node): the health check fails every node of the run on that quota, more than
-    ``fleet.drain_max_share`` (0.5) of them, so ``--act slurm-drain`` drains none, says the
+    """Every node's ranks under one CPU quota (as when a limit meant for one job is pushed to
+    every node's job cgroup): the health check fails every node of the run on that quota, more
+    than ``fleet.drain_max_share`` (0.5) of them, so ``--act slurm-drain`` drains none, says the
     cause is likely shared and names it; actions.json and ``ddp-smoke history`` hold the
     refusal, no drain. The same fault on one node alone is drained (the test above)."""
-    cluster = resumed
-    # The quota from the first check on: set on slurmd from the start, it slows every import
-    # of the job (28 s a test at 0.5 CPU); and 0.5 CPU shared by both nodes' ranks binds only
-    # while they get more than that, which a loaded 2-core machine does not give them (CI once
-    # saw 5.7 s of collectives pass). At 0.15 from rank 0's first progress line, the default
-    # collectives: measured 56 of 56 periods throttled, the job 26 s; 30 s beside 3 busy loops
-    share, stop = 0.15, threading.Event()
-    with CpuQuota(None, name=f"ddp-smoke-shared-{os.getpid()}") as quota:
-        for name in cluster.node_names:
-            quota.add(cluster.pids[f"slurmd.{name}"])
-
-        def tighten():  # once rank 0 said its first check: the run's work under the quota
-            while not stop.wait(0.05):
-                if any("] environment " in out.read_text(errors="replace")
-                       for out in tmp_path.glob("ddp-smoke-*.out")):
-                    quota.limit(share)
-                    return
-        thread = threading.Thread(target=tighten, daemon=True)
-        thread.start()
-        try:
+    cluster, tag = resumed, uuid.uuid4().hex
+    # 0.15 CPU shared by both ranks from rank 0's first progress line, the default collectives:
+    # measured 266 of 266 periods throttled, the job 42 s (0.5 CPU binds only while the ranks
+    # get more than that, which a loaded 2-core machine does not give them: CI once saw 5.7 s
+    # of collectives pass)
+    share = 0.15
+    with CpuQuota(share, name=f"ddp-smoke-shared-{os.getpid()}") as quota:
+        with _held(quota, tag, ["0", "1"], tmp_path):
             job = _submit(cluster, tmp_path, ["--checks", "environment,collectives,health",
-                                              "--act", "slurm-drain"])
-        finally:
-            stop.set()
-            thread.join(10)
+                                              "--act", "slurm-drain"], SLOW_TAG=tag)
         states = {name: _node(cluster, name) for name in cluster.node_names}
     print(f"\n{job.wall_s:.0f} s; " + "; ".join(f"{n}: State={s['State']} Reason={s['Reason']}"
                                                 for n, s in states.items()))

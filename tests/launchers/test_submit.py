@@ -1,4 +1,5 @@
-"""Python submission path: submitit runs the worker and hands back rank 0's report."""
+"""Python submission path: submitit runs the worker and hands back rank 0's report (local
+tasks here; on the real Slurm test cluster: tests/launchers/test_submit_slurm.py)."""
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from ddp_smoke.errors import ConfigError
 from ddp_smoke import task
 from ddp_smoke.coordination import fate
 from ddp_smoke.submit import (AFTER_REPORT_S, GPU_CPUS_PER_PROC, IMAGE_PYTHON,
-                              ReportNotWritten, SmokeFailed, SmokeTimeout, TaskDied, plan,
+                              ReportNotWritten, SmokeFailed, TaskDied, plan,
                               submit)
 from tests.launch import REPO
 from tests.sandbox.faults import SmallFolder
@@ -211,72 +212,6 @@ def test_cli_dry_run_and_bad_input():
     bad = subprocess.run(cli + ["--", "--checks", "nope"], capture_output=True, text=True,
                          cwd=REPO, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "nope" in bad.stderr
-
-
-# -- on the real Slurm test cluster ------------------------------------------------------------
-
-from tests.sandbox.slurm import slurm_fixture  # noqa: E402
-
-cluster = slurm_fixture(nodes=2)
-
-
-@pytest.fixture
-def on_cluster(cluster, monkeypatch):
-    """Clients (sbatch, squeue, scancel) find the sandbox's slurm.conf, as on a login node."""
-    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    return cluster
-
-
-def _slurm(tmp_path, worker_args, **kwargs):
-    # The sandbox's nodes share this machine's /tmp, so a node-local folder is shared here.
-    return submit("slurm", nodes=2, procs_per_node=1, folder=tmp_path, allow_local_folder=True,
-                  worker_args=QUICK + worker_args, **kwargs)
-
-
-@pytest.mark.timeout(240)
-def test_slurm_two_nodes_return_the_report(on_cluster, tmp_path):
-    report = _slurm(tmp_path, [], wait_timeout_s=180)
-    assert (report["verdict"], report["world_size"], report["nodes"]) == ("pass", 2, 2)
-    assert sorted(r["host"] for r in report["ranks"]) == sorted(on_cluster.node_names)
-
-
-@pytest.mark.timeout(240)
-def test_slurm_fault_raises_with_the_culprit(on_cluster, tmp_path):
-    with pytest.raises(SmokeFailed) as e:
-        _slurm(tmp_path, ["--fault", "1:raise@ddp_step"], wait_timeout_s=180)
-    culprits = e.value.culprits
-    assert [(k["rank"], k["check"]) for k in culprits] == [(1, "ddp_step")]
-    assert culprits[0]["host"] in on_cluster.node_names
-
-
-@pytest.mark.timeout(240)
-def test_slurm_timeout_cancels_the_job_and_raises_within_the_bound(on_cluster, tmp_path):
-    started = time.monotonic()
-    with pytest.raises(SmokeTimeout) as e:
-        _slurm(tmp_path, ["--fault", "1:hang@ddp_step", "--timeout", "120"], wait_timeout_s=15)
-    assert time.monotonic() - started < 15 + 20
-    job_id = e.value.job_id
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # scancel is asynchronous: the job leaves the queue soon
-        queue = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
-        if job_id not in queue.stdout:
-            break
-        time.sleep(1)
-    assert job_id not in queue.stdout, queue.stdout
-
-
-@pytest.mark.timeout(240)
-def test_slurm_tasks_run_the_given_interpreter(on_cluster, tmp_path):
-    """submitit's `python` reaches every task (as the image's interpreter does with pyxis)."""
-    marker = tmp_path / "used"
-    wrapper = tmp_path / "python-wrapper"
-    wrapper.write_text(f"#!/bin/sh\necho \"$SLURM_PROCID\" >> {marker}\n"
-                       f"exec {sys.executable} \"$@\"\n")
-    wrapper.chmod(0o755)
-    report = _slurm(tmp_path, [], wait_timeout_s=180, python=str(wrapper))
-    assert report["verdict"] == "pass"
-    assert sorted(marker.read_text().split()) == ["0", "1"]
 
 
 @pytest.mark.timeout(180)

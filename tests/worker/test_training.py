@@ -76,12 +76,19 @@ def test_a_rank_held_back_by_a_cpu_quota_is_the_one_the_step_waits_for(tmp_path)
     straggler test's quota, barely binds when a loaded CI host gives each rank little more.)"""
     if CpuQuota.missing():
         pytest.skip(CpuQuota.missing())
+    # A held rank's step costs ~30 times another's (each FSDP collective waits out the
+    # quota's period), and a loaded CI host once ran out of 150 s in the steps (named, but as
+    # stuck): half the layers (half the collectives and bytes a step) and 3 steps with no
+    # warm-up; four times the sequence keeps a compute-only block (~50 ms) several times the
+    # quota's 12 ms a period, so that every block is held back. Beside 4 busy loops on 2
+    # cores: 35-55 s, paces 9-12 % (named below 55 %).
+    config = tmp_path / "training.yaml"
+    config.write_text("training:\n  steps: 3\n  warmup_steps: 0\n"
+                      "  cpu: {layers: 2, seq_len: 256}\n")
     for attempt in range(HELD_REPEAT):
         with CpuQuota(0.12) as quota:
-            # the held rank's steps take ~8 times the others': a deadline that a slow
-            # machine does not reach first (CI once ran out of 60 s: named, but as stuck)
-            run = Spawned(2, *CHECKS, "--timeout", "150", report_dir=tmp_path / f"r{attempt}",
-                          env=ENV)
+            run = Spawned(2, *CHECKS, "--timeout", "150", "--config", str(config),
+                          report_dir=tmp_path / f"r{attempt}", env=ENV)
             run.wait_until(lambda beats: True)
             quota.add(run.worker_pid(1))
             done = run.finish(timeout_s=210)

@@ -1,0 +1,74 @@
+"""Python submission path on the real Slurm test cluster: submitit's sbatch, squeue and scancel
+against the sandbox's two nodes (local tasks: tests/launchers/test_submit.py). A module of its
+own: the Slurm sandbox's modules run one after another in one worker (tests/conftest.py), and
+the local tasks need no place in that queue."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddp_smoke.submit import SmokeFailed, SmokeTimeout, submit
+from tests.launchers.test_submit import QUICK
+from tests.sandbox.slurm import slurm_fixture
+
+cluster = slurm_fixture(nodes=2)
+
+
+@pytest.fixture
+def on_cluster(cluster, monkeypatch):
+    """Clients (sbatch, squeue, scancel) find the sandbox's slurm.conf, as on a login node."""
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return cluster
+
+
+def _slurm(tmp_path, worker_args, **kwargs):
+    # The sandbox's nodes share this machine's /tmp, so a node-local folder is shared here.
+    return submit("slurm", nodes=2, procs_per_node=1, folder=tmp_path, allow_local_folder=True,
+                  worker_args=QUICK + worker_args, **kwargs)
+
+
+@pytest.mark.timeout(240)
+def test_slurm_two_nodes_return_the_report(on_cluster, tmp_path):
+    report = _slurm(tmp_path, [], wait_timeout_s=180)
+    assert (report["verdict"], report["world_size"], report["nodes"]) == ("pass", 2, 2)
+    assert sorted(r["host"] for r in report["ranks"]) == sorted(on_cluster.node_names)
+
+
+@pytest.mark.timeout(240)
+def test_slurm_fault_raises_with_the_culprit(on_cluster, tmp_path):
+    with pytest.raises(SmokeFailed) as e:
+        _slurm(tmp_path, ["--fault", "1:raise@ddp_step"], wait_timeout_s=180)
+    culprits = e.value.culprits
+    assert [(k["rank"], k["check"]) for k in culprits] == [(1, "ddp_step")]
+    assert culprits[0]["host"] in on_cluster.node_names
+
+
+@pytest.mark.timeout(240)
+def test_slurm_timeout_cancels_the_job_and_raises_within_the_bound(on_cluster, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(SmokeTimeout) as e:
+        _slurm(tmp_path, ["--fault", "1:hang@ddp_step", "--timeout", "120"], wait_timeout_s=15)
+    assert time.monotonic() - started < 15 + 20
+    job_id = e.value.job_id
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # scancel is asynchronous: the job leaves the queue soon
+        queue = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
+        if job_id not in queue.stdout:
+            break
+        time.sleep(1)
+    assert job_id not in queue.stdout, queue.stdout
+
+
+@pytest.mark.timeout(240)
+def test_slurm_tasks_run_the_given_interpreter(on_cluster, tmp_path):
+    """submitit's `python` reaches every task (as the image's interpreter does with pyxis)."""
+    marker = tmp_path / "used"
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f"#!/bin/sh\necho \"$SLURM_PROCID\" >> {marker}\n"
+                       f"exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    report = _slurm(tmp_path, [], wait_timeout_s=180, python=str(wrapper))
+    assert report["verdict"] == "pass"
+    assert sorted(marker.read_text().split()) == ["0", "1"]
