@@ -77,6 +77,22 @@ def test_the_rank_behind_in_every_compute_block_is_the_one_the_step_waits_for():
     assert result.figures["ranks"][3]["pace"] == 0.25
 
 
+def test_on_shared_cores_a_rank_behind_is_named_only_when_something_held_it_back():
+    """Ranks that fill their host's cores: which one the scheduler gave less time is not a
+    finding (a healthy rank kept 51 % of the others' pace beside a loaded suite), a rank a CPU
+    quota or an injected slowdown held back for diagnosis.waits_min_total_s (0.3 s) is."""
+    shared = {r: {"cores": 1} for r in range(4)}
+    behind = {**shared, 3: {"cores": 1, "compute_s": [0.04] * 5, "held_s": 0.0}}
+    unheld = _judge(_obs(4, behind))
+    assert _named(unheld) == [] and unheld.figures["scheduler_chose"] == [3], unheld.summary
+    assert unheld.figures["ranks"][3]["held_s"] == 0.0
+    held = _judge(_obs(4, {**behind, 3: {**behind[3], "held_s": 2.5}}))
+    assert _named(held) == [3] and held.figures["scheduler_chose"] == []
+    assert "held back 2.5 s in the check" in held.culprits[0].reason
+    own_cores = _judge(_obs(4, {3: {"compute_s": [0.04] * 5, "held_s": 0.0}}))
+    assert _named(own_cores) == [3]  # cores of its own: behind is a finding
+
+
 def test_mfu_against_the_profiles_peak_and_its_floor():
     gpu = profiles.load("h100-8gpu")
     gpu["training"]["min_mfu"] = 0.3
