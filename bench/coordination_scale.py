@@ -19,14 +19,14 @@ Per world size N it measures, in one simulated run:
 * per check: store operations made by the main threads (counted by a proxy around each
   connection's c10d store, by calling thread: one call, one operation) and rank 0's wall time
   for arrive → post a trivial observation → gather, which is pure coordination;
-* an abort: at one more check the last rank dies (its heartbeat stops) and the middle one
-  stalls (alive, never posts); ranks far from 0, so that no search that stops early hides.
-  Rank 0's main thread waits in ``gather``; between the wait's slices it looks at the
-  heartbeats, finds the silent one and aborts ("detect"); then ``judge.judge_as_a_rank`` names
-  the culprits ("judge"), while every other rank goes through the real ``exit_aborted`` and
-  waits for the report, as its liveness thread does once it sees the abort (here the rank's
-  main thread stands in for it). Process exit (``ending.leave``) and the stack files
-  (``forensics.dump``) are replaced in the workers, nothing else.
+* an abort: at one more check the last rank dies (its heartbeat stops) and the middle one stalls
+  (alive, never posts); ranks far from 0, so that no search that stops early hides. Rank 0's
+  main thread waits in ``gather``; between the wait's slices it looks at the heartbeats, finds
+  the silent one and aborts ("detect"); then ``stopped_run.add_stopped_result_as_a_rank`` names
+  the culprits (the "judge" columns), while every other rank goes through the real
+  ``exit_aborted`` and waits for the report, as its liveness thread does once it sees the abort
+  (here the rank's main thread stands in for it). Process exit (``ending.leave``) and the stack
+  files (``forensics.dump``) are replaced in the workers, nothing else.
 
     .venv/bin/python bench/coordination_scale.py            # --quick: N = 1,024 … 16,384
     .venv/bin/python bench/coordination_scale.py --full --json --sizes 64,256
@@ -34,9 +34,9 @@ Per world size N it measures, in one simulated run:
 Columns: store calls per check (all ranks), per rank, per rank less the wait slices that
 timed out (a wait longer than a look period costs one call per period), rank 0's median
 seconds per check, the liveness looks' calls per second, seconds from the death to the abort,
-seconds and store calls of ``judge_as_a_rank`` (the culprits named), how many live ranks'
-forensics the report lists and how long the writer waited for them after judging (at most
-``FORENSICS_WAIT_S``), the store host's file descriptors per rank, the longest round of a
+seconds and store calls of ``add_stopped_result_as_a_rank`` (the culprits named), how many
+live ranks' forensics the report lists and how long the writer waited for them after that
+(at most ``FORENSICS_WAIT_S``), the store host's file descriptors per rank, the longest round of a
 driver thread's liveness looks against the heartbeat silence (a round past it starves the
 simulated heartbeats: this machine, not the protocol), and the culprits.
 ``--signing-cost PAIRS`` runs each size unsigned and signed, alternating, and prints the
@@ -300,7 +300,7 @@ def _rank_main(c, out, args, names, seen, go) -> None:
 def _abort_scenario(c, out, args, name, seen) -> None:
     """The last rank dies after arriving, the middle one stalls; the others finish and wait
     for the report."""
-    from ddp_smoke.coordination import ending, judge, protocol, records, store as storekeys
+    from ddp_smoke.coordination import ending, protocol, records, stopped_run, store as storekeys
     r, store = c.env.rank, c.store
     c.enter(name, args.timeout)
     c.arrive(store, f"arrive/{c.key(name)}", f"every rank to arrive at {name}")
@@ -324,14 +324,14 @@ def _abort_scenario(c, out, args, name, seen) -> None:
         out["detected_at"] = time.monotonic()
     counted, n = store.raw.raw, store.raw.raw.total("main")
     t = time.monotonic()
-    c.leave_forensics(store)  # as exit_aborted does, before it judges
+    c.leave_forensics(store)  # as exit_aborted does, before it blames
     stopped = c.run.with_identities(store).stopped()  # as finalize does
-    live = judge.judge_as_a_rank(store, stopped, c.silence, r)
+    live = stopped_run.add_stopped_result_as_a_rank(store, stopped, c.silence, r)
     result = stopped.judged[-1][1]
     out["judge_s"] = time.monotonic() - t
     out["judge_ops"] = counted.total("main") - n
     t = time.monotonic()  # then, as finalize does: the live ranks' forensics for the report
-    listed = storekeys.posted(store, "forensics", live, judge.FORENSICS_WAIT_S)
+    listed = storekeys.posted(store, "forensics", live, stopped_run.FORENSICS_WAIT_S)
     out["forensics"] = [len(set(listed) & live), len(live), time.monotonic() - t]
     out["culprits"] = [x.rank for x in result.culprits]
     out["victims"] = len(result.figures["victims"])

@@ -14,7 +14,7 @@ from tests import report_schema
 
 # How many times a fault test repeats where a race hides. In `make test` (the suite's
 # 20-minute budget; the fault campaign adds breadth): twice for the faults that race the
-# launcher (a rank killed, stalled or terminated: its end, the judge's look and torchrun's
+# launcher (a rank killed, stalled or terminated: its end, the writer's look and torchrun's
 # SIGTERMs come in either order; sigkill/sigsegv named right 6 times in 12 once), once for
 # the faults held for the whole run (a link, node or rail cut or throttled, a CPU quota:
 # 20-40 s a run between namespaces). Every one more before a release:

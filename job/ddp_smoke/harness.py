@@ -11,7 +11,7 @@
    verdict: 0 for pass, 1 otherwise.
 
 Any rank that errs, times out or is terminated posts an abort; from then on the watchdog owns
-the exit (:mod:`ddp_smoke.coordination.ending`), and the writer judges the stopped stage.
+the exit (:mod:`ddp_smoke.coordination.ending`), and the writer blames the stopped stage.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from .checks.api import Context, Evidence
 from .config import prelaunch, report_dir as default_report_dir
 from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
-from .coordination import (ending, fate, forensics, hosting, judge, keys, liveness, lost, progress,
-                           rails, reach, records, retransmits, runtime, signing, stragglers)
+from .coordination import (ending, fate, forensics, hosting, keys, liveness, lost, progress, rails,
+                           reach, records, retransmits, runtime, signing, stopped_run, stragglers)
 from .coordination.protocol import Coordinator, Run, Stop, error_detail
 from .coordination.store import Connection, look_period, wait_key
 from .errors import ConfigError
@@ -57,7 +57,7 @@ def run(cfg: dict[str, Any]) -> int:
     # rank before any connects; rank 0 (the writer) tests room; a rank without the id, the parent.
     known = env.rank == 0 or cfg["report_dir"] or env.run_id_shared
     outputs.check_writable(rdir if known else os.path.dirname(rdir) or ".", room=env.rank == 0)
-    if known:  # a fatal signal's traceback, for the judge (else once the join names the folder)
+    if known:  # a fatal signal's traceback, for blame (else once the join names the folder)
         ending.at_leave(fate.last_words(rdir, env.rank))
     if env.rank == 0:
         prelaunch.hold(rdir, env.run_id)  # one live run per folder
@@ -122,21 +122,21 @@ def _finish(c: Coordinator, store) -> int:
         c.liveness.keep_beating(store)  # the liveness thread owns the exit
         return 1
     if env.rank != 0:
-        verdict = ending.await_report(c, store, timeout + ending.FINAL_WAIT_S)
-        if verdict == ending.TAKE_OVER:  # rank 0 died after the checks: write what it judged
+        heard = ending.await_report(c, store, timeout + ending.FINAL_WAIT_S)  # or TAKE_OVER
+        if heard == ending.TAKE_OVER:  # rank 0 died after the checks: write what it judged
             c.abort(store, records.StoppedAbort, why="rank 0 stopped before writing the report")
             if ending.finalize(c, store, aborted=True) is None:
                 c.liveness.keep_beating(store)  # the liveness thread is writing it
             return 1
         liveness.shut_down(c)
-        return 0 if verdict == "pass" else 1
-    verdict = ending.finalize(c, store, aborted=False)
-    if verdict is None:  # the liveness thread is finishing an abort and owns the exit
+        return 0 if heard == "pass" else 1
+    written = ending.finalize(c, store, aborted=False)  # the verdict, or None
+    if written is None:  # the liveness thread is finishing an abort and owns the exit
         c.liveness.keep_beating(store)
     if not env.agent_store and not env.store:  # rank 0 hosts the store: the others read first
         wait_key(store, keys.every(keys.BYE), 5.0, c.poll_max)
     liveness.shut_down(c)
-    return 0 if verdict == "pass" else 1
+    return 0 if written == "pass" else 1
 
 
 def _join(c: Coordinator, store, faults: list) -> Context:
@@ -236,7 +236,7 @@ def _another_iteration(c: Coordinator, store, started: float) -> bool:
 def _publish(run: Run, store, error: dict | None, found: dict[int, dict]) -> str:
     """The writer's report, from the run it judged or adopted; returns the verdict.
     ``store``: the caller's connection (the main thread may be waiting on it, a turn away)."""
-    report = judge.report_of(run.stopped(), started_at=run.started_at, backend=run.backend,
+    report = stopped_run.report_of(run.stopped(), started_at=run.started_at, backend=run.backend,
                              config=run.cfg, timings=dict(run.timings), run_id=run.env.run_id,
                              error=error, forensics=found, security=signing.section(store))
     return outputs.publish(report, run.report_dir, run.env.run_id).verdict

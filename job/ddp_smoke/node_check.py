@@ -211,8 +211,9 @@ def _no_report(node: str, code: int | None, why: str, timeout_s: float, log_path
 # -- the node's memory and what the kit does ------------------------------------------------
 
 def lemon(root: str, node: str, report: dict, settings: dict) -> dict | None:
-    """This node's lemon verdict over its latest node-check runs under ``root`` (this one
-    included), or None. Only its own folders are read: a few small files, not the root."""
+    """This node's lemon record (:func:`.outputs.fleet.lemons`) over its latest node-check runs
+    under ``root`` (this one included), or None. Only its own folders are read: a few small
+    files, not the root."""
     rows = []
     names = own_runs(root, node)
     for name in names[-settings["lemon_runs"]:]:

@@ -13,11 +13,11 @@ launcher's "the run is over").
 
 Why, and what it watches: :mod:`ddp_smoke.coordination.hosting`.
 
-It exits when the run is final (the ``final`` key: the report is written), after the ranks
-had a moment to read the verdict (LINGER_S, or at once when every live rank said goodbye, or
-the launcher says the run is over). When no rank can write (every heartbeat silent for
-3 x 1.5 s and no ``final``, or the launcher ended with none) it writes the report of last
-resort from the store (:func:`ddp_smoke.coordination.judge.last_resort`) and exits 1. Bounded by
+It exits when the run is final (the ``final`` key: the report is written), after the ranks had a
+moment to read the verdict (LINGER_S, or at once when every live rank said goodbye, or the
+launcher says the run is over). When no rank can write (every heartbeat silent for 3 x 1.5 s and
+no ``final``, or the launcher ended with none) it writes the report of last resort from the
+store (:func:`ddp_smoke.coordination.stopped_run.last_resort`) and exits 1. Bounded by
 ``--max-s`` in any case. Exit status: the command's (0 without one), or 1 when it wrote the
 report of last resort, or 2 for bad input (one line).
 """
@@ -35,7 +35,7 @@ import threading
 import time
 
 from . import outputs
-from .coordination import hosting, judge, keys, signing
+from .coordination import hosting, keys, signing, stopped_run
 
 MAX_S = 86400.0
 
@@ -175,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_last_resort(watch: hosting.Watch, address: str, report_dir: str | None, why: str) -> int:
-    """No rank can write the report: judge the run from what the store holds, as a rank
-    would (:func:`ddp_smoke.coordination.judge.last_resort`), publish it as a rank would,
+    """No rank can write the report: make it from what the store holds, as a rank
+    would (:func:`ddp_smoke.coordination.stopped_run.last_resort`), publish it as a rank would,
     and set ``final`` so that a rank still waiting leaves. Returns 1 (the run failed, and no
     rank said so)."""
-    report = judge.last_resort(watch.store, watch.meta, dict(watch.moved), address, why)
+    report = stopped_run.last_resort(watch.store, watch.meta, dict(watch.moved), address, why)
     try:  # a rank that still lives waits for `final` instead of taking over: no rank number
         watch.store.compare_set(keys.WRITER, "", str(watch.meta["world_size"]))
     except (RuntimeError, OSError):

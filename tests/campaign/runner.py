@@ -62,7 +62,7 @@ class Got:
     paced: frozenset = frozenset()  # named only by checks that failed on pace alone
 
 
-def _judged(g: Got, cell: Cell) -> tuple[str, frozenset]:
+def _to_compare(g: Got, cell: Cell) -> tuple[str, frozenset]:
     """The verdict and culprits to compare. A check failed on pace alone (every culprit a
     rank the others waited for: tests.launch.paced) in a cell whose fault is not about pace
     is what these two shared cores' scheduler did beside another test (measured: a healthy
@@ -87,7 +87,7 @@ class Row:
         e, g, out = self.expect, self.got, []
         if g.note.startswith("error"):
             return [g.note]
-        verdict, culprits = _judged(g, self.cell)
+        verdict, culprits = _to_compare(g, self.cell)
         if verdict != e.verdict:
             out.append(f"verdict {verdict}, expected {e.verdict}")
         if culprits != e.culprits:

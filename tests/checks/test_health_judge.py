@@ -98,14 +98,14 @@ def test_health_culprits_reach_the_hosts_drain_lists_and_prometheus(tmp_path):
 
 def test_sdc_majority_names_the_odd_rank_a_tie_names_both_sides():
     obs = [_obs(digest="aa"), _obs(digest="bb"), _obs(digest="aa")]
-    assert [f.ranks for f in sdc.judge(obs)] == [(1,)]
-    assert [f.ranks for f in sdc.judge(obs[:2])] == [(0,), (1,)]
+    assert [f.ranks for f in sdc.rank_findings(obs)] == [(1,)]
+    assert [f.ranks for f in sdc.rank_findings(obs[:2])] == [(0,), (1,)]
     flaky = _obs()
     flaky["sdc"]["digests"] = ["aa", "ab"]
-    assert [f.ranks for f in sdc.judge([_obs(), flaky, _obs()])] == [(1,)]
+    assert [f.ranks for f in sdc.rank_findings([_obs(), flaky, _obs()])] == [(1,)]
     other = _obs(digest="cc")
     other["sdc"]["model"] = "another cpu"  # another device model is not compared
-    assert sdc.judge([_obs(), _obs(), other]) == []
+    assert sdc.rank_findings([_obs(), _obs(), other]) == []
     tie = health.judge(_evidence(obs[:2], ["h", "h"]))
     # issue 35: two ranks of one machine are no link, and "more ranks" is no advice there
     assert [(c.rank, c.ranks) for c in tie.culprits] == [(0, None), (1, None)]

@@ -297,6 +297,25 @@ def test_one_network_keeps_the_node_pairs_of_old():
         {"index": 0, "ranks": [0, 2]}, {"index": 1, "ranks": [1, 3]}]
 
 
+def test_one_network_is_the_one_rail_case_with_the_node_pairs_reasons():
+    """No rails: the same judgement with the nodes' leaders as its one row; no rail in the
+    figures, the culprits or their reasons."""
+    one = ("eth0",)
+    node = _bandwidth(4, lambda rail, a, b: SLOW if 2 in (a, b) else GOOD, devices=one)
+    assert _named(node) == [(2, "node3", None, None)]
+    assert node.culprits[0].reason == (
+        "node node3 is slow with every partner (node1 0.02, node2 0.02, node4 0.02 GB/s; "
+        "reference 1.00 GB/s)")
+    pairs = node.figures["pairs"]
+    assert "rails" not in pairs and "dead" not in pairs and len(pairs["results"]) == 6
+    assert not any("rail" in r for r in pairs["results"])
+    link = _bandwidth(4, lambda rail, a, b: SLOW if (a, b) == (0, 1) else GOOD, devices=one)
+    assert _named(link) == [(None, None, [0, 1], None)]
+    assert link.culprits[0].reason == (
+        "link node1 (rank 0) <-> node2 (rank 1): 0.02 GB/s, 98 % below the reference 1.00 "
+        "GB/s; both nodes are fast with other partners")
+
+
 def test_a_given_reference_judges_a_rail_against_the_others():
     busbw = {(0, 1): SLOW, (0, 2): SLOW, (1, 2): SLOW}
     assert perf.attribute(busbw, 0.5)["slow"] == []  # against itself, nothing is slow

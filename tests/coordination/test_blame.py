@@ -26,7 +26,7 @@ def beat(seq, inside, op="barrier", peer=None, stage="bandwidth", t=T):
 
 
 def culprits(s) -> list:
-    return [(c.rank, c.ranks) for c in blame.judge(s).culprits]
+    return [(c.rank, c.ranks) for c in blame.assign(s).culprits]
 
 
 def test_rank_that_never_entered_the_collective_is_the_only_culprit():
@@ -34,7 +34,7 @@ def test_rank_that_never_entered_the_collective_is_the_only_culprit():
                        2: beat(12, True), 3: beat(12, True)},
              aborts={r: {"kind": "timeout", "at": T} for r in (0, 2, 3)},
              where={1: "in throttle, timing.py:44"})
-    v = blame.judge(s)
+    v = blame.assign(s)
     assert [c.rank for c in v.culprits] == [1]
     assert v.culprits[0].reason.startswith("never entered collective #12 (barrier)")
     assert v.culprits[0].where == "in throttle, timing.py:44"
@@ -42,7 +42,7 @@ def test_rank_that_never_entered_the_collective_is_the_only_culprit():
     assert all("blocked in barrier #12" in x["state"] for x in v.victims)
 
 
-def test_rank_whose_own_deadline_fired_is_still_judged_by_progress():
+def test_rank_whose_own_deadline_fired_is_still_blamed_by_progress():
     # The stalled rank's watchdog posted "timeout" too: that must not excuse it.
     s = snap(progress={0: beat(5, True), 1: beat(4, False), 2: beat(5, True), 3: beat(5, True)},
              aborts={r: {"kind": "timeout", "at": T} for r in range(4)})
@@ -52,7 +52,7 @@ def test_rank_whose_own_deadline_fired_is_still_judged_by_progress():
 def test_everyone_inside_the_same_collective_blames_no_rank():
     s = snap(progress={r: beat(7, True, op="all_reduce") for r in range(4)},
              aborts={0: {"kind": "timeout", "at": T}})
-    v = blame.judge(s)
+    v = blame.assign(s)
     assert [c.rank for c in v.culprits] == [None]
     assert "no rank lagged" in v.culprits[0].reason
 
@@ -68,7 +68,7 @@ def test_exchange_stuck_with_both_ends_inside_names_the_link():
     s = snap(progress={0: beat(9, True), 1: beat(9, True), 2: beat(8, True, "sendrecv", peer=3),
                        3: beat(8, True, "sendrecv", peer=2)},
              aborts={0: {"kind": "timeout", "at": T}})
-    v = blame.judge(s)
+    v = blame.assign(s)
     assert [(c.rank, c.ranks, c.hosts) for c in v.culprits] == [(None, [2, 3], ["n1", "n1"])]
 
 
@@ -76,7 +76,7 @@ def test_one_terminated_rank_is_the_culprit_and_the_rest_victims():
     s = snap(stage="compute", aborts={2: {"kind": "terminated", "signal": "SIGTERM", "at": T,
                                           "stage": "compute"}},
              progress={r: beat(3, False, stage="compute") for r in range(4)})
-    v = blame.judge(s)
+    v = blame.assign(s)
     assert [(c.rank, c.reason) for c in v.culprits] == [(2, "terminated by SIGTERM during compute")]
     assert [x["rank"] for x in v.victims] == [0, 1, 3]
     assert all("within" not in x["state"] for x in v.victims)
@@ -85,7 +85,7 @@ def test_one_terminated_rank_is_the_culprit_and_the_rest_victims():
 def test_every_rank_terminated_is_the_launcher():
     s = snap(stage="compute", aborts={r: {"kind": "terminated", "signal": "SIGTERM",
                                           "at": T + r / 100} for r in range(4)})
-    v = blame.judge(s)
+    v = blame.assign(s)
     assert [(c.rank, c.host) for c in v.culprits] == [(None, None)]
     assert v.culprits[0].reason == ("terminated by the launcher (SIGTERM to all ranks) during "
                                     "compute")
@@ -97,7 +97,7 @@ def test_terminations_after_a_death_are_the_launchers_reaction():
              progress={2: beat(1, False, stage="ddp_step", t=T)},
              aborts={r: {"kind": "terminated", "signal": "SIGTERM", "at": T + 0.4}
                      for r in (0, 1, 3)})
-    v = blame.judge(s)
+    v = blame.assign(s)
     assert [c.rank for c in v.culprits] == [2]
     assert all(x["state"].startswith("in ddp_step; terminated by SIGTERM, stopped 0.4 s after "
                                      "rank 2 died") for x in v.victims), v.victims
@@ -113,7 +113,7 @@ def test_raised_and_comm_errors():
     s = snap(aborts={1: {"kind": "error", "type": "RuntimeError", "message": "boom", "at": T},
                      0: {"kind": "error", "comm": True, "message": "Connection reset by peer",
                          "at": T + 0.1}})
-    v = blame.judge(s)
+    v = blame.assign(s)
     assert [c.rank for c in v.culprits] == [1]
     assert "communication error" in v.victims[0]["state"]
 
@@ -127,15 +127,15 @@ def test_communication_errors_alone_blame_no_rank():
 
 def test_absent_rank_says_within_only_when_the_deadline_passed():
     hung = snap(stage="ddp_step", arrived={0, 2, 3}, aborts={0: {"kind": "timeout", "at": T}})
-    assert blame.judge(hung).culprits[0].reason == ("did not arrive at ddp_step within 10.0 s "
+    assert blame.assign(hung).culprits[0].reason == ("did not arrive at ddp_step within 10.0 s "
                                                     "(process alive: hung?)")
     early = snap(stage="ddp_step", arrived={0, 2, 3}, aborts={})
-    assert "within" not in blame.judge(early).culprits[0].reason
+    assert "within" not in blame.assign(early).culprits[0].reason
 
 
 def test_never_connected_and_dead_before_arrival():
     s = snap(stage="init", connected={0, 1, 2}, arrived={0, 1, 2}, dead={2})
-    v = blame.judge(s)
+    v = blame.assign(s)
     assert sorted(c.rank for c in v.culprits) == [2, 3]
 
 
@@ -143,7 +143,7 @@ def test_rank_busy_outside_collectives_past_the_deadline():
     s = snap(stage="compute", finished={0, 2, 3},
              progress={1: beat(2, False, stage="compute")},
              aborts={0: {"kind": "timeout", "at": T}})
-    v = blame.judge(s)
+    v = blame.assign(s)
     assert [(c.rank, c.reason) for c in v.culprits] == [
         (1, "did not finish compute within 10.0 s (process alive, not in a collective)")]
 
@@ -174,19 +174,19 @@ def test_a_rank_inside_a_collective_it_never_issued_holds_the_others_there():
                                  1: {"seq": 41, "inside": True, "op": "barrier"},
                                  3: {"seq": 41, "inside": True, "op": "barrier"}},
                        issued={0: 61, 1: 62, 2: 60, 3: 62})
-    got = blame.judge(s).culprits
+    got = blame.assign(s).culprits
     assert [c.rank for c in got] == [2] and "never issued it" in got[0].reason
     # every rank inside one collective, one never issued it: that one
     s.progress = {r: {"seq": 7, **inside} for r in range(4)}
     s.issued = {0: 9, 1: 9, 2: 8, 3: 9}
-    assert [c.rank for c in blame.judge(s).culprits] == [2]
+    assert [c.rank for c in blame.assign(s).culprits] == [2]
     s.issued = {0: 9, 1: 9, 2: 9, 3: 9}  # all issued it: the collective itself is stuck
-    assert [c.rank for c in blame.judge(s).culprits] == [None]
+    assert [c.rank for c in blame.assign(s).culprits] == [None]
 
 
 def test_rank_the_others_waited_for_until_the_deadline_is_named_when_none_is_blocked():
     """The fault campaign's slow rank (15 % of a core) past the collectives deadline, as
-    judged: rank 0 between two collectives, rank 1 one behind, neither inside one. Their waits
+    blamed: rank 0 between two collectives, rank 1 one behind, neither inside one. Their waits
     until the abort say who held whom: rank 0 spent 0.45 s inside each, rank 1 a hundredth."""
     stopped = dict(world_size=2, hosts=["vm", "vm"], connected={0, 1}, arrived={0, 1},
                    stage="collectives",
@@ -194,7 +194,7 @@ def test_rank_the_others_waited_for_until_the_deadline_is_named_when_none_is_blo
                              1: beat(37, False, op="broadcast", stage="collectives")},
                    aborts={r: {"kind": "timeout", "at": T} for r in (0, 1)})
     waits = {0: [0.45] * 21 + [None], 1: [0.01] * 21 + [None]}
-    v = blame.judge(snap(**stopped, waits=waits))
+    v = blame.assign(snap(**stopped, waits=waits))
     assert [c.rank for c in v.culprits] == [1]
     assert v.culprits[0].reason.startswith("did not finish collectives within 10.0 s: ranks 0 "
                                            "waited for rank 1 9.2 s in all")
@@ -224,7 +224,7 @@ def test_a_slow_ranks_ring_neighbour_behind_with_it_at_the_deadline_is_not_named
     waits = {0: [0.01] * 33, 1: [0.4] * 33, 2: [0.3] * 33}  # the others waited for rank 0
     assert culprits(snap(**stopped, waits=waits)) == [(0, None)]
     quota = "CPU quota: this node's processes were held back in 100% of the periods they could run"
-    v = blame.judge(snap(**stopped, held={0: quota}))  # its node's word, without waits
+    v = blame.assign(snap(**stopped, held={0: quota}))  # its node's word, without waits
     assert [(c.rank, c.host) for c in v.culprits] == [(0, "a"), (None, "a")]
     assert v.culprits[1].reason == quota
     assert v.culprits[0].reason == ("did not finish collectives within 10.0 s: its node's CPU "
@@ -252,5 +252,5 @@ def test_a_rank_moving_through_an_older_collective_is_not_named_beside_the_one_t
                           "for_s": 9.9},
                       2: {"seq": 10, "op": "all_reduce", "bytes": 1024, "inside": True,
                           "for_s": for_s}})
-    assert [k.rank for k in blame.judge(snap(0.009)).culprits] == [1]
-    assert [k.rank for k in blame.judge(snap(9.7)).culprits] == [1, 2]  # stuck: named
+    assert [k.rank for k in blame.assign(snap(0.009)).culprits] == [1]
+    assert [k.rank for k in blame.assign(snap(9.7)).culprits] == [1, 2]  # stuck: named

@@ -17,7 +17,7 @@ import pytest
 from ddp_smoke.config.launchenv import LaunchEnv
 from ddp_smoke.coordination import keys, node, records
 from ddp_smoke.coordination.store import Silence, dead_after, listed, read_beats
-from tests.coordination.test_protocol import _judge
+from tests.coordination.test_protocol import _stopped_result
 
 PERIOD = 0.25
 
@@ -140,7 +140,7 @@ def test_a_silent_speaker_is_named_alone_and_its_node_beats_on(world):
         assert coords[3].liveness._look(coords[3].store) is False  # not told yet
         assert coords[2].liveness._look(coords[2].store) is True
         assert coords[3].liveness._look(coords[3].store) is True
-        stopped, live = _judge(coords, coords[0].run.replace(silence=silence),
+        stopped, live = _stopped_result(coords, coords[0].run.replace(silence=silence),
                                lambda: [c.liveness.beat(c.store) for c in coords if c is not
                                         coords[1]])
         assert [k.rank for k in stopped.judged[-1][1].culprits] == [1] and live == {0, 2, 3}

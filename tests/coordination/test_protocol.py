@@ -16,7 +16,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ddp_smoke.coordination import ending, judge, keys, records
+from ddp_smoke.coordination import ending, keys, records, stopped_run
 from ddp_smoke.coordination import protocol as protocol_module
 from ddp_smoke.coordination.protocol import Stop
 from ddp_smoke.coordination.store import Silence, beat_of
@@ -110,8 +110,8 @@ def _entered(coords, ranks=None):
     return run
 
 
-def _judge(coords, run, meanwhile, me=None):
-    """Rank 0 judges the stopped run while ``meanwhile()`` runs every 0.05 s (the live
+def _stopped_result(coords, run, meanwhile, me=None):
+    """Rank 0 blames the stopped run while ``meanwhile()`` runs every 0.05 s (the live
     ranks' heartbeats); the stopped run, its result appended, and the ranks found alive."""
     stopped = run.with_identities(coords[0].store).stopped()
     done = threading.Event()
@@ -123,7 +123,7 @@ def _judge(coords, run, meanwhile, me=None):
     beating = threading.Thread(target=loop)
     beating.start()
     try:
-        live = judge.judge_as_a_rank(coords[0].store, stopped, run.silence, me)
+        live = stopped_run.add_stopped_result_as_a_rank(coords[0].store, stopped, run.silence, me)
     finally:
         done.set()
         beating.join()
@@ -134,14 +134,14 @@ def _beat(coords):
     return lambda: [c.liveness.beat(c.store) for c in coords]
 
 
-def test_the_judge_names_the_rank_whose_heartbeat_stopped(world):
+def test_the_writer_names_the_rank_whose_heartbeat_stopped(world):
     coords = world(3, checks=("alpha",))
     run = _entered(coords)
     _threads(lambda c: c.arrive(c.store, "arrive/alpha/0", "all"), coords)
     time.sleep(0.4)
     coords[0].abort(coords[0].store, records.LostAbort, silent=[2], waiting_for="alpha")
-    # ranks 0 and 1 beat on while the judge looks; rank 2 is gone
-    stopped, live = _judge(coords, run, _beat(coords[:2]))
+    # ranks 0 and 1 beat on while the writer looks; rank 2 is gone
+    stopped, live = _stopped_result(coords, run, _beat(coords[:2]))
     result = stopped.judged[-1][1]
     assert live == {0, 1} and result.name == "alpha" and result.status == "fail"
     assert [k.rank for k in result.culprits] == [2] and result.culprits[0].host == "h2"
@@ -157,15 +157,15 @@ def test_the_writer_looks_itself_at_a_dead_node_mate_nobody_had_a_word_on(world)
     run = _entered(coords, [{"rank": r, "host": host, "group_rank": 0, "pid": pid}
                             for r, pid in enumerate((os.getpid(), os.getpid(), gone.pid))])
     coords[0].abort(coords[0].store, records.LostAbort, silent=[2], waiting_for="alpha")
-    stopped, _ = _judge(coords, run, _beat(coords[:2]), me=0)
+    stopped, _ = _stopped_result(coords, run, _beat(coords[:2]), me=0)
     [culprit] = stopped.judged[-1][1].culprits
     assert culprit.rank == 2 and f"its process {gone.pid} is gone from {host}" in \
         culprit.reason, culprit
 
 
-def test_a_rank_terminated_while_the_judge_waits_is_a_victim_not_dead(world):
-    """torchrun stops the others when one rank dies, the writer too: it judges at once, and a
-    loaded peer, its heartbeat already still, says it was terminated only while the judge
+def test_a_rank_terminated_while_the_writer_waits_is_a_victim_not_dead(world):
+    """torchrun stops the others when one rank dies, the writer too: it blames at once, and a
+    loaded peer, its heartbeat already still, says it was terminated only while the writer
     waits on the heartbeats. That peer is a victim; the rank that died first is the culprit,
     alone."""
     coords = world(3, checks=("alpha",))
@@ -178,7 +178,7 @@ def test_a_rank_terminated_while_the_judge_waits_is_a_victim_not_dead(world):
         coords[0].liveness.beat(coords[0].store)
         if time.monotonic() - t0 > 0.1 and not coords[1].store.check(["abort/1"]):
             coords[1].abort(coords[1].store, records.TerminatedAbort, signal="SIGTERM")
-    stopped, _ = _judge(coords, run, meanwhile, me=0)
+    stopped, _ = _stopped_result(coords, run, meanwhile, me=0)
     result = stopped.judged[-1][1]
     assert [k.rank for k in result.culprits] == [2], result.culprits
     assert [v["rank"] for v in result.figures["victims"]] == [0, 1]
@@ -260,7 +260,7 @@ def test_a_rank_reads_its_nodes_and_rank_0s_nodes_identities_and_the_writer_the_
         0: [0, 1, 2, 3, 4, 5], 1: [0, 1], 2: [0, 1, 2, 3], 3: [0, 1, 2, 3], 4: [0, 1, 4, 5],
         5: [0, 1, 4, 5]}
     assert [c.run.host(3) for c in coords] == ["n1", None, "n1", "n1", None, None]
-    writer = coords[5].run.with_identities(coords[5].store)  # a survivor about to judge
+    writer = coords[5].run.with_identities(coords[5].store)  # a survivor about to write
     assert [r["host"] for r in writer.ranks] == ["n0", "n0", "n1", "n1", "n2", "n2"]
 
 

@@ -113,7 +113,7 @@ def test_an_aborted_run_stuck_in_a_collective_is_blamed_on_the_link_that_timed_o
     s = blame.Snapshot(stage="bandwidth", world_size=4, timeout_s=60, hosts=HOSTS,
                        connected={0, 1, 2, 3}, arrived={0, 1, 2, 3}, progress=stuck,
                        aborts={0: {"kind": "timeout", "at": 1.0}}, lossy=lossy)
-    got = blame.judge(s)
+    got = blame.assign(s)
     assert [(c.ranks, c.hosts) for c in got.culprits] == [([1, 2], ["n1", "n2"])]
     assert {v["rank"] for v in got.victims} == {0, 3}
 
@@ -202,7 +202,7 @@ def test_the_reader_sees_this_process_connections_and_counts_from_a_take():
             s.close()
 
 
-def test_two_nodes_one_link_are_judged_by_the_thresholds_alone():
+def test_two_nodes_one_link_are_found_by_the_thresholds_alone():
     ranks = RANKS[:2]
     lossy = retransmits.links(_posted({(0, 1): (14, 13, 40000), (1, 0): (0, 0, 40000)}), ranks)
     assert [c.ranks for c in retransmits.culprits(lossy, RULES, ranks)] == [[0, 1]]

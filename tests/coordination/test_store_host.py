@@ -14,7 +14,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ddp_smoke.coordination import hosting, judge, keys, lost, signing
+from ddp_smoke.coordination import hosting, keys, lost, signing, stopped_run
 from ddp_smoke.outputs import last_line, launch_report
 from ddp_smoke.model import Report
 from tests.launch import REPO, free_port
@@ -75,7 +75,7 @@ def test_last_resort_names_the_ranks_that_went_silent_first(tmp_path):
     meta = hosting.read_meta(store)
     assert meta["report_dir"] == str(tmp_path)
     now = time.monotonic()
-    report = judge.last_resort(store, meta, {0: now, 1: now - 0.2, 2: now - 3.0},
+    report = stopped_run.last_resort(store, meta, {0: now, 1: now - 0.2, 2: now - 3.0},
                                "127.0.0.1:1", "test")
     got = report.to_dict()
     worker_fields = {f.name for f in dataclasses.fields(Report)}
@@ -85,14 +85,14 @@ def test_last_resort_names_the_ranks_that_went_silent_first(tmp_path):
     assert checks["environment"]["status"] == "pass"
     step = checks["ddp_step"]
     assert [(c["rank"], c["host"]) for c in step["culprits"]] == [(2, "node2")]
-    assert got["written_by"] == judge.STORE_HOST
+    assert got["written_by"] == stopped_run.STORE_HOST
     assert step["figures"]["silent_first"] == [2]
     assert got["error"]["type"] == "AllRanksLost" and got["error"]["host"] == "node2"
 
 
 def test_first_silent_takes_every_rank_of_a_job_killed_at_once():
-    assert judge.first_silent({0: 10.0, 1: 10.2, 2: 14.0}) == [0, 1]
-    assert judge.first_silent({}) == []
+    assert stopped_run.first_silent({0: 10.0, 1: 10.2, 2: 14.0}) == [0, 1]
+    assert stopped_run.first_silent({}) == []
 
 
 def test_lost_records_that_each_know_part_of_the_world_name_the_silent_node_once(tmp_path):

@@ -1,4 +1,4 @@
-"""The pure judges of issue 23: who kept the others waiting (coordination/stragglers.py) and
+"""The pure rules of issue 23: who kept the others waiting (coordination/stragglers.py) and
 which node or link cannot be crossed (coordination/reach.py), on hand-made evidence; and the
 probe's connects on loopback."""
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _spent(n: int, k: int, late: int | None, seed: int = 0, late_share: float = 
 
 
 def test_a_rank_the_others_wait_for_is_named_with_the_share_and_the_time():
-    figure, slow = stragglers.judge(_spent(4, 340, late=2, late_share=0.92))
+    figure, slow = stragglers.waits_and_stragglers(_spent(4, 340, late=2, late_share=0.92))
     assert [r for r, _ in slow] == [2]
     assert slow[0][1].startswith("ranks 0, 1, 3 waited for rank 2 ")
     assert " s in all, 100 % of the waits of 3" in slow[0][1] and "arrived last in 3" in slow[0][1]
@@ -52,7 +52,8 @@ def test_a_rank_the_others_wait_for_is_named_with_the_share_and_the_time():
 def test_healthy_runs_name_nobody_at_any_size():
     for n in (2, 3, 4, 16):
         for seed in range(20):
-            assert stragglers.judge(_spent(n, 300, late=None, seed=seed))[1] == [], (n, seed)
+            found = stragglers.waits_and_stragglers(_spent(n, 300, late=None, seed=seed))
+            assert found[1] == [], (n, seed)
 
 
 RECORDED = json.loads((Path(__file__).resolve().parent.parent / "data" / "waits" /
@@ -62,7 +63,7 @@ RECORDED = json.loads((Path(__file__).resolve().parent.parent / "data" / "waits"
 def _old_rule(spent: list) -> list[int]:
     """The rule before: last in half of >= 10 counted collectives, its waits >= 0.25 s, a
     tenth of the others' time inside and half of all waits (kept here to show the change)."""
-    figure, _ = stragglers.judge(spent)
+    figure, _ = stragglers.waits_and_stragglers(spent)
     inside = sum(statistics.median(t[q] for q in range(len(t)) if q != min(
         range(len(t)), key=t.__getitem__)) for t in zip(*spent) if None not in t)
     return [m["rank"] for m in figure["most_last"]
@@ -73,27 +74,30 @@ def _old_rule(spent: list) -> list[int]:
 def test_recorded_runs_the_quota_named_by_time_healthy_ranks_never():
     """Real durations (tests/data/waits/PROVENANCE.md): the collectives check of 4 torchrun
     ranks on a 2-core machine with one or two busy processes beside them."""
-    named = {k: [r for r, _ in stragglers.judge(v["spent"])[1]] for k, v in RECORDED.items()}
+    named = {k: [r for r, _ in stragglers.waits_and_stragglers(v["spent"])[1]]
+             for k, v in RECORDED.items()}
     assert named == {"quota_a": [2], "quota_b": [2], "quota_c": [2], "quota_barely_bit": [],
                      "quota_two_thirds": [2], "quota_alone": [2],
                      "healthy_crowded_core": [], "healthy_crowded_core_2": [],
                      "healthy_rank0_last_half": [], "healthy_two_thirds": [],
                      "healthy_bandwidth": []}
     # in every quota run the rank the others waited for longest is the throttled one
-    assert all(stragglers.judge(v["spent"])[0]["most_last"][0]["rank"] == 2
+    assert all(stragglers.waits_and_stragglers(v["spent"])[0]["most_last"][0]["rank"] == 2
                for k, v in RECORDED.items() if k.startswith("quota"))
-    figure, [(rank, reason)] = stragglers.judge(RECORDED["quota_b"]["spent"])
+    figure, [(rank, reason)] = stragglers.waits_and_stragglers(RECORDED["quota_b"]["spent"])
     assert reason.startswith("ranks 0, 1, 3 waited for rank 2 1.3 s in all, 97 % of the waits "
                              "of 17 collectives (it arrived last in 10;")
     assert figure["most_last"][0] == {"rank": 2, "last": 10, "wait_s": 1.3005,
                                      "share": 0.966, "longest_s": 0.3885}
     # a healthy rank the scheduler starved on a crowded core: 82 % of the waits, last in 8 of
     # 14, 0.25 s: the old rule (last in half) named it; its waits are not half a second
-    crowded = stragglers.judge(RECORDED["healthy_crowded_core"]["spent"])[0]["most_last"][0]
+    crowded = stragglers.waits_and_stragglers(
+        RECORDED["healthy_crowded_core"]["spent"])[0]["most_last"][0]
     assert (crowded["rank"], crowded["last"], crowded["share"]) == (3, 8, 0.823)
     assert _old_rule(RECORDED["healthy_crowded_core"]["spent"]) == [3]
     # the quota rank whose quota barely bit: 65 % of the waits, 0.34 s; left to compute
-    barely = stragglers.judge(RECORDED["quota_barely_bit"]["spent"])[0]["most_last"][0]
+    barely = stragglers.waits_and_stragglers(
+        RECORDED["quota_barely_bit"]["spent"])[0]["most_last"][0]
     assert (barely["rank"], barely["share"]) == (2, 0.646)
 
 
@@ -106,7 +110,7 @@ def test_a_burst_straggler_is_named_by_the_time_it_cost_not_how_often_it_was_las
         throttled = k % 20 < 4  # three throttled stretches of 4 collectives
         for r in range(4):
             spent[r].append(base[r] + (0.085 if throttled and r != 1 else 0.0))
-    figure, slow = stragglers.judge(spent)
+    figure, slow = stragglers.waits_and_stragglers(spent)
     top = figure["most_last"][0]
     assert top["rank"] == 1 and top["last"] < 0.5 * figure["counted"] and top["share"] > 0.5
     assert [r for r, _ in slow] == [1] and _old_rule(spent) == []
@@ -123,36 +127,36 @@ def test_one_long_hiccup_is_not_a_straggler():
             base = [b + (3.0 if r else 0.0) for r, b in enumerate(base)]
         for r in range(4):
             spent[r].append(base[r])
-    figure, slow = stragglers.judge(spent)
+    figure, slow = stragglers.waits_and_stragglers(spent)
     top = figure["most_last"][0]
     assert top["rank"] == 0 and top["share"] > 0.9 and top["last"] * 4 >= figure["counted"]
     assert slow == [] and _old_rule(spent) == []
 
 
 def test_few_collectives_or_small_waits_name_nobody():
-    assert stragglers.judge(_spent(4, 9, late=1))[1] == []  # under waits_min_counted
+    assert stragglers.waits_and_stragglers(_spent(4, 9, late=1))[1] == []  # under waits_min_counted
     tiny = [[0.0101 if r == 1 else 0.0102] * 100 for r in range(4)]  # 0.1 ms waits
-    assert stragglers.judge(tiny)[1] == []
+    assert stragglers.waits_and_stragglers(tiny)[1] == []
 
 
 def test_broadcasts_and_missing_ranks_are_left_out():
     rows = _spent(4, 60, late=3)
     for r in range(4):
         rows[r][5] = None  # a broadcast: its root leaves early
-    figure, slow = stragglers.judge(rows)
+    figure, slow = stragglers.waits_and_stragglers(rows)
     assert [r for r, _ in slow] == [3] and figure["collectives"] == 60
-    assert stragglers.judge([None, None])[0]["collectives"] == 0
+    assert stragglers.waits_and_stragglers([None, None])[0]["collectives"] == 0
 
 
-def test_the_runs_own_diagnosis_settings_judge_its_waits(tmp_path):
+def test_the_runs_own_diagnosis_settings_apply_to_its_waits(tmp_path):
     """The rule's thresholds are the run's config (``diagnosis``): on each check (attach, with
     the run) and on an abort (blame, with the settings the run posted), validated like any."""
     spent = _spent(4, 100, late=2)
     path = tmp_path / "c.yaml"
     path.write_text("diagnosis:\n  waits_min_total_s: 600\n")
     lenient = config.resolve(config.load_file(str(path)), {})["diagnosis"]
-    assert [r for r, _ in stragglers.judge(spent)[1]] == [2]
-    assert stragglers.judge(spent, lenient)[1] == []
+    assert [r for r, _ in stragglers.waits_and_stragglers(spent)[1]] == [2]
+    assert stragglers.waits_and_stragglers(spent, lenient)[1] == []
     run = types.SimpleNamespace(env=types.SimpleNamespace(run_id="7"), ranks=[{}] * 4,
                                 cfg={"diagnosis": lenient})
     result = CheckResult("collectives", "pass", summary="28/28 cases exact")
@@ -264,38 +268,38 @@ def _probes(n: int, bad: set) -> dict:
 
 
 def test_a_link_is_named_with_both_ends_and_nothing_else():
-    got = reach.judge(_probes(4, {(1, 2), (2, 1)}), HOSTS)
+    got = reach.culprits(_probes(4, {(1, 2), (2, 1)}), HOSTS)
     assert [(c.rank, c.ranks, c.hosts) for c in got] == [(None, [1, 2], ["n1", "n2"])]
     assert "neither could connect to the other" in got[0].reason
     assert "each reaches other nodes" in got[0].reason
-    one_way = reach.judge(_probes(4, {(3, 0)}), HOSTS)
+    one_way = reach.culprits(_probes(4, {(3, 0)}), HOSTS)
     assert [c.ranks for c in one_way] == [[0, 3]]
     assert "rank 3 could not connect to rank 0" in one_way[0].reason
 
 
 def test_a_node_nobody_reaches_is_named_not_its_peers():
     cut = {(a, 3) for a in range(3)} | {(3, b) for b in range(3)}
-    got = reach.judge(_probes(4, cut), HOSTS)
+    got = reach.culprits(_probes(4, cut), HOSTS)
     assert [(c.rank, c.host) for c in got] == [(3, "n3")] and "is cut off" in got[0].reason
     # two nodes cut: both named, the healthy ones (each failing two of its three) are not
     two = {(a, b) for a in range(5) for b in range(5) if a != b and {a, b} & {3, 4}}
-    assert [c.rank for c in reach.judge(_probes(5, two), HOSTS)] == [3, 4]
+    assert [c.rank for c in reach.culprits(_probes(5, two), HOSTS)] == [3, 4]
     # nobody answered one node's probes, and it said nothing itself (its leader is stuck)
     silent = {a: p for a, p in _probes(4, {(a, 2) for a in range(4)}).items() if a != 2}
-    assert [c.rank for c in reach.judge(silent, HOSTS)] == [2]
+    assert [c.rank for c in reach.culprits(silent, HOSTS)] == [2]
 
 
-def test_healthy_probes_name_nobody_and_the_judge_falls_through():
-    assert reach.judge(_probes(6, set()), HOSTS) == []
+def test_healthy_probes_name_nobody_and_blame_falls_through():
+    assert reach.culprits(_probes(6, set()), HOSTS) == []
     s = blame.Snapshot(stage="collectives", world_size=4, timeout_s=10.0, hosts=HOSTS[:4],
                        connected={0, 1, 2, 3}, arrived={0, 1, 2, 3},
                        aborts={0: {"kind": "timeout", "at": 1.0}},
                        progress={r: {"seq": 5, "inside": True, "op": "all_reduce"}
                                  for r in range(4)},
                        reach=_probes(4, {(1, 2), (2, 1)}))
-    verdict = blame.judge(s)
-    assert [c.ranks for c in verdict.culprits] == [[1, 2]]
-    assert sorted(v["rank"] for v in verdict.victims) == [0, 3]
+    blamed = blame.assign(s)
+    assert [c.ranks for c in blamed.culprits] == [[1, 2]]
+    assert sorted(v["rank"] for v in blamed.victims) == [0, 3]
 
 
 def test_targets_are_all_nodes_when_few_and_bounded_when_many():
@@ -320,7 +324,7 @@ def test_connect_all_on_loopback_reached_refused_and_listening():
 def test_a_link_that_connects_and_drops_large_payloads_is_named_with_the_mtu_hint():
     probes = _probes(4, set())
     probes[1]["large"], probes[2]["large"] = [2], [1]
-    got = reach.judge(probes, HOSTS)
+    got = reach.culprits(probes, HOSTS)
     assert [(c.rank, c.ranks, c.hosts) for c in got] == [(None, [1, 2], ["n1", "n2"])]
     assert "passes small packets and drops large ones" in got[0].reason
     assert "MTU" in got[0].reason and "each reaches other nodes" in got[0].reason
@@ -328,7 +332,7 @@ def test_a_link_that_connects_and_drops_large_payloads_is_named_with_the_mtu_hin
     probes = _probes(4, set())
     for a in range(4):
         probes[a]["large"] = [3] if a != 3 else [0, 1, 2]
-    got = reach.judge(probes, HOSTS)
+    got = reach.culprits(probes, HOSTS)
     assert [(c.rank, c.ranks) for c in got] == [(3, None)] and "drops large" in got[0].reason
 
 
@@ -388,12 +392,12 @@ def test_silent_ranks_on_a_node_the_probes_name_are_the_network_not_deaths():
     s = blame.Snapshot(stage="compute", world_size=4, timeout_s=10.0, hosts=HOSTS[:4],
                        connected={0, 1, 2, 3}, arrived={0, 1, 2, 3}, dead={3},
                        aborts={0: {"kind": "lost", "at": 1.0, "silent": [3]}}, reach=probes)
-    got = blame.judge(s).culprits
+    got = blame.assign(s).culprits
     assert [(c.rank, c.host) for c in got] == [(3, "n3")] and "cut off" in got[0].reason
     # the probes reached it (refused: the host answers): the rank died
     s.reach = _probes(4, set())
-    assert [c.rank for c in blame.judge(s).culprits] == [3]
-    assert "no heartbeat" in blame.judge(s).culprits[0].reason
+    assert [c.rank for c in blame.assign(s).culprits] == [3]
+    assert "no heartbeat" in blame.assign(s).culprits[0].reason
 
 
 def test_the_store_s_own_node_cut_off_explains_every_other_rank_s_silence():
@@ -404,7 +408,7 @@ def test_the_store_s_own_node_cut_off_explains_every_other_rank_s_silence():
                        connected={0, 1, 2, 3}, arrived={0, 1, 2, 3}, dead={1, 2, 3},
                        aborts={0: {"kind": "lost", "at": 1.0, "silent": [1, 2, 3]}},
                        reach=probes)
-    got = blame.judge(s).culprits
+    got = blame.assign(s).culprits
     assert [(c.rank, c.host) for c in got] == [(0, "n0")] and "cut off" in got[0].reason
 
 

@@ -90,8 +90,8 @@ def test_throttled_node_is_the_one_bad_host(box, shaping, tmp_path):
     log = nodes.log(hosts[0].name)
     tail = log[log.find("verdict: "):]
     print(f"wall {nodes.elapsed():.1f} s; rank 0 printed:\n{tail}")
-    verdicts = {h["host"]: h["status"] for h in report["hosts"]}
-    assert verdicts == {hosts[0].name: "good", slow.name: "bad", hosts[2].name: "good"}, \
+    statuses = {h["host"]: h["status"] for h in report["hosts"]}
+    assert statuses == {hosts[0].name: "good", slow.name: "bad", hosts[2].name: "good"}, \
         json.dumps(report["checks"], indent=1)[-4000:]
     [entry] = [h for h in report["hosts"] if h["host"] == slow.name]
     assert [(r["check"], r["rank"]) for r in entry["reasons"]] == [("bandwidth", 1)]
@@ -129,11 +129,11 @@ def test_throttled_link_makes_both_ends_suspect(box, shaping, tmp_path):
     [link] = bandwidth["culprits"]
     assert link["rank"] is None and f"link {a.name} (rank 0) <-> {b.name} (rank 2)" in \
         link["reason"], bandwidth["culprits"]
-    verdicts = {h["host"]: h["status"] for h in report["hosts"]}
-    print(f"\nlink culprit: {link}\nverdicts: {verdicts}")
+    statuses = {h["host"]: h["status"] for h in report["hosts"]}
+    print(f"\nlink culprit: {link}\nstatuses: {statuses}")
     if "hosts" not in link:  # before issue 12: nobody to blame by name
-        assert verdicts == {a.name: "good", good.name: "good", b.name: "good"}
+        assert statuses == {a.name: "good", good.name: "good", b.name: "good"}
         return
-    assert verdicts == {a.name: "suspect", good.name: "good", b.name: "suspect"}
+    assert statuses == {a.name: "suspect", good.name: "good", b.name: "suspect"}
     assert (tmp_path / "report" / "suspect_hosts.txt").read_text() == f"{a.name}\n{b.name}\n"
     assert (tmp_path / "report" / "bad_hosts.txt").read_text() == ""

@@ -190,9 +190,9 @@ def _first_pass_tables(ctx, plans: list, size: int, mine: list[dict]) -> list[di
     return out
 
 
-# -- judging (rank 0, pure) ----------------------------------------------------------------
+# -- figures and culprits (rank 0, pure) ---------------------------------------------------
 
-def judge(ev, cfg: dict) -> tuple[dict, list]:
+def figures_and_culprits(ev, cfg: dict) -> tuple[dict, list]:
     """The pairs' figures and culprits (slow nodes, slow links; per rail: slow or dead rails
     of a node, rails slow everywhere) from every rank's timings."""
     first = ev.observations[0]["pairs"]
@@ -203,12 +203,8 @@ def judge(ev, cfg: dict) -> tuple[dict, list]:
     everything = [v for t in busbw for v in t.values()]
     reference = percentile(everything, 90) if rails and everything else None
     blames = [perf.attribute(t, cut, reference) for t in busbw]
-    if not rails:
-        figures, culprits = _node_judgement(ev, first["leaders"], size, cut, busbw[0],
-                                            records[0], blames[0])
-    else:
-        figures, culprits = _rail_blame.judge(ev, first["leaders"], rails, size, cut, busbw,
-                                              records, blames)
+    figures, culprits = _rail_blame.figures_and_culprits(ev, first["leaders"], rails or None,
+                                                         size, cut, busbw, records, blames)
     links = ev.section("links")
     tails = [unstable(r, links, first["device_type"]) for r in records]
     figures["latency"] = {"iters": links["latency_iters"], "floor_us": tails[0]["floor_us"],
@@ -318,35 +314,3 @@ def _best(observations: list, size: int, n: int) -> tuple[list[dict], list[dict]
     busbw = [{p: perf.algbw_gbps(size, m["time_us"] / 1e6) for p, m in r.items()}
              for r in records]
     return busbw, records
-
-
-def _node_judgement(ev, leaders, size, cut, busbw, measured, blame) -> tuple[dict, list]:
-    host = [ev.host(r) for r in leaders]
-    results = [{"pass": m["pass"], "round": m["round"], "node_a": a, "node_b": b,
-                "rank_a": leaders[a], "rank_b": leaders[b], "host_a": host[a], "host_b": host[b],
-                "time_us": m["time_us"], "time_us_max": m["time_us_max"],
-                "rtt_us": m.get("rtt_us"), "busbw_gbps": busbw[(a, b)],
-                "slow": (a, b) in blame["slow"]} for (a, b), m in sorted(measured.items())]
-    figures = {"nodes": len(leaders), "leaders": leaders, "size_bytes": size,
-               "reference_busbw_gbps": blame["reference"], "margin": cut, "results": results}
-    return figures, _culprits(ev, blame, busbw, leaders, host)
-
-
-def _culprits(ev, blame: dict, busbw: dict, leaders: list[int], host: list) -> list:
-    ref = blame["reference"]
-    out = []
-    for n in blame["nodes"]:
-        partners = ", ".join(f"{host[b if a == n else a]} {v:.2f}"
-                             for (a, b), v in sorted(busbw.items()) if n in (a, b))
-        out.append(ev.culprit(leaders[n], f"node {host[n]} is slow with every partner "
-                                          f"({partners} GB/s; reference {ref:.2f} GB/s)"))
-    why = {"links": "both nodes are fast with other partners",
-           "unresolved": "too few partners to tell node from link (raise bandwidth.pair_rounds)"}
-    for kind, reason in why.items():
-        for a, b in blame[kind]:
-            out.append(ev.link_culprit(leaders[a], leaders[b], (
-                f"link {host[a]} (rank {leaders[a]}) <-> {host[b]} (rank {leaders[b]}): "
-                f"{busbw[(a, b)]:.2f} GB/s, {perf.shortfall_pct(busbw[(a, b)], ref):.0f} % below "
-                f"the reference {ref:.2f} GB/s; {reason}")))
-    return out
-

@@ -1,10 +1,13 @@
-"""The bandwidth check's judgement of rails (rank 0, pure): which node's rail, which rail.
+"""The bandwidth check's blame of node pairs (rank 0, pure): which node, which link, and on
+a run with rails which node's rail, which rail. One network is the one-rail case: its pairs
+are its nodes' leaders, its culprits carry no rail and its reasons name none.
 
 Input: the pairs measured inside every rail (:mod:`._pairs`), each rail's attribution against
 the one reference of all rails (:func:`.perf.attribute`), and each rank's rail
-(:mod:`._rails`: its device, and whether it was found dead before the process group). Every
-culprit names its rail in ``rail`` (``{"index", "device", "port"}``; a rail named as a whole
-also lists its ``ranks``, whom the waits then do not name again) besides its rank and host:
+(:mod:`._rails`: its device, and whether it was found dead before the process group). On a
+run with rails every culprit names its rail in ``rail`` (``{"index", "device", "port"}``; a
+rail named as a whole also lists its ``ranks``, whom the waits then do not name again)
+besides its rank and host:
 
 * a rail dead on a node: that node's rail (the rank on it), with the peers that could not
   reach it; dead on every node (three or more): the rail, no host; between two nodes that
@@ -26,30 +29,38 @@ from . import perf
 _PROBE = f"probe port, {reach.ROUNDS} tries of {reach.PROBE_S:g} s each"  # as rails tries
 
 
-def judge(ev, leaders: list[int], rails: list[dict], size: int, cut: float,
-          busbw: list[dict], records: list[dict], blames: list[dict]) -> tuple[dict, list]:
-    """``(figures, culprits)`` of the pairs on a run with rails."""
+def figures_and_culprits(ev, leaders: list[int], rails: list[dict] | None, size: int,
+                         cut: float, busbw: list[dict], records: list[dict],
+                         blames: list[dict]) -> tuple[dict, list]:
+    """``(figures, culprits)`` of the pairs; ``rails`` None: one network, the one-rail case
+    whose row is the nodes' leaders."""
+    one = rails is None
+    rails = [{"index": 0, "ranks": leaders}] if one else rails
     host = [ev.host(r) for r in leaders]
     ref = blames[0]["reference"] if blames else None
     results = []
     for g, rail in enumerate(rails):
         row = rail["ranks"]
-        results += [{"rail": rail["index"], "pass": m["pass"], "round": m["round"],
-                     "node_a": a, "node_b": b, "rank_a": row[a], "rank_b": row[b],
-                     "host_a": host[a], "host_b": host[b], "time_us": m["time_us"],
-                     "time_us_max": m["time_us_max"], "rtt_us": m.get("rtt_us"),
-                     "busbw_gbps": busbw[g][(a, b)], "slow": (a, b) in blames[g]["slow"]}
+        results += [{**({} if one else {"rail": rail["index"]}), "pass": m["pass"],
+                     "round": m["round"], "node_a": a, "node_b": b, "rank_a": row[a],
+                     "rank_b": row[b], "host_a": host[a], "host_b": host[b],
+                     "time_us": m["time_us"], "time_us_max": m["time_us_max"],
+                     "rtt_us": m.get("rtt_us"), "busbw_gbps": busbw[g][(a, b)],
+                     "slow": (a, b) in blames[g]["slow"]}
                     for (a, b), m in sorted(records[g].items())]
-    dead = _dead(ev)
     figures = {"nodes": len(leaders), "leaders": leaders, "size_bytes": size,
-               "reference_busbw_gbps": ref, "margin": cut,
-               "rails": [{"index": r["index"], "ranks": r["ranks"],
-                          "devices": [_device(ev, x) for x in r["ranks"]]} for r in rails],
-               "results": results, "dead": dead}
+               "reference_busbw_gbps": ref, "margin": cut, "results": results}
+    if one:
+        return figures, (_slow_nodes(ev, rails, busbw, blames, host, leaders, set(), one)
+                         + _links(ev, rails, busbw, blames, host, set(), one))
+    dead = _dead(ev)
+    figures["rails"] = [{"index": r["index"], "ranks": r["ranks"],
+                         "devices": [_device(ev, x) for x in r["ranks"]]} for r in rails]
+    figures["dead"] = dead
     wide = _slow_everywhere(ev, rails, busbw, blames, ref)
     culprits = _dead_culprits(ev, dead) + list(wide.values())
-    culprits += _slow_nodes(ev, rails, busbw, blames, host, leaders, set(wide))
-    culprits += _links(ev, rails, busbw, blames, host, set(wide))
+    culprits += _slow_nodes(ev, rails, busbw, blames, host, leaders, set(wide), one)
+    culprits += _links(ev, rails, busbw, blames, host, set(wide), one)
     return figures, culprits
 
 
@@ -156,7 +167,7 @@ def _partners(busbw: dict, n: int, host: list) -> str:
                      for (a, b), v in sorted(busbw.items()) if n in (a, b))
 
 
-def _slow_nodes(ev, rails, busbw, blames, host, leaders, wide: set) -> list:
+def _slow_nodes(ev, rails, busbw, blames, host, leaders, wide: set, one: bool) -> list:
     ref = blames[0]["reference"]
     named: dict[int, list[int]] = {}
     for g in range(len(rails)):
@@ -175,17 +186,19 @@ def _slow_nodes(ev, rails, busbw, blames, host, leaders, wide: set) -> list:
         fine = len(on) - len(gs)
         for g in gs:
             rank, index = rails[g]["ranks"][n], rails[g]["index"]
-            out.append(with_rail(ev.culprit(rank, (
-                f"node {host[n]} {_label(ev, rank, index)} is slow with every partner on it "
+            where = "" if one else f" {_label(ev, rank, index)}"
+            out.append(_on_rail(ev.culprit(rank, (
+                f"node {host[n]}{where} is slow with every partner{'' if one else ' on it'} "
                 f"({_partners(busbw[g], n, host)} GB/s; reference {ref:.2f} GB/s)"
                 + (f"; its other {fine} rail(s) are fine" if fine else ""))),
-                rail_of(ev, rank, index)))
+                ev, rank, index, one))
     return out
 
 
-def _links(ev, rails, busbw, blames, host, wide: set) -> list:
+def _links(ev, rails, busbw, blames, host, wide: set, one: bool) -> list:
     ref = blames[0]["reference"]
-    why = {"links": "both nodes are fast with other partners on it",
+    on_it = "" if one else " on it"
+    why = {"links": f"both nodes are fast with other partners{on_it}",
            "unresolved": "too few partners to tell node from link (raise bandwidth.pair_rounds)"}
     out = []
     for g, rail in enumerate(rails):
@@ -194,10 +207,14 @@ def _links(ev, rails, busbw, blames, host, wide: set) -> list:
         row, index = rail["ranks"], rail["index"]
         for kind, reason in why.items():
             for a, b in blames[g][kind]:
-                v = busbw[g][(a, b)]
-                out.append(with_rail(ev.link_culprit(row[a], row[b], (
-                    f"link {host[a]} (rank {row[a]}) <-> {host[b]} (rank {row[b]}) on "
-                    f"{_label(ev, row[a], index)}: {v:.2f} GB/s, "
-                    f"{perf.shortfall_pct(v, ref):.0f} % below the reference {ref:.2f} GB/s; "
-                    f"{reason}")), rail_of(ev, row[a], index)))
+                v, where = busbw[g][(a, b)], "" if one else f" on {_label(ev, row[a], index)}"
+                out.append(_on_rail(ev.link_culprit(row[a], row[b], (
+                    f"link {host[a]} (rank {row[a]}) <-> {host[b]} (rank {row[b]}){where}: "
+                    f"{v:.2f} GB/s, {perf.shortfall_pct(v, ref):.0f} % below the reference "
+                    f"{ref:.2f} GB/s; {reason}")), ev, row[a], index, one))
     return out
+
+
+def _on_rail(culprit, ev, rank: int | None, index: int, one: bool):
+    """The culprit with its rail; on one network as it is."""
+    return culprit if one else with_rail(culprit, rail_of(ev, rank, index))

@@ -197,7 +197,7 @@ def judge(ev) -> CheckResult:
     obs, cfg, profile = ev.observations, ev.section(), ev.observations[0]["profile"]
     rows = _merge(obs, ev.world_size)
     floors, floor_culprits = _floors(ev, profile, rows, obs[0]["nodes"])
-    pairs, pair_culprits = _pairs.judge(ev, cfg)
+    pairs, pair_culprits = _pairs.figures_and_culprits(ev, cfg)
     culprits = _wrong(ev, rows) + floor_culprits + pair_culprits
     culprits += _collapsed(ev, rows, pairs) if not pair_culprits else []
     avg = {c: statistics.fmean(r["busbw_gbps"] for r in rows if r["collective"] == c)

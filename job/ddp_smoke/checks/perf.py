@@ -8,7 +8,7 @@ Definitions (nccl-tests ``doc/PERFORMANCE.md``), with GB = 1e9 B throughout:
 * S is ``count × typesize`` for all_reduce, broadcast and sendrecv, and the whole array
   (``count × typesize × n``, count per rank) for reduce_scatter, all_gather and all_to_all.
 
-Nothing here touches torch: the checks measure, these functions compute and judge.
+Nothing here touches torch: the checks measure, these functions compute and compare.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ lowest running rank posts them all in one record (:mod:`.node`). Rank 0 says on 
 the run goes, the join, each check as it is judged and whom a long wait waits for
 (:mod:`.telling`, from the main thread and from the watchdog's looks).
 
-Diagnosis beyond who stopped: :mod:`.stragglers` judges, from the time each rank spent inside
+Diagnosis beyond who stopped: :mod:`.stragglers` finds, from the time each rank spent inside
 each collective (:mod:`.progress`), who kept the others waiting; :mod:`.reach` probes, outside
 the process group, which node or link cannot be crossed when every rank waits.
 """

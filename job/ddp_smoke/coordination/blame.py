@@ -40,7 +40,7 @@ from . import fate, reach, stragglers
 
 @dataclass
 class Snapshot:
-    """What the writer of the report knows when it judges an aborted run.
+    """What the writer of the report knows when it blames an aborted run.
 
     Attributes:
         stage: the check (or ``init``/``finish``) where the run stopped.
@@ -68,7 +68,7 @@ class Snapshot:
         lossy: the links (or nodes) whose TCP connections lost packets in the stopped check,
             as culprits (:func:`ddp_smoke.coordination.retransmits.culprits`).
         rules: the run's ``diagnosis`` thresholds (None: the package's): ``stuck_after_s``
-            here, the waits' in :func:`.stragglers.judge`.
+            here, the waits' in :func:`.stragglers.waits_and_stragglers`.
     """
 
     stage: str
@@ -99,9 +99,9 @@ class Blame:
     victims: list  # [{"rank", "host", "state"}]
 
 
-def judge(s: Snapshot) -> Blame:
+def assign(s: Snapshot) -> Blame:
     """Culprits and victims of an aborted run (pure)."""
-    net = reach.judge(s.reach, s.hosts)
+    net = reach.culprits(s.reach, s.hosts)
     culprits = (_terminated_first(s) or _silenced_by(net, s)
                 or (_raised(s) + _died(s) + _never(s)) or net or _absent(s) or _held_back(s)
                 or s.lossy or _by_progress(s) or _slowed(s) or _unfinished(s) or _comm_only(s)
@@ -330,11 +330,11 @@ def _slowed(s: Snapshot) -> list:
 
 def _waited_for(s: Snapshot) -> dict[int, str]:
     """The deadline passed and every rank's waits in the check are known: the ranks the others
-    waited for (:func:`.stragglers.judge`), with why; else none."""
+    waited for (:func:`.stragglers.waits_and_stragglers`), with why; else none."""
     ranks = range(s.world_size)
     if not _deadline_passed(s) or any(r not in s.waits for r in ranks):
         return {}
-    return dict(stragglers.judge([s.waits[r] for r in ranks], s.rules)[1])
+    return dict(stragglers.waits_and_stragglers([s.waits[r] for r in ranks], s.rules)[1])
 
 
 def _unfinished(s: Snapshot) -> list:

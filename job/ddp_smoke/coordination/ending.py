@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from . import keys, lost, records, runtime
-from .judge import FORENSICS_WAIT_S, first_error, judge_as_a_rank
+from .stopped_run import FORENSICS_WAIT_S, add_stopped_result_as_a_rank, first_error
 from .store import DEAD_AFTER_S, beat_of, look_period, next_waiting, posted, try_get, wait_key
 
 FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
@@ -53,7 +53,7 @@ def finalize(c, store, aborted: bool) -> str | None:
         c.teller.stopped(run.stage)
         run = run.with_results(store).with_identities(store)  # a survivor: rank 0's results
         stopped = run.stopped()
-        live = judge_as_a_rank(store, stopped, run.silence, run.env.rank)
+        live = add_stopped_result_as_a_rank(store, stopped, run.silence, run.env.rank)
         run = run.replace(judged=tuple(stopped.judged))
         # the report lists every live rank's forensics: the last ones may still come
         found = posted(store, keys.FORENSICS, live, FORENSICS_WAIT_S)

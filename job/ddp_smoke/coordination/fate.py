@@ -1,7 +1,7 @@
 """How a rank whose heartbeat stopped really ended, from the only places that know.
 
 A heartbeat that stops says nothing of why: killed, crashed, frozen, or its node cut off. Three
-witnesses can say more, and the judge (:mod:`.blame`) quotes whichever spoke:
+witnesses can say more, and :mod:`.blame` quotes whichever spoke:
 
 * the rank itself, for the signals a process can note before it dies (SIGSEGV, SIGABRT,
   SIGBUS, SIGFPE, SIGILL): ``faulthandler`` writes its last words to
@@ -371,7 +371,8 @@ class Witness(threading.Thread):
 
 
 # Set in the launcher that started a Witness, so its workers (forked after) know that each
-# death among them is posted at once: the judge waits a moment for that word (witnessed()).
+# death among them is posted at once: the report's writer waits a moment for that word
+# (witnessed()).
 WITNESSED_ENV = "DDP_SMOKE_WITNESSED"
 # The Witness posts within ~20 ms; on a loaded node it was seen after 1 s (a SIGKILL said as
 # "gone" twice, in CI and in a rehearsal). Waited for only where the rank's process is gone.

@@ -7,7 +7,7 @@ connect_store`), and without it the torchrun agent's store or rank 0's, as befor
 
 Why: when rank 0's process (submitit, plain env) or its torchrun agent hosts the store, the
 store dies with it, and no survivor can take over the report. With the store host the store
-stays up, a lost rank 0 is judged like any lost rank, and the lowest survivor writes the report;
+stays up, a lost rank 0 is blamed like any lost rank, and the lowest survivor writes the report;
 when no rank can write at all, the store host writes the report of last resort.
 
 Here: the run's shape each rank posts for it (:func:`post_meta`), what it watches

@@ -194,8 +194,8 @@ class Liveness:
             if c.claim_exit():
                 # The main thread may never beat again: stuck in C++ (a collective whose peer
                 # is gone) or in a wait of its own. Leaving takes seconds (forensics, probes,
-                # the judge, the report) and this rank must be seen alive meanwhile, or it
-                # would be judged dead — the writer itself, every rank of a cut link.
+                # blame, the report) and this rank must be seen alive meanwhile, or it would
+                # be taken for dead — the writer itself, every rank of a cut link.
                 threading.Thread(target=self.keep_beating, args=(store,), daemon=True,
                                  name="ddp-smoke-beat").start()
                 exit_aborted(c, store)  # returns only when the main thread writes the report

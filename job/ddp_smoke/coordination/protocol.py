@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from ..config.launchenv import LaunchEnv
 from ..model import CheckResult, check_from_dict
-from . import (fate, forensics, judge, keys, liveness, progress, reach, records, retransmits,
-               runtime, signing, telling)
+from . import (fate, forensics, keys, liveness, progress, reach, records, retransmits, runtime,
+               signing, stopped_run, telling)
 from .store import POLL_MAX_S, STORE_OPS_PER_S, Silence, Stop, dead_after, listed, try_get
 
 GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watchdog acts first
@@ -48,7 +48,7 @@ class Run:
     cfg: dict
     started_at: str
     t0: float
-    silence: Silence               # every look at the heartbeats (thread-safe), for the judge
+    silence: Silence               # every look at the heartbeats (thread-safe), for blame
     stage: str = "init"            # (the copy's: the stage changes too often to swap the run)
     iteration: int = 0             # repeat mode: which pass over the checks (0-based)
     backend: str = "?"
@@ -75,13 +75,13 @@ class Run:
         """Every rank's identity record; a rank that never posted one says so."""
         if len(self.ranks) == self.env.world_size and all(self.ranks):
             return self
-        return self.replace(ranks=tuple(judge.identities(store, self.env.world_size)))
+        return self.replace(ranks=tuple(stopped_run.identities(store, self.env.world_size)))
 
-    def stopped(self) -> judge.Stopped:
-        """What this rank knows of the run, for judging it (:mod:`.judge`): a copy, whose
+    def stopped(self) -> stopped_run.Stopped:
+        """What this rank knows of the run, for its report (:mod:`.stopped_run`): a copy, whose
         ``judged`` the stopped stage's result is appended to."""
         me = self.env.rank
-        return judge.Stopped(
+        return stopped_run.Stopped(
             stage=self.stage, iteration=self.iteration, world_size=self.env.world_size,
             checks=self.checks, timeout_s=float(self.cfg["timeout"]), ranks=list(self.ranks),
             judged=list(self.judged), store_address=self.env.store_address,
@@ -426,7 +426,7 @@ class Coordinator:
             if self._forensics is not None:
                 return
             self._forensics = {}
-        fate.note(self, store)  # before the forensics: the judge waits for those
+        fate.note(self, store)  # before the forensics: the writer waits for those
         # with this check's collective durations until the abort: who the others waited for
         waits = (self._stopped_in or (None, progress.RECORDER.spent_so_far()))[1]
         self._forensics = found = records.wire(dataclasses.replace(

@@ -14,7 +14,7 @@ would say why. So first, outside the process group, each rank opens a probe port
 address (:class:`.reach.Probe`) and posts it (``rail/<r>``); it tries its rail's peers, the
 ranks of its local rank on the other nodes (all at once, :data:`.reach.PROBE_S`, again for
 those it missed; beyond 64 nodes :func:`.reach.targets` picks them), and posts those it could
-not reach (``railreach/<r>``). Every rank of the rail then judges alike (:func:`cut_off`, pure,
+not reach (``railreach/<r>``). Every rank of the rail then decides alike (:func:`cut_off`, pure,
 the rule of :mod:`.reach` on one rail): a rank that two or more of its peers, and most of them,
 fail with is cut off; a pair failing while neither end is explains the failure (two nodes
 alone cannot tell which end) cuts both ends. A cut-off rank sends on the interface of its route
@@ -59,7 +59,8 @@ def chosen() -> dict | None:
 
 
 def bind(c, store, rails: list[str] | None, backend: str) -> None:
-    """Probe this rank's rail, judge it with its peers, then point gloo at it (or not)."""
+    """Probe this rank's rail, decide with its peers who is cut off, then point gloo at it (or
+    not)."""
     global _CHOSEN
     if not rails or backend != "gloo":
         return
@@ -121,15 +122,15 @@ def _dead(rank: int, records: list[dict], group: list[int], found: dict) -> dict
 
 def cut_off(found: dict[int, dict]) -> dict[int, str]:
     """The ranks of one rail that cannot carry it, from each one's ``{"tried", "failed"}``:
-    :func:`.reach.judge`'s rule, on the rail's ranks instead of the nodes' leaders.
+    :func:`.reach.culprits`'s rule, on the rail's ranks instead of the nodes' leaders.
 
     Returns:
         ``{rank: "cut off"}`` for a rank that two or more of its peers, and most, fail with,
         and ``{rank: "unresolved"}`` for both ends of each failing pair left over (neither
         end explains it, or two nodes alone cannot tell): gloo would connect neither.
     """
-    judged = reach.judge(found, [])
-    out = {c.rank: "cut off" for c in judged if c.rank is not None}
-    for c in judged:
+    named = reach.culprits(found, [])
+    out = {c.rank: "cut off" for c in named if c.rank is not None}
+    for c in named:
         out.update({n: "unresolved" for n in c.ranks or [] if n not in out})
     return out

@@ -28,7 +28,7 @@ link wait, and so do the ranks waiting for them. A fresh TCP connection between 
   probed link for the whole run, so a port that goes down for a moment costs TCP a
   retransmission timeout that :mod:`.retransmits` counts in the check it fell in, whatever
   the checks sent and when;
-* the judge (:func:`judge`, pure) names a **node** when it and the nodes it was tried with
+* the rule (:func:`culprits`, pure) names a **node** when it and the nodes it was tried with
   mostly fail each other (nobody reaches it), and a **link** — both ends, neither convicted —
   when two nodes fail each other and each reaches others; a link that carries a connection
   and not a payload is named as such, with the MTU hint. Nodes whose every probe went
@@ -55,7 +55,8 @@ ROUNDS = 2             # a target missed twice is unreachable
 PAYLOAD_BYTES = 1 << 16  # 64 KiB: 44 full 1500-byte frames, 7 jumbo ones; ms on any link
 ALL_PAIRS_UP_TO = 64   # nodes: every leader tries every other
 RING, SAMPLE = 4, 16   # beyond: neighbours each side in rank order, and a random sample
-# how long the judge waits for the live leaders' findings: the connects, the byte, the payload
+# how long the report's writer waits for the live leaders' findings: the connects, the byte,
+# the payload
 WAIT_S = (ROUNDS + 2) * PROBE_S + 1.5
 _REACHED = {0, errno.ECONNREFUSED}  # the host answered: the path is there
 BEACON_S = 0.2         # a byte on every beacon link this often: an outage of 0.4 s times out
@@ -119,7 +120,7 @@ _PROBE: Probe | None = None
 
 def listen(env, store) -> None:
     """On a node's leader: open the probe port and post it. Never raises: without a probe
-    the run goes on, and an abort is judged without this evidence."""
+    the run goes on, and an abort is blamed without this evidence."""
     global _PROBE
     if env.local_rank != 0:
         return
@@ -318,9 +319,9 @@ def survey(store, rank: int) -> None:
         pass
 
 
-# -- judging (pure) ----------------------------------------------------------------------------
+# -- the culprits (pure) ------------------------------------------------------------------------
 
-def judge(found: dict[int, dict], hosts: list) -> list[Culprit]:
+def culprits(found: dict[int, dict], hosts: list) -> list[Culprit]:
     """Nodes nobody reaches and links nobody crosses, from each leader's ``{"tried",
     "failed", "large"}``; healthy nodes never appear."""
     pairs: dict[frozenset, str | None] = {}  # unordered pair -> None, "large" or "cut"

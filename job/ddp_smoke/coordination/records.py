@@ -165,13 +165,13 @@ class Forensics:
     nccl_flight_recorder: str | None = None
     issued: int | None = None  # the last world collective its Flight Recorder handed over
     # seconds inside each world collective of the stopped check until the abort
-    # (progress.Recorder.spent): evidence for the judge, not kept in the report
+    # (progress.Recorder.spent): evidence for blame, not kept in the report
     waits: list | None = None
     # its node's CPU quota held its ranks back over the run so far (local rank 0, the health
-    # check's rule on its own cgroups: checks/health): evidence for the judge
+    # check's rule on its own cgroups: checks/health): evidence for blame
     held: str | None = None
     # what its TCP connections retransmitted since the stopped check began, per peer address
-    # (coordination/retransmits.py): evidence for the judge
+    # (coordination/retransmits.py): evidence for blame
     tcp: dict | None = None
 
 

@@ -12,7 +12,7 @@ address, what the check added:
   back for at least the minimum RTO (200 ms on Linux), the mark of a link that was down;
 * ``segs``: data segments sent (``tcpi_data_segs_out``), the denominator of a loss share.
 
-Rank 0 (:func:`judge`, pure) maps each peer address to its node through the ranks' interface
+Rank 0 (:func:`find_lossy`, pure) maps each peer address to its node through the ranks' interface
 addresses (their identity records; a rail's own address names the rail), adds both directions
 of each link, and names a link whose retransmissions stand far above the check's healthy
 links'; a node whose every link does, with partners fine elsewhere, is named as the node.
@@ -154,7 +154,7 @@ def share(link: dict) -> float:
     return worst(link)[1]
 
 
-def judge(found: dict[tuple, dict], cfg: dict) -> dict:
+def find_lossy(found: dict[tuple, dict], cfg: dict) -> dict:
     """The lossy links and nodes of one check, per network (``via``: one per rail).
 
     A link is lossy when one direction retransmitted ``retransmits_min`` segments or more, a
@@ -162,7 +162,7 @@ def judge(found: dict[tuple, dict], cfg: dict) -> dict:
     ``rto_min`` times or more; and
     stands ``factor`` times above the reference, the 25th percentile of its network's other
     links in that measure (so a fabric that retransmits everywhere names no single link; with
-    one link, two nodes, the thresholds alone judge). A node is named
+    one link, two nodes, the thresholds alone decide). A node is named
     instead of its links when every link it has is lossy, two or more of them, each partner
     clean elsewhere (:func:`ddp_smoke.model.nodes_or_links`).
 
@@ -216,10 +216,10 @@ def figure(found: dict[tuple, dict]) -> list[dict]:
 
 def culprits(found: dict[tuple, dict], cfg: dict, ranks: list[dict],
              rails: list | None = None) -> list[Culprit]:
-    """The lossy nodes and links of :func:`judge` as culprits: a node by its first rank, a
+    """The lossy nodes and links of :func:`find_lossy` as culprits: a node by its first rank, a
     link by both ends (each node's first rank); on a run with ``rails`` (the setting: one
     interface per local rank), the rail as well."""
-    verdict = judge(found, cfg)
+    lossy = find_lossy(found, cfg)
     first: dict = {}
     for r, rec in enumerate(ranks):
         first.setdefault((rec.get("host"), rec.get("local_rank", 0)), r)
@@ -230,17 +230,17 @@ def culprits(found: dict[tuple, dict], cfg: dict, ranks: list[dict],
         return k, (None if k is None else {"index": k, "device": via, "port": None})
 
     out = []
-    for h, via in verdict["nodes"]:
+    for h, via in lossy["nodes"]:
         k, on = rail(via)
         out.append(Culprit(first.get((h, k), first[h]), h, (
             f"node {h}{f' on rail {k} ({via})' if on else ''} loses packets on every link: "
             + "; ".join(f"with {p[0] if p[1] == h else p[1]}: {describe(v)}"
                         for p, v in sorted(found.items()) if h in p[:2] and p[2] == via)),
             rail=on))
-    for a, b, via in verdict["links"]:
+    for a, b, via in lossy["links"]:
         k, on = rail(via)
         ra, rb = first.get((a, k), first[a]), first.get((b, k), first[b])
-        ref = verdict["reference"][via]
+        ref = lossy["reference"][via]
         out.append(Culprit(None, None, (
             f"link {a} (rank {ra}) <-> {b} (rank {rb}){f' on rail {k} ({via})' if on else ''} "
             f"loses packets: {describe(found[(a, b, via)])}; its network's other links "
@@ -252,7 +252,7 @@ def culprits(found: dict[tuple, dict], cfg: dict, ranks: list[dict],
 def attach(result, posted: list[dict | None], ranks, cfg: dict) -> None:
     """Add the links figure to a judged check's result, and its lossy links and nodes as
     culprits (``cfg``: the run's config, for ``links`` and ``rails``). A skipped check stays
-    skipped. Called before the stragglers are judged: a lossy link's ends arrive late because
+    skipped. Called before the stragglers are named: a lossy link's ends arrive late because
     of it, and :func:`ddp_smoke.coordination.stragglers.attach` names no rank named here."""
     found = links(posted, list(ranks))
     if not found:

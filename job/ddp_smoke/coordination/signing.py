@@ -214,7 +214,7 @@ class SignedStore:
     # -- sealing and opening
     def _mac(self, key: str, value: bytes) -> bytes:
         # Keyed BLAKE2b is a MAC by design (RFC 7693; no HMAC construction needed) and 2.5x
-        # cheaper than HMAC-SHA256 here (0.7 against 1.8 us a record): the judge and the
+        # cheaper than HMAC-SHA256 here (0.7 against 1.8 us a record): blame and the
         # gather check 4,096 records at once.
         return hashlib.blake2b(self._scope + key.encode() + b"\0" + value, key=self._secret,
                                digest_size=16).hexdigest().encode()
@@ -227,7 +227,7 @@ class SignedStore:
         """``(value, None)`` for a genuine record, ``(None, why)`` otherwise."""
         cut = len(raw) - 41  # where the "." before fingerprint and mac would be
         if self._secret is not None and cut >= 0 and raw[cut + 1:cut + 9] == self._fp:
-            # the common case first, and fast: 4,096 records are read at once (judge, gather)
+            # the common case first, and fast: 4,096 records are read at once (blame, gather)
             value = raw[:cut]
             if raw[cut:cut + 1] == b"." and hmac.compare_digest(raw[cut + 9:],
                                                                  self._mac(key, value)):

@@ -201,8 +201,8 @@ def beat_of(store, rank: int) -> dict | None:
 class Silence:
     """What every look at the heartbeat counters showed: which ranks' counters have not
     moved for ``after_s`` (silent), and which moved within it (alive). Kept across looks,
-    from any thread: rank 0's watchdog looks while it waits for all ranks, and the judge
-    goes on from there."""
+    from any thread: rank 0's watchdog looks while it waits for all ranks, and the report's
+    writer goes on from there."""
 
     def __init__(self, after_s: float):
         self.after_s, self.last, self.moved = after_s, {}, {}
@@ -242,7 +242,7 @@ class Silence:
         know. A move proves life after ``since`` only when the look before it was after
         ``since`` too: a counter read once long ago and again now may have moved long ago,
         and the rank died since (a rank killed mid-collective, its last beat read first by
-        the judge, was judged alive and its two victims named: issue 32). Costs a live rank
+        the writer, was taken for alive and its two victims named: issue 32). Costs a live rank
         one heartbeat period more."""
         now = time.monotonic()
         with self._lock:

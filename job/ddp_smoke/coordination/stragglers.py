@@ -50,8 +50,8 @@ nodes of one machine: :func:`shared_kernels`), are named only when a CPU quota h
 (:func:`scheduler_chose`): each such rank posts, beside its durations, the seconds its cgroup's
 quota throttled it in the check.
 
-Pure: the harness posts each rank's durations with its observation and calls :func:`judge`
-when it judges the check on rank 0.
+Pure: the harness posts each rank's durations with its observation and calls :func:`attach`
+(:func:`waits_and_stragglers`) when it judges the check on rank 0.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ from ..config import defaults
 from ..config.launchenv import NODE_RUN_PREFIX
 
 # The rule's thresholds: the configuration's ``diagnosis`` section (defaults.yaml says why
-# each has its value); a run's own settings where the judge knows the run's config.
+# each has its value); a run's own settings where the caller knows the run's config.
 RULES = defaults()["diagnosis"]
 BUDGET = 4_000_000   # durations kept per check over all ranks, at most (bounds rank 0's work)
 
@@ -77,8 +77,8 @@ def wait_share(n: int, rules: dict = RULES) -> float:
     return {2: rules["waits_share_of_2"], 3: rules["waits_share_of_3"]}.get(n, rules["waits_share"])
 
 
-def judge(spent: list[list | None],
-          rules: dict | None = None) -> tuple[dict, list[tuple[int, str]]]:
+def waits_and_stragglers(spent: list[list | None],
+                         rules: dict | None = None) -> tuple[dict, list[tuple[int, str]]]:
     """The waits figure of a check and its stragglers as ``(rank, reason)``.
 
     ``spent[r]`` is rank r's list of seconds inside each collective (None entries: not
@@ -152,7 +152,7 @@ def attach(result, spent: list[list | None], culprit, run=None,
     a CPU rank sharing its node's (or its kernel's: :func:`shared_kernels`) cores that no CPU
     quota held back (``cpu[r]``, :func:`scheduler_chose`)."""
     rules = (run.cfg.get("diagnosis") if run is not None else None) or RULES
-    figure, slow = judge(spent, rules)
+    figure, slow = waits_and_stragglers(spent, rules)
     result.figures["waits"] = figure
     named = {r for k in result.culprits for r in [k.rank, *(k.ranks or []),
                                                    *((k.rail or {}).get("ranks") or [])]
@@ -223,7 +223,7 @@ def _held(pace: dict | None, rules: dict) -> str:
 
 def line(figure: dict) -> str | None:
     """The figure in a few words, for the human summary (None for a check with too few
-    collectives to judge: a line under every check would be noise)."""
+    collectives to count: a line under every check would be noise)."""
     if figure.get("collectives", 0) < figure.get("min_counted", RULES["waits_min_counted"]):
         return None
     top = figure["most_last"][0] if figure["most_last"] else None

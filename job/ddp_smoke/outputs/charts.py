@@ -290,7 +290,7 @@ def sec_compute(report: dict) -> str:
     out = []
     dtypes = list(dict.fromkeys(d for r in ranks for d in _d(r.get("matmul"))))
     # as the terminal: GFLOPS on CPU ranks; the sustained rate (median block), which the
-    # verdict and the median and floor lines judge (the best block only in an older report)
+    # compute check and the median and floor lines judge (the best block only in an older report)
     unit, scale = ("TFLOPS", 1.0) if device_type(report) == "cuda" else ("GFLOPS", 1e3)
 
     def rate(m: dict) -> float | None:

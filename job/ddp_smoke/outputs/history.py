@@ -15,16 +15,16 @@ Figures kept, each named with what makes two runs comparable (size, dtype, rank 
   runs, each collective's busbw at the largest size swept (that node's own fabric);
 * per GPU, by serial where pynvml could read it, else its UUID, else ``host:local_rank`` (a CPU
   slot on CPU runs): compute's sustained matmul rate per dtype — its median block, the figure
-  the verdict judges, in the terminal's unit (TFLOPS on a GPU, GFLOPS on a CPU slot) — and HBM
-  copy bandwidth. Not the best block: a device held back for most of the run (a throttled GPU,
-  a CPU quota) keeps its best block, and only the sustained rate shows the fall; and the
-  training check's tokens/s of the rank (its median step) and its MFU (% of the profile's
-  peak; GPU runs only), named with the layout and mesh (so the world size), the model's
-  parameters and the batch (micro_batch x seq_len).
+  the compute check judges, in the terminal's unit (TFLOPS on a GPU, GFLOPS on a CPU slot) —
+  and HBM copy bandwidth. Not the best block: a device held back for most of the run (a
+  throttled GPU, a CPU quota) keeps its best block, and only the sustained rate shows the fall;
+  and the training check's tokens/s of the rank (its median step) and its MFU (% of the
+  profile's peak; GPU runs only), named with the layout and mesh (so the world size), the
+  model's parameters and the batch (micro_batch x seq_len).
 
 Practice runs (``--fault``, ``injected`` in the report) are indexed but left out of every
-series, trend and verdict list: a failure made on purpose is no drift of the cluster's.
-``--include-practice`` puts them back, each value and verdict marked ``*``.
+series, trend and host status list (``verdicts:``): a failure made on purpose is no drift of
+the cluster's. ``--include-practice`` puts them back, each value and status marked ``*``.
 
 A figure is **degrading** in its latest run when it fell more than a margin below its own median
 over the runs before (the last ``window`` of them, at least ``min_runs``), even while it is still
@@ -99,9 +99,9 @@ def summarize(index: Index, kind: str, entities: list[tuple[str, str]] | None = 
                          "runs": [p[2] for p in entry["points"]], "margin": margin,
                          "practice": [p[4] is not None for p in entry["points"]],
                          **trend(values, margin, s["window"], s["min_runs"])})
-        verdicts = index.host_verdicts(entity, until) if kind == "host" else []
+        statuses = index.host_statuses(entity, until) if kind == "host" else []
         out.append({"kind": kind, "entity": entity, "label": label, "figures": rows,
-                    "verdicts": verdicts, "degrading": any(r["degrading"] for r in rows)})
+                    "statuses": statuses, "degrading": any(r["degrading"] for r in rows)})
     return out
 
 
@@ -159,7 +159,7 @@ def _fmt(v) -> str:
 
 
 def _marked(text: str, practice: bool) -> str:
-    """A value or verdict of a practice run, shown only with --include-practice: ``*``."""
+    """A value or host status of a practice run, shown only with --include-practice: ``*``."""
     return text + "*" if practice else text
 
 
@@ -191,9 +191,9 @@ def render(index: Index, shown: int = 6) -> str:
     for kind, title in (("host", "host"), ("gpu", "device")):
         for ent in summarize(index, kind):
             head = f"{title} {ent['label']}"
-            if ent["verdicts"]:
+            if ent["statuses"]:
                 head += "  verdicts: " + " ".join(_marked(v, p)
-                                                  for v, p in ent["verdicts"][-shown:])
+                                                  for v, p in ent["statuses"][-shown:])
             lines.append(f"\n{head}")
             for r in ent["figures"]:
                 tail = list(zip(r["values"], r["practice"]))[-shown:]

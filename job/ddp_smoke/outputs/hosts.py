@@ -39,7 +39,7 @@ refusal in ``actions.json`` beside the report.
 
 A practice run (``--fault``) leaves all three lists empty: a script that drains from
 bad_hosts.txt must find nothing to drain after a failure made on purpose, and a practice run
-vouches for no host either. Its ``hosts`` section in report.json keeps the judgement (the
+vouches for no host either. Its ``hosts`` section in report.json keeps the hosts' statuses (the
 alerting path under test reads it), beside ``injected``.
 
 Everything here but :func:`finish` and :func:`drain` is pure; scontrol runs in
@@ -90,7 +90,7 @@ def culprit_hosts(culprit, ranks: list[dict]) -> tuple[list[str], bool]:
 
 
 def hosts_section(report) -> list[dict]:
-    """Every host with its verdict and the reasons from all checks (see the module docstring).
+    """Every host with its status and the reasons from all checks (see the module docstring).
 
     Args:
         report: a :class:`ddp_smoke.model.Report`, or a report.json dict.

@@ -168,9 +168,9 @@ def _history_cell(ent: dict) -> str:
         out.append(f'<div class="hist">{sparkline(r["values"][-24:], r["degrading"], label)} '
                    f'<span class="muted">{e(r["figure"])}</span> {fmt(r["last"])}'
                    f'{e(change)}{flag}</div>')
-    if ent.get("verdicts"):
-        verdicts = " ".join(v for v, _ in ent["verdicts"][-12:])
-        out.append(f'<div class="muted">verdicts: {e(verdicts)}</div>')
+    if ent.get("statuses"):
+        statuses = " ".join(v for v, _ in ent["statuses"][-12:])
+        out.append(f'<div class="muted">verdicts: {e(statuses)}</div>')
     return "".join(out)
 
 
@@ -187,7 +187,7 @@ def sec_checks(report: dict) -> str:
 
 
 def sec_gpus(report: dict) -> str:
-    """Every GPU the health check read, per node: identity, the rank using it, its verdict."""
+    """Every GPU the health check read, per node: identity, the rank using it, its worst finding."""
     health = check_of(report, "health") or {}
     nodes = [_d(n) for n in _l(_d(health.get("figures")).get("nodes"))]
     rows = []

@@ -63,7 +63,7 @@ def to_junit(report: Report) -> str:
             lines.append(f"    <skipped message={quoteattr(c.summary)}/>")
         lines.append("  </testcase>")
     if report.error is not None:
-        who = report.error.get("rank")  # the culprit's rank when one is named (judge.py)
+        who = report.error.get("rank")  # the culprit's rank when one is named (stopped_run.py)
         message = lead + (f"rank {who} host {report.error.get('host')}: " if who is not None
                           else "") + f'{report.error.get("type")}: {report.error.get("message")}'
         lines.append('  <testcase classname="ddp_smoke" name="run">')

@@ -132,8 +132,8 @@ def figures(report: dict) -> list[dict]:
     for row in map(_d, _l(comp.get("ranks"))):
         key, label, host = slot(row)
         for dtype, m in _d(row.get("matmul")).items():
-            # the median block, the rate the verdict judges: a throttled or quota-held device
-            # keeps its best block (a CPU slot's best is even timed in CPU seconds)
+            # the median block, the rate the compute check judges: a throttled or quota-held
+            # device keeps its best block (a CPU slot's best is even timed in CPU seconds)
             sustained = _num(_d(m).get("tflops_median"))
             add("gpu", key, label, host, f"{dtype} matmul n={size} sustained", unit,
                 None if sustained is None else sustained * scale)
@@ -412,8 +412,8 @@ class Index:
             entry["device"], entry["run_margin"] = device, margin
         return out
 
-    def host_verdicts(self, host: str, until: float | None = None) -> list[tuple[str, bool]]:
-        """(verdict, practice) of a host in every run shown, oldest first."""
+    def host_statuses(self, host: str, until: float | None = None) -> list[tuple[str, bool]]:
+        """(status, practice) of a host in every run shown, oldest first."""
         rows = self.db.execute(
             "SELECT r.t, h.verdict, r.practice FROM hosts h JOIN runs r ON r.path = h.path "
             f"WHERE h.host = ?{self._shown} ORDER BY r.t, r.path", (host,)).fetchall()

@@ -122,7 +122,7 @@ def judge(ev) -> CheckResult:
                 culprits.append(ev.culprit(owners.get(f.gpu.uuid) if f.gpu else None, f.line()))
                 culprits[-1].host = host  # a GPU no rank uses, a port: the node is named
         nodes.append(_node_figures(host, r, o, findings, owners))
-    for f in sdc.judge(obs):
+    for f in sdc.rank_findings(obs):
         if len(f.ranks) == 1:
             culprits.append(ev.culprit(f.ranks[0], f.what))
         else:
@@ -144,7 +144,7 @@ def judge(ev) -> CheckResult:
                          "it, worst finding); findings = fail and warn; not_measured = what "
                          "could not be judged and why; checked = what was read and judged",
                "thresholds": t, "profile": expect, "nodes": nodes, "sdc": sdc.summary(obs),
-               "sdc_culprits": sorted({q for f in sdc.judge(obs) for q in f.ranks}),
+               "sdc_culprits": sorted({q for f in sdc.rank_findings(obs) for q in f.ranks}),
                "node_read_s_max": max((n["read_s"] for n in nodes), default=0.0)}
     return CheckResult("health", status, summary=summary, culprits=culprits, figures=figures,
                        notes=_notes(nodes))

@@ -7,8 +7,9 @@ from its peers is corrupting data silently (Llama 3 paper §3.3.4: 6 SDC interru
 Rules: a rank whose ``sdc_repeats`` products differ from each other, or whose product differs
 from the majority of ranks of the same device model, SM count and software, fails: drain and
 RMA. No majority (a tie) names every side as one link culprit: rerun with more ranks.
-This family judges ranks, not a node: ``judge(observations, lim)`` returns findings whose
-``rank`` says whose product it is.
+No node family: it compares ranks, and ``rank_findings(observations, lim)`` returns findings
+whose ``ranks`` say whose product it is (the health check's ``judge`` calls it beside the
+families).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class RankFinding:
 
 def product(ctx, cfg: dict) -> dict:
     """The seeded product on this rank's device; the digest of each repeat's result."""
-    # torch only here: the readers and judges load without it (node-check's parent, history)
+    # torch only here: the readers and rules load without it (node-check's parent, history)
     import torch
 
     cuda = ctx.device.type == "cuda"
@@ -62,7 +63,7 @@ def _cpu_model() -> str:
         return "cpu"
 
 
-def judge(observations: list[dict], lim: Limits | None = None) -> list[RankFinding]:
+def rank_findings(observations: list[dict], lim: Limits | None = None) -> list[RankFinding]:
     """Ranks whose product differs from their own repeats or from their group's majority."""
     out, groups = [], {}
     for r, o in enumerate(observations):

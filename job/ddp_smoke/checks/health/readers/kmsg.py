@@ -7,14 +7,14 @@ so the driver's three-line "fallen off the bus" notice is one record. What is ke
 
 * ``xids``: ``NVRM: Xid (PCI:0000:44:00): 79, GPU has fallen off the bus`` (and every XID);
 * ``recovery``: XID 154 ``GPU recovery action changed from 0x0 (None) to 0x2 (Node Reboot
-  Required)`` — the driver's own verdict on what the GPU needs;
+  Required)`` — the driver's own word on what the GPU needs;
 * ``fallen``: ``NVRM: The NVIDIA GPU 0000:b3:00.0 … has fallen off the bus`` with no XID line
   (NVIDIA/NVSentinel#155) and ``NVRM: GPU 0000:01:00.0: GPU has fallen off the bus.``;
 * ``sxids``: NVSwitch errors, ``nvidia-nvswitch3: SXid (PCI:0000:04:00.0): 22013, Non-fatal,
   Link 44 …`` (NVIDIA/nvtrust#124), fatal or not;
 * ``nvrm``: whether any record comes from the driver at all. A log without a single NVRM line
   on a GPU node is not this host's kernel log (gVisor and some containers serve their own):
-  the judge counts it as not measured rather than as a clean log.
+  the rules count it as not measured rather than as a clean log.
 
 Unreadable (``dmesg_restrict``, no CAP_SYSLOG, no /dev/kmsg in the container) is said as such.
 """

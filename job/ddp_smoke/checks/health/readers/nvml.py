@@ -5,7 +5,7 @@ health check runs (counters are judged as increases across the run), samples clo
 reasons, utilisation, PCIe link and temperatures while the other checks load the GPUs, and
 waits on NVML's XID events in between. Every reading is plain JSON. A reading NVML refuses is
 recorded under ``errors`` with NVML's own return code (``NVML_ERROR_NOT_SUPPORTED``, …), never
-as a zero: the judge decides what each code means (:mod:`..presence`). A function the binding
+as a zero: the rule decides what each code means (:mod:`..presence`). A function the binding
 or the driver lacks is recorded as such (``NO_BINDING:<name>``, ``NVML_ERROR_FUNCTION_NOT_FOUND``).
 
 Return codes as nvidia-ml-py 13.x raises them (``pynvml.NVMLError`` subclasses, ``.value``

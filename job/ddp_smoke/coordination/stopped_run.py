@@ -1,9 +1,10 @@
-"""Judging a run that stopped, from the store: the one path every writer of an aborted run's
-report takes — rank 0, the lowest survivor that took over from it, and the store host when no
-rank is left (its report of last resort). Each writer says what it knows besides the store
-(:class:`Stopped`: the stage, the results judged so far, who writes) and which ranks it found
-dead; the evidence is read here in a few calls, :mod:`.blame` names the culprits, and
-:func:`report_of` makes the report every writer hands to :func:`ddp_smoke.outputs.publish`.
+"""The stopped stage's result and the report of a run that stopped, from the store: the one
+path every writer of an aborted run's report takes — rank 0, the lowest survivor that took over
+from it, and the store host when no rank is left (its report of last resort). Each writer says
+what it knows besides the store (:class:`Stopped`: the stage, the checks' results so far, who
+writes) and which ranks it found dead; the evidence is read here in a few calls
+(:func:`add_stopped_result`), :mod:`.blame` names the culprits, and :func:`report_of` makes the
+report every writer hands to :func:`ddp_smoke.outputs.publish`.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from .store import (DEAD_AFTER_S, Silence, dead_after, dead_ranks, posted, ranks
                     read_beats, reads, try_get)
 
 FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
-JUDGES_ONLY = ("waits", "held", "tcp")  # forensics for the judge; the report has them as culprits
+BLAME_ONLY = ("waits", "held", "tcp")  # forensics blame reads; the report has them as culprits
 STORE_HOST = "store host"  # the writer when no rank could write
 
 
@@ -65,14 +66,14 @@ def identities(store, world_size: int) -> list[dict]:
     return [got.get(r) or records.Identity.never_connected(r) for r in range(world_size)]
 
 
-def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
-                figures: dict | None = None, me: int | None = None) -> set[int]:
+def add_stopped_result(store, s: Stopped, dead: set[int], beats: dict[int, dict],
+                       figures: dict | None = None, me: int | None = None) -> set[int]:
     """Append the stopped stage's result to ``s.judged``; return the ranks found alive.
 
     ``dead``: the ranks the writer found dead (its own looks at the heartbeats); ``beats``:
     every rank's last heartbeat (stage and collective progress); ``figures``: the writer's own
     figures for the result; ``me``: the writer's rank (None: the store host). A few store
-    calls per kind of key, not one per rank: 16,384 ranks are judged in a fraction of a
+    calls per kind of key, not one per rank: 16,384 ranks are blamed in a fraction of a
     second (bench/coordination_scale.py).
     """
     world = range(s.world_size)
@@ -82,12 +83,12 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
     # The forensics blame reads: the Flight Recorder's last collective of the live ranks
     # inside one by their own count (never issued), and every rank's waits when the deadline
     # passed with all of them alive (slowed). The rest are the report's, and its writer waits
-    # for them after judging: waiting here for every live rank held the verdict at 1,024
+    # for them after blaming: waiting here for every live rank held the verdict at 1,024
     # simulated ranks for FORENSICS_WAIT_S.
     slowed = live == set(world) and any(a["kind"] == keys.TIMEOUT for a in reasons.values())
     needed = live if slowed else {r for r in live if (beats.get(r) or {}).get("inside")}
     # and a dead rank's node mates: their word on how it ended (fate.note) comes just before
-    # their forensics (measured: an OOM kill judged without it, "no heartbeat" alone)
+    # their forensics (measured: an OOM kill blamed without it, "no heartbeat" alone)
     dead_hosts = {s.host(d) for d in dead}
     needed |= {r for r in live if s.host(r) in dead_hosts}
     found = posted(store, keys.FORENSICS, needed, FORENSICS_WAIT_S)
@@ -114,9 +115,9 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
         fates=_fates(store, s, sorted(dead), me), store=s.store_address,
         rules=s.rules,
         dead_after_s=dead_after(s.world_size))
-    blamed = blame.judge(snap)
-    # Each live rank leaves its forensics once it sees the abort, maybe after this judge
-    # began: a culprit's innermost frame is worth a short wait.
+    blamed = blame.assign(snap)
+    # Each live rank leaves its forensics once it sees the abort, maybe after this
+    # function began: a culprit's innermost frame is worth a short wait.
     unsaid = {k.rank for k in blamed.culprits if k.rank in live and k.where is None}
     if unsaid - set(found):
         found = posted(store, keys.FORENSICS, unsaid, FORENSICS_WAIT_S)
@@ -137,11 +138,11 @@ def judge_abort(store, s: Stopped, dead: set[int], beats: dict[int, dict],
 
 
 def _fates(store, s: Stopped, dead: list[int], me: int | None) -> dict[int, dict]:
-    """How each dead rank ended: its node's word (posted with the forensics the judge has
-    waited for), its launcher's (waited for, where the launcher witnesses), else what the
-    writer sees of it now where it shares the writer's host (its node mates looked as they
-    saw the abort, maybe while it was still exiting), else its own last words in a shared
-    report folder."""
+    """How each dead rank ended: its node's word (posted with the forensics
+    :func:`add_stopped_result` has waited for), its launcher's (waited for, where the launcher
+    witnesses), else what the writer sees of it now where it shares the writer's host (its node
+    mates looked as they saw the abort, maybe while it was still exiting), else its own last
+    words in a shared report folder."""
     seen = reads(store, keys.FATE, dead)
     # (a rank of the writer's node: its host name, and the launcher's node number, since a
     # cloned host name is not one machine)
@@ -165,7 +166,8 @@ def _fates(store, s: Stopped, dead: list[int], me: int | None) -> dict[int, dict
     return out
 
 
-def judge_as_a_rank(store, s: Stopped, silence: Silence, me: int | None = None) -> set[int]:
+def add_stopped_result_as_a_rank(store, s: Stopped, silence: Silence,
+                                  me: int | None = None) -> set[int]:
     """A rank writes (rank ``me``: 0, or the survivor that took over): the dead are the ranks
     whose heartbeat it saw stop (``silence``: every look its watchdog took, and more now until
     each rank is silent or seen moving); a rank that announced its termination is not dead, it
@@ -177,19 +179,19 @@ def judge_as_a_rank(store, s: Stopped, silence: Silence, me: int | None = None) 
     since = silence.last_moved(mine["silent"]) if mine.get("kind") == keys.LOST else None
     dead, beats = dead_ranks(store, connected, silence, since)
     # Read after the heartbeats' wait: a launcher that stops the others when one rank dies
-    # signals this rank too, which may judge before a loaded peer has said it was terminated;
+    # signals this rank too, which may blame before a loaded peer has said it was terminated;
     # that peer then leaves, silent by the end of the wait (CI once named rank 1, "no
     # heartbeat", beside rank 2's SIGSEGV under torchrun). The writer is alive, whatever its
     # heartbeat did (a busy machine can starve its thread).
     terminated = {r for r, a in posted(store, keys.ABORT).items()
                   if a["kind"] == keys.TERMINATED}
-    return judge_abort(store, s, set(dead) - terminated - {me}, beats, me=me)
+    return add_stopped_result(store, s, set(dead) - terminated - {me}, beats, me=me)
 
 
 def first_error(store, s: Stopped) -> dict:
     """The report's headline error: the culprit's, never a victim's. A rank blocked by a dead
-    peer raises too ("Connection reset by peer"), often first; :func:`judge_abort` has just
-    named who stopped the run (the last judged result): its error, else its reason, leads. With
+    peer raises too ("Connection reset by peer"), often first; :func:`add_stopped_result` has just
+    named who stopped the run (the last result): its error, else its reason, leads. With
     no rank named: the first rank that raised, else the stage the run stopped at."""
     errors = {r: e for r, e in sorted(posted(store, keys.ABORT).items())
               if e.get("kind") == keys.ERROR}
@@ -209,7 +211,7 @@ def first_error(store, s: Stopped) -> dict:
 def report_of(s: Stopped, *, started_at: str, backend: str, config: dict, timings: dict,
               run_id: str, error: dict | None = None, forensics: dict | None = None,
               security: dict | None = None) -> Report:
-    """The report of a run from what its writer judged: repeat mode's iterations folded, every
+    """The report of a run from the results its writer holds: repeat mode's iterations folded, every
     selected check the run did not reach as skip, each rank's forensics with its host."""
     results = repeat.combine(s.judged, [r.get("host") for r in s.ranks])
     done = {r.name for r in results}
@@ -219,7 +221,7 @@ def report_of(s: Stopped, *, started_at: str, backend: str, config: dict, timing
                   world_size=s.world_size, ranks=s.ranks, checks=results, config=config,
                   timings=timings, error=error, run_id=run_id, written_by=s.writer,
                   forensics=[{"rank": r, "host": s.host(r),
-                              **{k: v for k, v in f.items() if k not in JUDGES_ONLY}}
+                              **{k: v for k, v in f.items() if k not in BLAME_ONLY}}
                              for r, f in sorted((forensics or {}).items())],
                   security=security or {})
 
@@ -237,7 +239,7 @@ def first_silent(silent_at: dict[int, float], after_s: float = DEAD_AFTER_S) -> 
 
 
 def last_resort(store, meta: dict, silent_at: dict[int, float], address: str, why: str) -> Report:
-    """The store host's report when no rank could write one, judged from what the store holds.
+    """The store host's report when no rank could write one, made from what the store holds.
 
     ``meta``: the run's shape every rank posted (:func:`.hosting.post_meta`); ``silent_at``:
     each rank that beat, and when (``time.monotonic()`` of the store host) its heartbeat last
@@ -261,7 +263,7 @@ def last_resort(store, meta: dict, silent_at: dict[int, float], address: str, wh
                 rules=cfg.get("diagnosis"),
                 rails=cfg.get("rails"))
     first_t = min(silent_at.values(), default=now)
-    judge_abort(store, s, set(gone), beats, {
+    add_stopped_result(store, s, set(gone), beats, {
         "why": why, "silent_first": gone,
         "silent_after_s": {str(r): round(t - first_t, 3) for r, t in sorted(silent_at.items())},
         "all_silent_for_s": round(now - max(silent_at.values()), 3) if silent_at else None})
