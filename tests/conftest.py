@@ -25,7 +25,10 @@ import pytest
 
 REQUIRE_REAL = os.environ.get("DDP_SMOKE_REQUIRE_REAL") == "1"
 BUDGET_S = 20 * 60
-HARD_S = 30 * 60  # half as much again: a slower machine warns, a suite grown back to serial fails
+# A slower machine warns, a suite grown back to serial (~50 min now) fails: the same suite took
+# 22:46 and 32:16 on this machine on two days and 34:57 on CI's, so half as much again (30 min)
+# failed a suite for the machine's speed alone.
+HARD_S = 36 * 60
 DURATIONS = Path(__file__).parent / "durations.json"
 _KEPT = 40  # slowest tests kept in durations.json
 _spent: dict[str, float] = {}  # nodeid -> seconds (setup, call and teardown)
