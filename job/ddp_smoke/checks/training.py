@@ -57,7 +57,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..config import profiles
-from ..coordination import progress
+from ..coordination import progress, stragglers
 from ..model import FAIL, PASS, SKIP, CheckResult, percentile
 from . import _transformer as tf
 from . import perf
@@ -280,8 +280,8 @@ def judge(ev) -> CheckResult:
     tokens = first["tokens_per_step"]
     paces, behind = perf.slow_paced({r: [tokens / s for s in o["compute_s"]]
                                      for r, o in enumerate(obs)}, margin)
-    least = ev.config["diagnosis"]["waits_min_total_s"]
-    spared = [r for r in behind if ev.host(r) in shared and obs[r].get("held_s", 0.0) < least]
+    spared = [r for r in behind if stragglers.scheduler_chose(
+        {"shared": ev.host(r) in shared, "held_s": obs[r].get("held_s")}, ev.config["diagnosis"])]
     culprits += [ev.culprit(r, _slow_reason(obs[r], paces[r], margin, shared))
                  for r in behind if r not in spared]
     peak = first["profile"].get("training", {}).get("peak_tflops")
