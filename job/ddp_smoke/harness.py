@@ -74,7 +74,7 @@ def run(cfg: dict[str, Any]) -> int:
     c.timed("connect_store_s", round(time.monotonic() - coord_t0, 4))
     progress.RECORDER.keep = stragglers.keep_per_rank(env.world_size)
     c.liveness.start()
-    reach.listen(env, c.store)  # before the process group: its set-up may be what hangs
+    reach.listen(env, c.store, cfg["diagnosis"])  # before the process group: its set-up may hang
 
     store = c.store
     try:

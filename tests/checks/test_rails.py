@@ -198,7 +198,7 @@ GOOD, SLOW = 1.0, 0.02
 SIZE = 2 << 20
 
 
-def _bandwidth(nodes: int, speed, dead=(), devices=("eth0", "eth1")) -> CheckResult:
+def _bandwidth(nodes: int, speed, dead=(), devices=("eth0", "eth1"), cfg=CFG) -> CheckResult:
     """Observations of a run of ``nodes`` x 2 ranks whose rail pairs ran at ``speed(rail, a,
     b)`` GB/s; ``dead``: (node, rail) found dead before the process group."""
     per = len(devices)
@@ -225,7 +225,7 @@ def _bandwidth(nodes: int, speed, dead=(), devices=("eth0", "eth1")) -> CheckRes
                               "rails": rows if r == 0 else None}})
     ranks = [{"rank": r, "host": f"node{r // per + 1}", "local_rank": r % per}
              for r in range(nodes * per)]
-    return bandwidth.judge(Evidence("bandwidth", obs, ranks, CFG))
+    return bandwidth.judge(Evidence("bandwidth", obs, ranks, cfg))
 
 
 def _named(result: CheckResult) -> list[tuple]:
@@ -274,6 +274,21 @@ def test_dead_rails_are_named_dead_and_left_out_of_the_pairs():
     assert "dead on all nodes" in everywhere.culprits[0].reason
     two = _bandwidth(2, lambda *_: GOOD, dead={(0, 1)} | {(1, 1)})
     assert _named(two) == [(None, None, [1, 3], 1)]  # rail-wide needs a third node to tell
+
+
+def test_the_runs_reference_percentile_and_probe_settings_are_the_ones_applied():
+    """Half the pairs slow (rail 1 everywhere): against the 90th-percentile pair rail 1 is
+    slow; a run whose reference is the median pair finds nothing slow. A dead rail's reason
+    quotes the probes as the run set them."""
+    def slow_rail(rail, a, b):
+        return SLOW if rail == 1 else GOOD
+    assert _named(_bandwidth(4, slow_rail)) == [(None, None, None, 1)]
+    median = config.resolve({"bandwidth": {"pair_reference_percentile": 50}}, {})
+    assert _named(_bandwidth(4, slow_rail, cfg=median)) == []
+    quick = config.resolve({"diagnosis": {"probe_s": 0.5, "probe_rounds": 3}}, {})
+    dead = _bandwidth(3, lambda *_: GOOD, dead={(2, 1)}, cfg=quick)
+    assert "(probe port, 3 tries of 0.5 s each, before the process group)" in \
+        dead.culprits[0].reason, dead.culprits[0].reason
 
 
 def test_the_ranks_of_a_rail_named_as_a_whole_are_not_named_again_as_stragglers():

@@ -191,7 +191,7 @@ class _Left(Exception):
 def test_a_survivor_claims_the_report_when_rank_0_never_writes(world, monkeypatch):
     """Rank 0 never beats: the lowest waiting rank claims the writer key, once; the other
     waits for that writer's heartbeat, then leaves saying so."""
-    monkeypatch.setattr(ending, "TAKEOVER_S", 0.5)
+    monkeypatch.setattr(ending, "TAKEOVER_SILENCES", 0.5 / 1.5)  # 0.5 s of rank 0's silence
     monkeypatch.setattr(ending, "leave", lambda message, code: (_ for _ in ()).throw(
         _Left(message)))
     coords = world(3)

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from ddp_smoke import config
 from ddp_smoke.coordination import hosting, keys, lost, signing, stopped_run
 from ddp_smoke.outputs import last_line, launch_report
 from ddp_smoke.model import Report
@@ -90,9 +91,21 @@ def test_last_resort_names_the_ranks_that_went_silent_first(tmp_path):
     assert got["error"]["type"] == "AllRanksLost" and got["error"]["host"] == "node2"
 
 
+def test_the_store_host_takes_the_runs_own_dead_after_silence_once_posted(tmp_path):
+    """Before the ranks post the run's config the store host uses the package's silence;
+    after, the run's ``diagnosis.dead_after_s`` (a run that set 4 s is not judged at 1.5)."""
+    store = _store()
+    watch = hosting.Watch(store)
+    assert watch.silence.after_s == config.DIAGNOSIS["dead_after_s"] == 1.5
+    cfg = config.resolve({"diagnosis": {"dead_after_s": 4}}, {})
+    hosting.post_meta(store, 3, cfg, str(tmp_path), "2026-01-01T00:00:00+00:00")
+    watch.look_beats()
+    assert watch.silence.after_s == 4.0
+
+
 def test_first_silent_takes_every_rank_of_a_job_killed_at_once():
-    assert stopped_run.first_silent({0: 10.0, 1: 10.2, 2: 14.0}) == [0, 1]
-    assert stopped_run.first_silent({}) == []
+    assert stopped_run.first_silent({0: 10.0, 1: 10.2, 2: 14.0}, 1.5) == [0, 1]
+    assert stopped_run.first_silent({}, 1.5) == []
 
 
 def test_lost_records_that_each_know_part_of_the_world_name_the_silent_node_once(tmp_path):

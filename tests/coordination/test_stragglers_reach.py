@@ -400,6 +400,23 @@ def test_silent_ranks_on_a_node_the_probes_name_are_the_network_not_deaths():
     assert "no heartbeat" in blame.assign(s).culprits[0].reason
 
 
+def test_the_runs_probe_settings_are_quoted_waited_for_and_validated(tmp_path):
+    """A run that set its probes (``diagnosis.probe_s``, ``probe_rounds``): the reasons quote
+    them, the writer waits (rounds + 2) x probe_s + 1.5 s; a value outside its range is
+    refused in one line."""
+    rules = config.resolve({"diagnosis": {"probe_s": 0.5, "probe_rounds": 3}}, {})["diagnosis"]
+    s = blame.Snapshot(stage="health", world_size=4, timeout_s=10.0, hosts=HOSTS[:4],
+                       connected={0, 1, 2, 3}, arrived={0, 1, 2, 3}, dead={1, 2, 3},
+                       aborts={0: {"kind": "lost", "at": 1.0, "silent": [1, 2, 3]}},
+                       reach={0: {"tried": [1, 2, 3], "failed": [1, 2, 3]}}, rules=rules)
+    assert "(probe port, 3 tries of 0.5 s each)" in blame.assign(s).culprits[0].reason
+    assert reach.wait_s(rules) == 4.0 and reach.wait_s() == 7.5
+    path = tmp_path / "probe.yaml"
+    path.write_text("diagnosis:\n  probe_rounds: 0\n")
+    with pytest.raises(ConfigError, match="key 'diagnosis.probe_rounds' = 0"):
+        config.resolve(config.load_file(str(path)), {})
+
+
 def test_the_store_s_own_node_cut_off_explains_every_other_rank_s_silence():
     # rank 0's node (where the store is) cut off: from there every other rank is silent, and
     # only its own probes are posted, each failing: that node is named, not the silent ranks
@@ -412,12 +429,11 @@ def test_the_store_s_own_node_cut_off_explains_every_other_rank_s_silence():
     assert [(c.rank, c.host) for c in got] == [(0, "n0")] and "cut off" in got[0].reason
 
 
-def test_the_probe_reads_a_beacon_for_as_long_as_it_sends(monkeypatch):
+def test_the_probe_reads_a_beacon_for_as_long_as_it_sends():
     """A beacon's byte every 0.3 s, the probe's read timeout 0.2 s: the probe keeps reading
     (a beacon is silent for as long as an outage lasts), answers nothing, and every byte is a
     data segment of a connection :mod:`retransmits` counts; a refused address is let go."""
-    monkeypatch.setattr(reach, "PROBE_S", 0.1)
-    probe, stop = reach.Probe("127.0.0.1"), threading.Event()
+    probe, stop = reach.Probe("127.0.0.1", probe_s=0.1), threading.Event()
     with socket.create_server(("127.0.0.1", 0)) as closed:
         refused = closed.getsockname()
     beat = threading.Thread(target=reach._beat, args=([(probe.addr, probe.port), refused], 0.3,

@@ -102,9 +102,9 @@ def test_history_leaves_the_practice_run_out_and_marks_it_when_asked(runs):
     assert "1 practice run(s) (--fault) left out: --include-practice shows them" in text, text
     assert [ln for ln in text.splitlines() if ln.startswith("degrading:")] \
         == ["degrading: none"], text  # the fleet's lines (drains, lemons) follow it
-    assert "verdicts: good good\n" in text, text  # the host's verdicts of the real runs only
+    assert "statuses: good good\n" in text, text  # the host's statuses in the real runs only
     shown = runs["after_practice_included"]
-    assert "verdicts: good good bad*\n" in shown, shown
+    assert "statuses: good good bad*\n" in shown, shown
     # the slowed slot is flagged, by the practice run; on 2 loaded cores the slowed rank's
     # turns can drag slot 0 below the margin too, but never by a run of its own
     assert "vm:1" in _slots(shown), shown

@@ -9,6 +9,7 @@ import copy
 import html
 import json
 import os
+import sqlite3
 import re
 import subprocess
 import sys
@@ -321,6 +322,15 @@ def test_a_corrupt_or_foreign_index_is_rebuilt_from_the_reports(tmp_path):
     (tmp_path / runs.INDEX_NAME).write_bytes(b"this is not sqlite" * 100)
     index = runs.Index(str(tmp_path), history.defaults())
     assert index.refresh()["reports"] == 1 and index.path != ":memory:"
+    index.close()
+    # an index of the schema before (hosts.verdict, not hosts.status): rebuilt, not misread
+    old = sqlite3.connect(tmp_path / runs.INDEX_NAME)
+    old.executescript("DROP TABLE hosts; CREATE TABLE hosts (path TEXT, host TEXT, verdict TEXT);"
+                      "UPDATE meta SET value = '4' WHERE key = 'schema'")
+    old.close()
+    index = runs.Index(str(tmp_path), history.defaults())
+    assert index.refresh()["read"] == 1 and index.host_statuses("node3") == []
+    assert index.db.execute("SELECT count(status) FROM hosts").fetchone() == (0,)
     index.close()
 
 

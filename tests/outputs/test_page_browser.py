@@ -34,8 +34,9 @@ SINGLE = {
     "pass": [],
     "crash": ["--checks", "environment,collectives,compute", "--fault", "1:crash@collectives"],
     "hang": ["--checks", "environment,ddp_step", "--fault", "1:hang@ddp_step", "--timeout", "8"],
-    # tenfold: on a loaded host the fast rank runs slow too, and a fourfold rank passed once
-    "slow": ["--checks", "environment,compute", "--fault", "1:slow=10@compute"],
+    # fortyfold: on a loaded host the fast rank runs slow too; a fourfold rank passed once, a
+    # tenfold one once too (25 GFLOPS against 10: the healthy rank at a fifth of its best)
+    "slow": ["--checks", "environment,compute", "--fault", "1:slow=40@compute"],
     "corrupt": ["--checks", "environment,collectives", "--fault", "1:corrupt@collectives"],
     "raise": ["--checks", "environment,storage,bandwidth", "--fault", "0:raise@storage"],
 }

@@ -71,8 +71,8 @@ def measure(ctx, cfg: dict, nodes: list[int], rails: list | None, clock) -> dict
              for row in groups]
     mine = _rounds(ctx, cfg, first, 1, groups, spot, size, clock)
     tables = _first_pass_tables(ctx, first, size, mine)
-    reference = percentile([v for t in tables for v in t.values()], 90) \
-        if rails and any(tables) else None
+    reference = percentile([v for t in tables for v in t.values()],
+                           cfg["pair_reference_percentile"]) if any(tables) else None
     second = [_on_nodes(perf.second_pass(len(_members(row)), _on_positions(t, row), cut,
                                          cfg["pair_rounds"], reference), row)
               for row, t in zip(groups, tables)]
@@ -201,7 +201,7 @@ def figures_and_culprits(ev, cfg: dict) -> tuple[dict, list]:
     rails, size, cut = first.get("rails"), first["size_bytes"], margin(first["device_type"], cfg)
     busbw, records = _best(ev.observations, size, len(rails or [None]))
     everything = [v for t in busbw for v in t.values()]
-    reference = percentile(everything, 90) if rails and everything else None
+    reference = percentile(everything, cfg["pair_reference_percentile"]) if everything else None
     blames = [perf.attribute(t, cut, reference) for t in busbw]
     figures, culprits = _rail_blame.figures_and_culprits(ev, first["leaders"], rails or None,
                                                          size, cut, busbw, records, blames)

@@ -26,7 +26,6 @@ from ..coordination import reach
 from ..model import rail_label
 from . import perf
 
-_PROBE = f"probe port, {reach.ROUNDS} tries of {reach.PROBE_S:g} s each"  # as rails tries
 
 
 def figures_and_culprits(ev, leaders: list[int], rails: list[dict] | None, size: int,
@@ -107,13 +106,13 @@ def _dead_culprits(ev, dead: list[dict]) -> list:
     on_rail = {}
     for r, o in enumerate(ev.observations):
         on_rail.setdefault((o.get("rail") or {}).get("index"), set()).add(ev.host(r))
-    out = []
+    out, tried = [], reach.tries(ev.config.get("diagnosis"))  # as the rails' probes tried
     for index, ds in sorted(by_rail.items()):
         first = ds[0]["rank"]
         if len(ds) >= 3 and {d["host"] for d in ds} == on_rail.get(index, set()):
             out.append(with_rail(ev.culprit(None, (
                 f"{_label(ev, first, index)} dead on all nodes: no rank on it could connect "
-                f"to another ({_PROBE}, before the process group); its leaf switch, its "
+                f"to another ({tried}, before the process group); its leaf switch, its "
                 "cabling or the addresses on it")),
                 {**rail_of(ev, first, index), "ranks": [d["rank"] for d in ds]}))
             continue
@@ -123,7 +122,7 @@ def _dead_culprits(ev, dead: list[dict]) -> list:
                     f"node {d['host']} {_label(ev, d['rank'], index)} carries no connection: "
                     f"{len(d['unreached'])} of the {d['tried']} rail peers tried "
                     f"({', '.join(d['unreached'])}) could not connect to it or be connected to "
-                    f"from it ({_PROBE}, before the process group); rank {d['rank']} sent on "
+                    f"from it ({tried}, before the process group); rank {d['rank']} sent on "
                     f"{d['sent_on'] or 'the default interface'} instead and its rail was not "
                     "measured")), rail_of(ev, d["rank"], index)))
         loose = [d for d in ds if d["why"] != "cut off"]
@@ -131,7 +130,7 @@ def _dead_culprits(ev, dead: list[dict]) -> list:
             ranks = [d["rank"] for d in loose]
             out.append(with_rail(dataclasses.replace(ev.link_culprit(ranks[0], ranks[1], (
                 f"{_label(ev, ranks[0], index)} between {', '.join(d['host'] for d in loose)} "
-                f"carries no connection ({_PROBE}) and the other nodes cannot tell which end is "
+                f"carries no connection ({tried}) and the other nodes cannot tell which end is "
                 "at fault: look at both")), ranks=ranks, hosts=[d["host"] for d in loose]),
                 rail_of(ev, ranks[0], index)))
     return out

@@ -35,6 +35,11 @@ def defaults() -> dict[str, Any]:
     return yaml.safe_load(resources.files(__package__).joinpath("defaults.yaml").read_text())
 
 
+# The diagnosis rules' thresholds as the package sets them (defaults.yaml says why each has its
+# value): where a caller has no run's config at hand. A run's own are ``cfg["diagnosis"]``.
+DIAGNOSIS: dict[str, Any] = defaults()["diagnosis"]
+
+
 def load_file(path: str) -> dict[str, Any]:
     """Read a user YAML file; it must hold a mapping."""
     try:

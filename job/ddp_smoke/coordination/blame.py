@@ -101,7 +101,7 @@ class Blame:
 
 def assign(s: Snapshot) -> Blame:
     """Culprits and victims of an aborted run (pure)."""
-    net = reach.culprits(s.reach, s.hosts)
+    net = reach.culprits(s.reach, s.hosts, s.rules)
     culprits = (_terminated_first(s) or _silenced_by(net, s)
                 or (_raised(s) + _died(s) + _never(s)) or net or _absent(s) or _held_back(s)
                 or s.lossy or _by_progress(s) or _slowed(s) or _unfinished(s) or _comm_only(s)

@@ -16,11 +16,11 @@ from typing import Callable
 
 from . import keys, lost, records, runtime
 from .stopped_run import FORENSICS_WAIT_S, add_stopped_result_as_a_rank, first_error
-from .store import DEAD_AFTER_S, beat_of, look_period, next_waiting, posted, try_get, wait_key
+from .store import beat_of, look_period, next_waiting, posted, try_get, wait_key
 
 FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
-TAKEOVER_S = 3 * DEAD_AFTER_S  # rank 0 silent this long, before writing: a survivor writes
-# (both in units of the small world's silence: stretched with it where the world is large)
+TAKEOVER_SILENCES = 3  # rank 0 silent 3 x the run's dead-after silence, before writing: a
+                       # survivor writes (stretched with that silence where the world is large)
 TAKE_OVER = "take over"  # what await_report returns to the rank that must write the report
 # Two threads (the watchdog and the main thread) may find the store gone at once: one says it
 # and exits the process; the other waits this long for that, then leaves without a word.
@@ -91,16 +91,16 @@ def await_report(c, store, timeout_s: float) -> str | None:
     write the report itself.
 
     Rank 0 writes, and claims the ``writer`` key when it starts. A rank that has not claimed
-    it and whose heartbeat stopped for TAKEOVER_S is gone: the lowest rank still waiting
-    here claims it instead (one compare-and-set decides). A claimed writer is waited for as
-    long as its heartbeat moves, then ``timeout_s`` more; after that this rank leaves with
-    status 1, saying so.
+    it and whose heartbeat stopped for TAKEOVER_SILENCES dead-after silences is gone: the
+    lowest rank still waiting here claims it instead (one compare-and-set decides). A
+    claimed writer is waited for as long as its heartbeat moves, then ``timeout_s`` more;
+    after that this rank leaves with status 1, saying so.
     """
     me = c.env.rank
     store.set(keys.of(keys.WAITING, me), "1")  # alive and waiting: a candidate writer
     watch, seen, seen_at = 0, None, time.monotonic()
     end = seen_at + timeout_s
-    takeover_s = TAKEOVER_S * c.silence.after_s / DEAD_AFTER_S
+    takeover_s = TAKEOVER_SILENCES * c.silence.after_s
     # The verdict is seen within poll_max of being set; the writer's heartbeat is looked at
     # once a period: ~5 calls per period on each of up to 2 threads of every rank, within
     # the store's budget at any world size, and still a few looks per takeover_s.

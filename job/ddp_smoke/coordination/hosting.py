@@ -29,7 +29,7 @@ import time
 from typing import Callable
 
 from . import keys
-from .store import DEAD_AFTER_S, Silence, dead_after, look_period, read_beats, try_get
+from .store import Silence, dead_after, look_period, read_beats, try_get
 
 ENV = "DDP_SMOKE_STORE"
 PREFIX = "ddp_smoke/0"  # the harness's PrefixStore (TORCHELASTIC_RESTART_COUNT 0: no restarts)
@@ -82,7 +82,7 @@ class Watch:
 
     def __init__(self, store):
         self.store, self.meta = store, None
-        self.silence = Silence(DEAD_AFTER_S)
+        self.silence = Silence(dead_after(1))  # the package's, until the ranks post the run's
         self.moved: dict[int, float] = {}  # rank -> monotonic time its counter last moved
         self.beats_every, self._looked = LOOK_S, 0.0  # every heartbeat is read this often
 
@@ -100,7 +100,8 @@ class Watch:
             self.meta = read_meta(self.store)
             world = int(self.meta["world_size"]) if self.meta else None
             if world:  # a large world's heartbeats are further apart, and costlier to read
-                self.silence = Silence(dead_after(world))
+                self.silence = Silence(dead_after(world, (self.meta.get("config") or {})
+                                                  .get("diagnosis")))
                 self.beats_every = look_period(world, 1)
             short = raise_nofile(world)
             if short:  # a launcher that did not say the world size: said as soon as known
@@ -141,7 +142,7 @@ def serve(watch: Watch, max_s: float, over: threading.Event,
                     break
             return 0
         quiet = watch.all_silent_for()
-        silent_s = 3 * watch.silence.after_s  # the harness's TAKEOVER_S: survivors had theirs
+        silent_s = 3 * watch.silence.after_s  # ending.TAKEOVER_SILENCES: survivors had theirs
         if gone.is_set():
             watch.look_beats()
             if watch.meta is None:

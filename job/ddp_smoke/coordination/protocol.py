@@ -129,7 +129,7 @@ class Coordinator:
         self.cfg, self.publish = cfg, publish
         self.store = connect(may_host=True)  # the rank's one connection
         self._run = Run(env=env, cfg=cfg, started_at=started_at, t0=t0,
-                        silence=Silence(dead_after(env.world_size)))
+                        silence=Silence(dead_after(env.world_size, cfg.get("diagnosis"))))
         self._phase: tuple[str, float | None] = ("init", None)  # stage, deadline (monotonic)
         # (what rank 0 waits for every rank to post, its prefix) or (None, what another rank
         # reads of rank 0's, following rank 0's heartbeat meanwhile)
@@ -437,7 +437,8 @@ class Coordinator:
             store.append(keys.listed(keys.FORENSICS), f"{self.env.rank},")
         except Exception:  # noqa: BLE001 — the store is gone; the files are still there
             pass
-        reach.survey(store, self.env.rank)  # a node's leader: who it can still connect to
+        # a node's leader: who it can still connect to
+        reach.survey(store, self.env.rank, self.cfg.get("diagnosis"))
 
 
 def error_detail(e: BaseException) -> dict:

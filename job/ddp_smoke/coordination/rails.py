@@ -12,14 +12,14 @@ A dead rail. gloo connects every pair of ranks when the process group is created
 interface carries nothing would hold every rank there until the deadline, and no evidence
 would say why. So first, outside the process group, each rank opens a probe port on its rail's
 address (:class:`.reach.Probe`) and posts it (``rail/<r>``); it tries its rail's peers, the
-ranks of its local rank on the other nodes (all at once, :data:`.reach.PROBE_S`, again for
+ranks of its local rank on the other nodes (all at once, ``diagnosis.probe_s``, again for
 those it missed; beyond 64 nodes :func:`.reach.targets` picks them), and posts those it could
 not reach (``railreach/<r>``). Every rank of the rail then decides alike (:func:`cut_off`, pure,
 the rule of :mod:`.reach` on one rail): a rank that two or more of its peers, and most of them,
 fail with is cut off; a pair failing while neither end is explains the failure (two nodes
 alone cannot tell which end) cuts both ends. A cut-off rank sends on the interface of its route
 to the store instead, and says so (:func:`chosen`): the bandwidth check names the rail dead and
-measures it no more. Cost: two arrivals and a few ms of connects; ``2 x PROBE_S`` more when a
+measures it no more. Cost: two arrivals and a few ms of connects; ``2 x probe_s`` more when a
 rail is dead.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 
+from ..config import DIAGNOSIS
 from ..errors import ConfigError
 from . import keys, reach, runtime
 
@@ -81,7 +82,8 @@ def bind(c, store, rails: list[str] | None, backend: str) -> None:
 def _survey(c, store, name: str, addr: str) -> tuple[list[dict], list[int], dict]:
     """Every rank's rail record, this rank's rail group (itself and its peers on the other
     nodes), and each group member's probe findings ``{"tried", "failed"}``."""
-    env, probe = c.env, reach.Probe(addr)
+    rules = c.cfg.get("diagnosis") or DIAGNOSIS
+    env, probe = c.env, reach.Probe(addr, rules["probe_s"])
     node = f"{runtime.hostname()}/{env.group_rank}"
     try:
         mine = {"node": node, "local_rank": env.local_rank, "interface": name,
@@ -93,9 +95,9 @@ def _survey(c, store, name: str, addr: str) -> tuple[list[dict], list[int], dict
                  if x["local_rank"] == env.local_rank and (x["node"] != node or r == env.rank)]
         tried = reach.targets(env.rank, group)
         failed = set(tried)
-        for _ in range(reach.ROUNDS):  # once more for those missed: a lost SYN is no dead rail
+        for _ in range(rules["probe_rounds"]):  # a lost SYN is no dead rail: again if missed
             failed = reach.connect_all({r: (records[r]["address"], records[r]["port"])
-                                        for r in failed}, reach.PROBE_S)
+                                        for r in failed}, rules["probe_s"])
             if not failed:
                 break
         c.arrive(store, keys.RAIL_REACH, "every rank to probe its rail",

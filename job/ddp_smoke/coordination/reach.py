@@ -8,15 +8,16 @@ link wait, and so do the ranks waiting for them. A fresh TCP connection between 
   uses to reach the coordination store, and posts it (``probe/<rank>``, listed in
   ``probe/listed``). It reads what a prober sends and answers with the byte count;
 * when the run is aborted, each live leader connects to other leaders' probes, all at once
-  with a short timeout (``PROBE_S``), and once more to those it missed (a lost SYN is not a
-  dead link); then it sends each probe it reached one byte and, once that is counted,
+  with a short timeout (``diagnosis.probe_s``), and again to those it missed,
+  ``probe_rounds`` tries in all (a lost SYN is not a dead link); then it sends each probe
+  it reached one byte and, once that is counted,
   ``PAYLOAD_BYTES``, dozens of full frames written one at a time (so they leave as frames,
-  not as one offloaded super-packet), and waits ``PROBE_S`` for the count: a link that passes
+  not as one offloaded super-packet), and waits ``probe_s`` for the count: a link that passes
   small packets and drops large ones (jumbo frames behind a port without them, a cable
   corrupting long frames) opens a connection, carries the byte and never the payload. A probe
   that does not count even the byte is no link's doing: its process is stopped or frozen
   (its kernel still accepts and acknowledges), which the heartbeats tell. At most
-  ``4 × PROBE_S`` whatever the world size. Up to ``ALL_PAIRS_UP_TO``
+  ``4 × probe_s`` whatever the world size. Up to ``ALL_PAIRS_UP_TO``
   nodes every leader tries every other; beyond, its ``RING`` neighbours on each side and
   ``SAMPLE`` more drawn at random (seeded by its rank), so each node is still tried by about
   ``2·RING + SAMPLE`` others at thousands of nodes. It posts what it tried, what it could
@@ -47,28 +48,38 @@ import termios
 import threading
 import time
 
+from ..config import DIAGNOSIS
 from ..model import Culprit
 from . import keys
 
-PROBE_S = 1.5          # one connect's timeout: a connect within the sandbox or a fabric takes ms
-ROUNDS = 2             # a target missed twice is unreachable
 PAYLOAD_BYTES = 1 << 16  # 64 KiB: 44 full 1500-byte frames, 7 jumbo ones; ms on any link
 ALL_PAIRS_UP_TO = 64   # nodes: every leader tries every other
 RING, SAMPLE = 4, 16   # beyond: neighbours each side in rank order, and a random sample
-# how long the report's writer waits for the live leaders' findings: the connects, the byte,
-# the payload
-WAIT_S = (ROUNDS + 2) * PROBE_S + 1.5
 _REACHED = {0, errno.ECONNREFUSED}  # the host answered: the path is there
 BEACON_S = 0.2         # a byte on every beacon link this often: an outage of 0.4 s times out
 BEACON = b"B"          # a beacon's first byte (a prober's is b"\0")
 
 
+def wait_s(rules: dict | None = None) -> float:
+    """How long the report's writer waits for the live leaders' findings: the connects, the
+    byte, the payload (``rules``: the run's ``diagnosis`` thresholds; None: the package's)."""
+    r = rules or DIAGNOSIS
+    return (r["probe_rounds"] + 2) * r["probe_s"] + 1.5
+
+
+def tries(rules: dict | None = None) -> str:
+    """What a probe tried, as reasons quote it."""
+    r = rules or DIAGNOSIS
+    return f"probe port, {r['probe_rounds']} tries of {r['probe_s']:g} s each"
+
+
 class Probe:
     """A listening TCP socket on a daemon thread: it reads what a prober sends and answers
     with the count of bytes (8 bytes, big-endian); a prober that sends nothing is answered
-    nothing (accepting was the answer)."""
+    nothing (accepting was the answer). A prober silent for 2 x ``probe_s`` is let go."""
 
-    def __init__(self, addr: str):
+    def __init__(self, addr: str, probe_s: float = DIAGNOSIS["probe_s"]):
+        self.probe_s = probe_s
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind((addr, 0))
         self.sock.listen(128)
@@ -81,15 +92,15 @@ class Probe:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            threading.Thread(target=_count, args=(conn,), daemon=True).start()
+            threading.Thread(target=_count, args=(conn, 2 * self.probe_s), daemon=True).start()
 
 
-def _count(conn: socket.socket) -> None:
+def _count(conn: socket.socket, timeout_s: float) -> None:
     """Read until the prober stops sending; answer with the count. A beacon (its first byte
     ``BEACON``) is read for as long as it sends, however long a link outage keeps it silent."""
     got = 0
     with conn:
-        conn.settimeout(2 * PROBE_S)
+        conn.settimeout(timeout_s)
         try:
             while got < PAYLOAD_BYTES and (chunk := conn.recv(65536)):
                 if not got and chunk[:1] == BEACON:
@@ -118,7 +129,7 @@ def route_address(host: str, port: int) -> str | None:
 _PROBE: Probe | None = None
 
 
-def listen(env, store) -> None:
+def listen(env, store, rules: dict | None = None) -> None:
     """On a node's leader: open the probe port and post it. Never raises: without a probe
     the run goes on, and an abort is blamed without this evidence."""
     global _PROBE
@@ -128,7 +139,7 @@ def listen(env, store) -> None:
     if addr is None:  # no route to the store's host: nothing to listen on
         return
     try:
-        _PROBE = Probe(addr)
+        _PROBE = Probe(addr, (rules or DIAGNOSIS)["probe_s"])
         store.set(keys.of(keys.PROBE, env.rank), json.dumps({"addr": _PROBE.addr, "port": _PROBE.port}))
         store.append(keys.listed(keys.PROBE), f"{env.rank},")
     except Exception:  # noqa: BLE001 — no route, no socket, or the store is gone
@@ -297,7 +308,7 @@ def leaders(store) -> list[int]:
     return sorted({int(r) for r in listed.split(",") if r})
 
 
-def survey(store, rank: int) -> None:
+def survey(store, rank: int, rules: dict | None = None) -> None:
     """On a node's leader, once, when the run is aborted: try the other leaders' probes and
     post what could not be reached. Never raises."""
     if _PROBE is None:
@@ -307,11 +318,12 @@ def survey(store, rank: int) -> None:
         got = store.multi_get([keys.of(keys.PROBE, r) for r in tried]) if tried else []
         addrs = {r: (p["addr"], p["port"]) for r, p in zip(tried, map(json.loads, got))}
         failed = set(addrs)
-        for _ in range(ROUNDS):
-            failed = connect_all({r: addrs[r] for r in failed}, PROBE_S)
+        probe_s = (rules or DIAGNOSIS)["probe_s"]
+        for _ in range((rules or DIAGNOSIS)["probe_rounds"]):
+            failed = connect_all({r: addrs[r] for r in failed}, probe_s)
             if not failed:
                 break
-        large = carry_all({r: a for r, a in addrs.items() if r not in failed}, PROBE_S)
+        large = carry_all({r: a for r, a in addrs.items() if r not in failed}, probe_s)
         store.set(keys.of(keys.REACH, rank), json.dumps({"tried": tried, "failed": sorted(failed),
                                                          "large": sorted(large)}))
         store.append(keys.listed(keys.REACH), f"{rank},")
@@ -321,9 +333,10 @@ def survey(store, rank: int) -> None:
 
 # -- the culprits (pure) ------------------------------------------------------------------------
 
-def culprits(found: dict[int, dict], hosts: list) -> list[Culprit]:
+def culprits(found: dict[int, dict], hosts: list, rules: dict | None = None) -> list[Culprit]:
     """Nodes nobody reaches and links nobody crosses, from each leader's ``{"tried",
-    "failed", "large"}``; healthy nodes never appear."""
+    "failed", "large"}``; healthy nodes never appear. ``rules``: the run's ``diagnosis``
+    thresholds the probes used (None: the package's), as the reasons quote them."""
     pairs: dict[frozenset, str | None] = {}  # unordered pair -> None, "large" or "cut"
     for a, f in found.items():
         bad, large = set(f.get("failed") or []), set(f.get("large") or [])
@@ -352,11 +365,11 @@ def culprits(found: dict[int, dict], hosts: list) -> list[Culprit]:
             f"through it, outside the process group ({_MTU_HINT})" if large else
             f"node {_host(hosts, n)} is cut off: {bad} of the {total} nodes tried with it "
             f"could not connect to it or be connected to from it, outside the process group "
-            f"(probe port, {ROUNDS} tries of {PROBE_S} s)")))
+            f"({tries(rules)})")))
         pairs = {k: v for k, v in pairs.items() if n not in k}
     for key, bad in sorted(pairs.items(), key=lambda kv: sorted(kv[0])):
         if bad:
-            out.append(_link(found, hosts, pairs, key, bad))
+            out.append(_link(found, hosts, pairs, key, bad, rules))
     return out
 
 
@@ -365,7 +378,8 @@ _MTU_HINT = ("an MTU mismatch: jumbo frames on hosts behind a switch port withou
              "the ports between them")
 
 
-def _link(found: dict, hosts: list, pairs: dict, key: frozenset, bad: str) -> Culprit:
+def _link(found: dict, hosts: list, pairs: dict, key: frozenset, bad: str,
+          rules: dict | None) -> Culprit:
     a, b = sorted(key)
     why = "failed" if bad == "cut" else "large"
     ways = [x for x, y in ((a, b), (b, a)) if y in set((found.get(x) or {}).get(why) or [])]
@@ -383,7 +397,7 @@ def _link(found: dict, hosts: list, pairs: dict, key: frozenset, bad: str) -> Cu
         how = ("neither could connect to the other" if len(ways) == 2 else
                f"rank {ways[0]} could not connect to rank {b if ways[0] == a else a}")
         reason = (f"{ends} does not carry a connection: {how} outside the process group "
-                  f"(probe port, {ROUNDS} tries of {PROBE_S} s), {also}")
+                  f"({tries(rules)}), {also}")
     return Culprit(None, None, reason, ranks=[a, b], hosts=[_host(hosts, a), _host(hosts, b)])
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .. import __version__
 from ..model import FAIL, SKIP, CheckResult, Report, check_from_dict
 from . import blame, fate, keys, reach, records, repeat, retransmits, signing
-from .store import (DEAD_AFTER_S, Silence, dead_after, dead_ranks, posted, ranks_with,
+from .store import (Silence, dead_after, dead_ranks, posted, ranks_with,
                     read_beats, reads, try_get)
 
 FORENSICS_WAIT_S = 2.0  # the writer waits this long at most for the live ranks' forensics
@@ -93,7 +93,7 @@ def add_stopped_result(store, s: Stopped, dead: set[int], beats: dict[int, dict]
     needed |= {r for r in live if s.host(r) in dead_hosts}
     found = posted(store, keys.FORENSICS, needed, FORENSICS_WAIT_S)
     # every live node leader's probes of the others (reach.py)
-    probed = posted(store, keys.REACH, live & set(reach.leaders(store)), reach.WAIT_S)
+    probed = posted(store, keys.REACH, live & set(reach.leaders(store)), reach.wait_s(s.rules))
     arrive = keys.CONNECT if s.stage == "init" else keys.of(keys.ARRIVE, s.key(s.stage))
     # A rank that posted its observation arrived first: only the others' arrivals are read
     # (each record read is checked against the run's secret; 4,096 of them cost ~10 ms)
@@ -114,7 +114,7 @@ def add_stopped_result(store, s: Stopped, dead: set[int], beats: dict[int, dict]
             s.link_rules, s.ranks, s.rails) if s.link_rules else [],
         fates=_fates(store, s, sorted(dead), me), store=s.store_address,
         rules=s.rules,
-        dead_after_s=dead_after(s.world_size))
+        dead_after_s=dead_after(s.world_size, s.rules))
     blamed = blame.assign(snap)
     # Each live rank leaves its forensics once it sees the abort, maybe after this
     # function began: a culprit's innermost frame is worth a short wait.
@@ -228,7 +228,7 @@ def report_of(s: Stopped, *, started_at: str, backend: str, config: dict, timing
 
 # -- the store host's report of last resort ---------------------------------------------------
 
-def first_silent(silent_at: dict[int, float], after_s: float = DEAD_AFTER_S) -> list[int]:
+def first_silent(silent_at: dict[int, float], after_s: float) -> list[int]:
     """The ranks whose heartbeats stopped first: within ``after_s`` (the world's heartbeat
     silence) of the earliest (one beat lost to the look period); a whole job killed at once
     names every rank."""
@@ -250,7 +250,7 @@ def last_resort(store, meta: dict, silent_at: dict[int, float], address: str, wh
     checks = list(cfg.get("checks") or [])
     iteration = _iteration(store, checks)
     beats = read_beats(store, range(world))
-    gone = first_silent(silent_at, dead_after(world))
+    gone = first_silent(silent_at, dead_after(world, cfg.get("diagnosis")))
     stage = _stage(store, checks, iteration, world) or next(
         (beats[r]["stage"] for r in gone if beats.get(r, {}).get("stage")), "init")
     s = Stopped(stage=stage, iteration=iteration, world_size=world, checks=checks,

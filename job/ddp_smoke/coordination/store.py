@@ -22,11 +22,12 @@ import threading
 import time
 from typing import Callable
 
+from ..config import DIAGNOSIS
 from . import keys
 from .node import unpack
 
-BEAT_S = 0.25          # heartbeat period; a rank silent for DEAD_AFTER_S is taken as dead
-DEAD_AFTER_S = 1.5     # (both stretched for large worlds: look_period, dead_after)
+BEAT_S = 0.25          # heartbeat period (stretched for large worlds: look_period); a rank
+                       # silent for diagnosis.dead_after_s is dead (dead_after)
 POLL_MAX_S = 0.05      # longest pause between two looks for a key, at small scale ...
 STORE_OPS_PER_S = 20000  # ... within a budget on the one store: pauses grow with the world
 BEAT_CALLS = 2         # a rank's calls per look period: its heartbeat and its watchdog's look
@@ -257,10 +258,11 @@ def look_period(world: int, calls: float = BEAT_CALLS) -> float:
     return max(BEAT_S, calls * world / STORE_OPS_PER_S)
 
 
-def dead_after(world: int) -> float:
-    """Heartbeat silence that counts as dead: DEAD_AFTER_S, or three heartbeat periods where
-    the world stretches them (beyond 5,000 ranks; 16,384 ranks: 4.9 s)."""
-    return max(DEAD_AFTER_S, 3 * look_period(world))
+def dead_after(world: int, rules: dict | None = None) -> float:
+    """Heartbeat silence that counts as dead: the run's ``dead_after_s`` (``rules``, its
+    ``diagnosis`` thresholds; None: the package's), or three heartbeat periods where the world
+    stretches them (beyond 5,000 ranks; 16,384 ranks: 4.9 s)."""
+    return max((rules or DIAGNOSIS)["dead_after_s"], 3 * look_period(world))
 
 
 def wait_key(store, key: str, timeout_s: float, pause_max: float) -> bool:

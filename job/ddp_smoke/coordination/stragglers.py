@@ -57,12 +57,12 @@ from __future__ import annotations
 
 import statistics
 
-from ..config import defaults
+from ..config import DIAGNOSIS
 from ..config.launchenv import NODE_RUN_PREFIX
 
 # The rule's thresholds: the configuration's ``diagnosis`` section (defaults.yaml says why
 # each has its value); a run's own settings where the caller knows the run's config.
-RULES = defaults()["diagnosis"]
+RULES = DIAGNOSIS
 BUDGET = 4_000_000   # durations kept per check over all ranks, at most (bounds rank 0's work)
 
 

@@ -23,7 +23,7 @@ Figures kept, each named with what makes two runs comparable (size, dtype, rank 
   model's parameters and the batch (micro_batch x seq_len).
 
 Practice runs (``--fault``, ``injected`` in the report) are indexed but left out of every
-series, trend and host status list (``verdicts:``): a failure made on purpose is no drift of
+series, trend and host status list (``statuses:``): a failure made on purpose is no drift of
 the cluster's. ``--include-practice`` puts them back, each value and status marked ``*``.
 
 A figure is **degrading** in its latest run when it fell more than a margin below its own median
@@ -192,7 +192,7 @@ def render(index: Index, shown: int = 6) -> str:
         for ent in summarize(index, kind):
             head = f"{title} {ent['label']}"
             if ent["statuses"]:
-                head += "  verdicts: " + " ".join(_marked(v, p)
+                head += "  statuses: " + " ".join(_marked(v, p)
                                                   for v, p in ent["statuses"][-shown:])
             lines.append(f"\n{head}")
             for r in ent["figures"]:

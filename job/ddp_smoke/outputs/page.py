@@ -170,7 +170,7 @@ def _history_cell(ent: dict) -> str:
                    f'{e(change)}{flag}</div>')
     if ent.get("statuses"):
         statuses = " ".join(v for v, _ in ent["statuses"][-12:])
-        out.append(f'<div class="muted">verdicts: {e(statuses)}</div>')
+        out.append(f'<div class="muted">statuses: {e(statuses)}</div>')
     return "".join(out)
 
 

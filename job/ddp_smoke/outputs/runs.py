@@ -18,8 +18,9 @@ from . import fleet
 
 INDEX_NAME = ".ddp-smoke-history.sqlite"
 # 2: runs.practice, compute figures the sustained median block; 3: the fleet memory's tables
-# (_FLEET_TABLES); 4: the training check's figures (a report indexed before is read again)
-SCHEMA = 4
+# (_FLEET_TABLES); 4: the training check's figures (a report indexed before is read again);
+# 5: hosts.status (was hosts.verdict: a host has a status, a report a verdict)
+SCHEMA = 5
 REPORT = "report.json"
 # Folders a run writes beside its report: never a run of their own, not worth a walk.
 _ARTIFACT_DIRS = {"storage", "flight", "stacks", "nccl", "torchrun"}
@@ -189,7 +190,7 @@ CREATE TABLE figures (path TEXT, kind TEXT, entity TEXT, label TEXT, host TEXT, 
                       unit TEXT, value REAL);
 CREATE INDEX figures_by_entity ON figures (kind, entity, figure);
 CREATE INDEX figures_by_path ON figures (path);
-CREATE TABLE hosts (path TEXT, host TEXT, verdict TEXT);
+CREATE TABLE hosts (path TEXT, host TEXT, status TEXT);
 CREATE INDEX hosts_by_path ON hosts (path);
 """
 # The fleet memory (outputs/fleet.py): each host's status in each run with its first reason and
@@ -335,7 +336,8 @@ class Index:
             [(rel, f["kind"], f["entity"], f["label"], f["host"], f["figure"], f["unit"],
               f["value"]) for f in figures(report)])
         self.db.executemany("INSERT INTO hosts VALUES (?,?,?)",
-                            [(rel, str(_d(h).get("host")), str(_d(h).get("status") or _d(h).get("verdict")))
+                            [(rel, str(_d(h).get("host")), str(_d(h).get("status")
+                                                               or _d(h).get("verdict")))  # older
                              for h in _l(report.get("hosts")) if _d(h).get("host")])
         if not report.get("injected"):
             self.db.executemany("INSERT INTO host_runs VALUES (?,?,?,?,?)",
@@ -415,7 +417,7 @@ class Index:
     def host_statuses(self, host: str, until: float | None = None) -> list[tuple[str, bool]]:
         """(status, practice) of a host in every run shown, oldest first."""
         rows = self.db.execute(
-            "SELECT r.t, h.verdict, r.practice FROM hosts h JOIN runs r ON r.path = h.path "
+            "SELECT r.t, h.status, r.practice FROM hosts h JOIN runs r ON r.path = h.path "
             f"WHERE h.host = ?{self._shown} ORDER BY r.t, r.path", (host,)).fetchall()
         return [(v, p is not None) for t, v, p in rows if until is None or t <= until]
 
