@@ -178,7 +178,8 @@ def table(path: Path = TABLE) -> str:
         "tmpfs folder): `tests/sandbox/faults.py`. Signals go to PIDs, the memory limit makes "
         "the kernel's OOM killer act, network faults live in the nodes' namespaces; only the "
         "kinds that are by nature in-process (exit with a status, hang in Python, stall "
-        "inside a collective) use the worker's own `--fault`.",
+        "inside a collective) and silent data corruption (no CPU corrupts a product on "
+        "demand) use the worker's own `--fault`.",
         "- `make campaign` runs the covering set (about 2 hours here); `SLICE=kind=sigkill+oom`, "
         "`PART=3/14` or `CELL=sigkill.middle.collectives.torchrun.1x3` run part of it; "
         "`python -m tests.campaign --cell ID --repeat 5` reruns one cell.",

@@ -22,7 +22,7 @@ import random
 KINDS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop", "exit", "oom", "hang", "stall",
          "slow_rank", "slow_link", "slow_node", "dead_link", "dead_node", "blackhole",
          "lossy_link", "lossy_one_way", "flapping_link", "store_killed", "disk_full", "read_only",
-         "dup_hostname")
+         "dup_hostname", "sdc")
 POSITIONS = ("rank0", "middle", "last", "store_node")
 STAGES = ("join", "environment", "ddp_step", "sampler_epochs", "collectives", "storage",
           "bandwidth", "transport", "compute", "health")
@@ -59,11 +59,13 @@ DESCRIBE = {
     "disk_full": "the report folder is a tmpfs filled to the last byte",
     "read_only": "the report folder is a tmpfs remounted read-only",
     "dup_hostname": "two machines (nodes) with the same hostname",
+    "sdc": "silent data corruption: the rank's seeded product is off by one unit in the last "
+           "place in one element (the injector's sdc: no CPU corrupts on demand)",
 }
 
 SIGNALS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop")
 INSTANT = SIGNALS + ("oom", "store_killed")  # struck from outside at one moment
-INJECTED = ("exit", "hang", "stall")  # by nature in-process: the worker's own --fault
+INJECTED = ("exit", "hang", "stall", "sdc")  # by nature in-process: the worker's own --fault
 # A link bad some of the time.
 LOSSY = ("lossy_link", "lossy_one_way", "flapping_link")
 NETWORK = ("slow_link", "slow_node", "dead_link", "dead_node", "blackhole", "dup_hostname") + LOSSY
@@ -152,6 +154,9 @@ def impossible(c: Cell) -> str | None:
         return "the injector acts at a check, not in the join"
     if c.kind == "stall" and c.stage not in COLLECTIVE:
         return "the check issues no collective to stall in"
+    if c.kind == "sdc" and c.stage != "health":
+        return ("the seeded product compared bit for bit is the health check's (and the "
+                "training check's first step, which the campaign's quick level does not run)")
     if c.kind == "dup_hostname" and c.stage != "join":
         return "a hostname is set before the run starts"
     if c.kind == "store_killed" and c.position != "store_node":
@@ -473,6 +478,11 @@ def expect(c: Cell) -> Expect:
         return Expect(FAIL, me, (f"did not arrive at {s}",))
     if k == "stall":
         return Expect(FAIL, me, ("never issued",))
+    if k == "sdc":
+        if c.world == 2:
+            return Expect(FAIL, frozenset({("rank", 0), ("rank", 1)}), ("no majority",),
+                          why="two ranks disagree and neither is the majority: both suspect")
+        return Expect(FAIL, me, ("silent data corruption", "drain and RMA"))
     if k == "slow_rank":
         return _slow_rank(c, me)
     if k in ("slow_link", "slow_node"):

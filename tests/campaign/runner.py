@@ -45,7 +45,7 @@ LARGE_COLLECTIVE = ", 16800000"
 _SIGNALS = {"sigkill": signal.SIGKILL, "sigsegv": signal.SIGSEGV, "sigabrt": signal.SIGABRT,
             "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
 _SRUN_LABEL = re.compile(r"^\[[^\]\s]+\]:")  # srun --label: "[node:task]:" before each line
-_INJECT = {"exit": "crash", "hang": "hang", "stall": "stall"}
+_INJECT = {"exit": "crash", "hang": "hang", "stall": "stall", "sdc": "sdc"}
 
 
 @dataclasses.dataclass
