@@ -98,6 +98,10 @@ report_dir="${DDP_SMOKE_REPORT_DIR:-}"
 if [[ -z "$report_dir" && -n "${DDP_SMOKE_REPORT_ROOT:-}" ]]; then
     report_dir="$DDP_SMOKE_REPORT_ROOT/$DDP_SMOKE_RUN_ID"
 fi
+# The worker's own --report-dir, when given, is where its report is looked for: the launcher's
+# (a failed preflight, a torchrun that ended without one) goes there too.
+given="$(option_value report-dir "${worker_args[@]}")"
+report_dir="${given:-${report_dir}}"
 added_report_dir=0
 if [[ -n "$report_dir" ]] \
         && ! has_option report-dir "${worker_args[@]}" \

@@ -34,7 +34,7 @@ from .config.faults import Injector, parse_faults
 from .config.launchenv import LaunchEnv
 from .coordination import (ending, fate, forensics, hosting, keys, liveness, lost, progress, rails,
                            reach, records, retransmits, runtime, signing, stopped_run, stragglers)
-from .coordination.protocol import Coordinator, Run, Stop, error_detail
+from .coordination.protocol import Coordinator, Run, Stop
 from .coordination.store import Connection, look_period, wait_key
 from .errors import ConfigError
 from .model import FAIL, CheckResult, Culprit, check_from_dict
@@ -102,7 +102,7 @@ def run(cfg: dict[str, Any]) -> int:
         print(f"ddp-smoke: error: {e}", file=sys.stderr)
         ending.leave(None, code=2)
     except Exception as e:  # noqa: BLE001 — init or harness failure on this rank
-        c.abort(store, records.ErrorAbort, **error_detail(e))
+        c.abort(store, records.ErrorAbort, **records.error_detail(e))
     try:
         return _finish(c, store)
     except (RuntimeError, OSError) as e:  # the store went away: one JSON line, no traceback
@@ -195,7 +195,7 @@ def _run_check(c: Coordinator, ctx: Context, name: str) -> None:
         progress.RECORDER.stall = ctx.faults.stalling
         data = module.run(ctx)
     except Exception as e:  # noqa: BLE001 — a check that raises fails with its rank named
-        c.abort(store, records.ErrorAbort, **error_detail(e))
+        c.abort(store, records.ErrorAbort, **records.error_detail(e))
         raise Stop from None
     c.post_observation(store, name, records.Observation(
         data=data, duration_s=round(time.monotonic() - t, 6), waits=progress.RECORDER.spent(),

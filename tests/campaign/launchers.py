@@ -120,6 +120,8 @@ class Launch:
     report_dir: Path
     proc: subprocess.Popen | None = None
     hosts: list = dataclasses.field(default_factory=list)  # node index -> Host (network faults)
+    names: list = dataclasses.field(default_factory=list)  # node index -> its hostname, where
+    # that is not its Host's name (a pod's)
     out_path: Path | None = None
     containers: list = dataclasses.field(default_factory=list)
     env: dict | None = None
@@ -289,12 +291,14 @@ def _popen(argv, out: Path, env: dict, cwd=REPO, **kw) -> subprocess.Popen:
 
 
 def start(cell, parts: Parts, work: Path, reports: Path, worker: list[str], marker: str,
-          dup: tuple[int, int] | None) -> Launch:
+          dup: tuple[int, int] | None, before=lambda hosts: None) -> Launch:
     """Start ``cell``'s launcher with the worker's options ``worker`` (no --report-dir): its
-    own files (logs, submitit's) in ``work``, the run's report folder under ``reports``."""
-    return {"torchrun": _torchrun, "smoke_local": _smoke_local, "slurm": _slurm,
-            "image": _image, "submit": _submit}[cell.launcher](
-        cell, parts, work, reports, worker, marker, dup)
+    own files (logs, submitit's) in ``work``, the run's report folder under ``reports``.
+    ``before(hosts)``: called with the nodes' Hosts once they exist, before anything starts
+    on them (a fault that must be there before the launcher looks)."""
+    launch = {"torchrun": _torchrun, "smoke_local": _smoke_local, "slurm": _slurm,
+              "image": _image, "submit": _submit}[cell.launcher]
+    return launch(cell, parts, work, reports, worker, marker, dup, before)
 
 
 def _env(marker: str, cell=None) -> dict:
@@ -309,7 +313,7 @@ def _worker_env(marker: str, cell) -> dict:
     return {"DDP_SMOKE_CAMPAIGN": marker, **({"MALLOC_MMAP_THRESHOLD_": "131072"} if oom else {})}
 
 
-def _torchrun(cell, parts, work, reports, worker, marker, dup) -> Launch:
+def _torchrun(cell, parts, work, reports, worker, marker, dup, before) -> Launch:
     rd = reports / "report"
     launch = Launch(cell, marker, rd, out_path=work / "launcher.log")
     if cell.nodes == 1:
@@ -322,6 +326,7 @@ def _torchrun(cell, parts, work, reports, worker, marker, dup) -> Launch:
     launch.hosts, launch.logs = hosts, work / "logs"
     launch.logs.mkdir()
     endpoint = f"{hosts[0].addr}:{29700 + os.getpid() % 200}"
+    before(hosts)
     procs = []
     for i, host in enumerate(hosts):
         shown = dataclasses.replace(host, name=hosts[dup[0]].name) if dup and i == dup[1] \
@@ -380,7 +385,7 @@ class _Group:
             time.sleep(0.1)
 
 
-def _smoke_local(cell, parts, work, reports, worker, marker, dup) -> Launch:
+def _smoke_local(cell, parts, work, reports, worker, marker, dup, before) -> Launch:
     rd = reports / "report"
     launch = Launch(cell, marker, rd, out_path=work / "launcher.log")
     args = " ".join(worker)
@@ -389,8 +394,9 @@ def _smoke_local(cell, parts, work, reports, worker, marker, dup) -> Launch:
     return launch
 
 
-def _slurm(cell, parts, work, reports, worker, marker, dup) -> Launch:
+def _slurm(cell, parts, work, reports, worker, marker, dup, before) -> Launch:
     cluster = parts.slurm(dup)
+    before(cluster.hosts.hosts[:cell.nodes])
     env = cluster.env(**_env(marker, cell), WORKER_PYTHON=sys.executable,
                       NPROC_PER_NODE=str(cell.per_node), REPORT_ROOT=str(reports / "reports"))
     proc = subprocess.run(["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2",
@@ -429,7 +435,7 @@ class _SlurmJob:
             time.sleep(0.5)
 
 
-def _image(cell, parts, work, reports, worker, marker, dup) -> Launch:
+def _image(cell, parts, work, reports, worker, marker, dup, before) -> Launch:
     from tests.sandbox.docker import PodNetwork
     engine, image = parts.docker()
     uid = int(engine.docker("image", "inspect", "-f", "{{.Config.User}}", image.tag).stdout)
@@ -443,7 +449,9 @@ def _image(cell, parts, work, reports, worker, marker, dup) -> Launch:
         names[dup[1]] = names[dup[0]]
     addrs = [f"10.231.11.{11 + i}" for i in range(cell.nodes)]
     pods = [net.add_pod(n, a, etc_hosts=dict(zip(names, addrs))) for n, a in zip(names, addrs)]
-    launch = Launch(cell, marker, out, hosts=[net._box.plugged[i] for i in range(cell.nodes)])
+    launch = Launch(cell, marker, out, hosts=[net._box.plugged[i] for i in range(cell.nodes)],
+                    names=names)
+    before(launch.hosts)
     worker, volumes = _in_pod(worker, [f"{out}:/reports"])
     for pod in pods:
         if cell.nodes == 1:  # the entrypoint's store host comes with --standalone
@@ -495,7 +503,7 @@ class _Container:
         self.c.engine.docker("kill", self.c.name, check=False)
 
 
-def _submit(cell, parts, work, reports, worker, marker, dup) -> Launch:
+def _submit(cell, parts, work, reports, worker, marker, dup, before) -> Launch:
     folder = work / "submitit"
     folder.mkdir()
     (reports / "report").mkdir(exist_ok=True)
@@ -508,6 +516,7 @@ def _submit(cell, parts, work, reports, worker, marker, dup) -> Launch:
         cluster = parts.slurm(dup)
         env = cluster.env(**env)
         hosts = cluster.hosts.hosts[:cell.nodes]
+        before(hosts)
         argv += ["--cluster", "slurm", "--nodes", str(cell.nodes), "--allow-local-folder"]
     launch = Launch(cell, marker, folder / "report", out_path=work / "launcher.log",
                     hosts=hosts)

@@ -22,7 +22,7 @@ import random
 KINDS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop", "exit", "oom", "hang", "stall",
          "slow_rank", "slow_link", "slow_node", "dead_link", "dead_node", "blackhole",
          "lossy_link", "lossy_one_way", "flapping_link", "store_killed", "disk_full", "read_only",
-         "dup_hostname", "sdc")
+         "dup_hostname", "sdc", "missing_interface")
 POSITIONS = ("rank0", "middle", "last", "store_node")
 STAGES = ("join", "environment", "ddp_step", "sampler_epochs", "collectives", "storage",
           "bandwidth", "transport", "compute", "health")
@@ -61,6 +61,8 @@ DESCRIBE = {
     "dup_hostname": "two machines (nodes) with the same hostname",
     "sdc": "silent data corruption: the rank's seeded product is off by one unit in the last "
            "place in one element (the injector's sdc: no CPU corrupts on demand)",
+    "missing_interface": "the node's interface is named ens7, not the eth0 the launcher names "
+                         "(GLOO_SOCKET_IFNAME): its address and routes unchanged",
 }
 
 SIGNALS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop")
@@ -68,7 +70,8 @@ INSTANT = SIGNALS + ("oom", "store_killed")  # struck from outside at one moment
 INJECTED = ("exit", "hang", "stall", "sdc")  # by nature in-process: the worker's own --fault
 # A link bad some of the time.
 LOSSY = ("lossy_link", "lossy_one_way", "flapping_link")
-NETWORK = ("slow_link", "slow_node", "dead_link", "dead_node", "blackhole", "dup_hostname") + LOSSY
+NETWORK = ("slow_link", "slow_node", "dead_link", "dead_node", "blackhole", "dup_hostname",
+           "missing_interface") + LOSSY
 FOLDER = ("disk_full", "read_only")
 SLOW = ("slow_rank", "slow_link", "slow_node")
 # Checks that last milliseconds on CPU whatever the configuration: an outside strike cannot be
@@ -159,6 +162,8 @@ def impossible(c: Cell) -> str | None:
                 "training check's first step, which the campaign's quick level does not run)")
     if c.kind == "dup_hostname" and c.stage != "join":
         return "a hostname is set before the run starts"
+    if c.kind == "missing_interface" and c.stage != "join":
+        return "an interface is named, and looked up, before the run starts"
     if c.kind == "store_killed" and c.position != "store_node":
         return "the store lives on one node: the store's"
     if c.kind in FOLDER and c.position != "rank0":
@@ -533,6 +538,27 @@ def expect(c: Cell) -> Expect:
                 "every rank's storage writes fail alike: the folder, not a rank"))
         return Expect(PASS, words=(said,), writers=frozenset({"stderr"}), why=(
             "every check passed; the report goes to stderr as one JSON line, exit 1"))
+    if k == "missing_interface":
+        if c.launcher == "torchrun":
+            return Expect(FAIL, me, ("Unable to find address for: eth0",), why=(
+                "plain torchrun runs no preflight: the node's rank fails to create the process "
+                "group on an interface that is not there, and says so"))
+        if c.launcher == "submit":  # a task per rank: the node's tasks are named
+            return Expect(FAIL, frozenset({("rank", c.node * c.per_node + i)
+                                           for i in range(c.per_node)}), ("no interface eth0",),
+                          frozenset({"submitit launcher"}), why=(
+                              "each task's preflight, before its rank starts"))
+        if c.launcher == "image":  # pods started alone, as Kubernetes starts them
+            return Expect(FAIL, frozenset({("host", c.node)}), ("no interface eth0",),
+                          frozenset({"docker launcher"}), ends=False, why=(
+                              "the pod's preflight names its node before torchrun starts; the "
+                              "other pods' agents then wait for it at the rendezvous (or fail to "
+                              "reach the rendezvous it hosted), within torchrun's own timeouts: "
+                              "theirs, not the kit's"))
+        return Expect(FAIL, frozenset({("host", c.node)}), ("no interface eth0",),
+                      frozenset({"slurm launcher"}), why=(
+                          "the template's preflight step on every node names the node before "
+                          "any rank starts"))
     if k == "dup_hostname":
         return Expect(FAIL, frozenset({("rank", c.node * c.per_node),
                                        ("rank", c.peer_node * c.per_node)}),

@@ -153,9 +153,12 @@ def run(cell: Cell, parts: launchers.Parts, work: Path) -> Row:
                     (folder.path / sub).mkdir(mode=0o777)
                     os.chmod(folder.path / sub, 0o1777)
                 _hit_folder(cell, folder)
+        def before(hosts):  # a node's interface named otherwise: before the launcher looks
+            if cell.kind == "missing_interface":
+                undo.enter_context(faults.renamed_interface(hosts[cell.node]))
         try:
             launch = launchers.start(cell, parts, work, folder.path if folder else work,
-                                     worker_args(cell, config), marker, dup)
+                                     worker_args(cell, config), marker, dup, before)
         except Exception as e:  # noqa: BLE001 — a launcher that cannot start is this row's
             return Row(cell, expect, Got("none", frozenset(), "", None, None, None, 0.0,
                                          f"error: could not start: {e}"), time.monotonic() - t0)
@@ -194,7 +197,8 @@ def _strike(cell: Cell, launch, parts, undo: contextlib.ExitStack, folder) -> fl
     k = cell.kind
     if k in _INJECT and cell.stage != "join":
         return _arrived(cell, launch)
-    if k in _INJECT or k == "dup_hostname" or (k in matrix.FOLDER and cell.stage == "join"):
+    if k in _INJECT or k in ("dup_hostname", "missing_interface") or (
+            k in matrix.FOLDER and cell.stage == "join"):
         return None
     network = k in matrix.NETWORK
     if network and cell.stage == "join":
@@ -354,7 +358,8 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
     culprits, slow, reasons = set(), set(), []
     # a host by its node number (machines' names differ): a node where no rank ran by name
     nodes = {i.get("host"): i.get("group_rank") for i in report.get("ranks") or []
-             if i.get("host") and i.get("group_rank") is not None}
+             if i.get("host") and i.get("group_rank") is not None} or {
+                 name: n for n, name in enumerate(launch.names or [h.name for h in launch.hosts])}
     on_pace = paced(report)
     for check in report.get("checks", []):
         if check.get("status") != "fail":

@@ -310,3 +310,20 @@ def test_no_module_but_the_protocol_writes_a_coordinators_state():
                 if isinstance(base, ast.Name) and base.id in ("c", "coord"):
                     writes.append(f"{path.name}:{node.lineno}")
     assert writes == []
+
+
+def test_a_rank_whose_own_transport_cannot_start_is_no_victim():
+    """gloo's device on a node without the interface it is told to use raises from
+    gloo/transport, as a peer's disappearance does; that rank is the culprit (seen in the
+    campaign's missing_interface cell: every rank named "did not finish init" instead)."""
+    def raised(message):
+        try:
+            raise RuntimeError(message)
+        except RuntimeError as e:
+            return records.error_detail(e)
+    own = raised("[enforce fail at /__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+                 "device.cc:84] ifa != nullptr. Unable to find address for: eth0")
+    assert own["comm"] is False and own["message"].endswith("Unable to find address for: eth0")
+    peer = raised("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by "
+                  "peer [10.231.9.3]:4242")
+    assert peer["comm"] is True and peer["type"] == "RuntimeError"

@@ -307,6 +307,19 @@ def test_entrypoint_preflight_failure_is_a_report_naming_this_node(tmp_path):
     assert "+ torchrun" not in proc.stderr  # stopped before torchrun
 
 
+def test_entrypoint_preflight_report_goes_where_the_worker_was_told_to_write(tmp_path):
+    """A worker given its own --report-dir: the launcher's report of a failed preflight goes
+    there, where the run's report is looked for (it went to the report root's run folder, and
+    the campaign's missing_interface cell under the image found no report at all)."""
+    mine = tmp_path / "mine"
+    proc = _entrypoint(tmp_path, "--", "--report-dir", str(mine), "--checks", "environment",
+                       GLOO_SOCKET_IFNAME="ib7")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads((mine / "report.json").read_text())
+    assert report["written_by"] == "docker launcher" and report["verdict"] == "fail"
+    assert not (tmp_path / "ep1").exists()
+
+
 def test_entrypoint_checks_the_worker_options_once_before_anything_starts(tmp_path):
     """Issue 25: bad input is one line and exit 2 before preflight and torchrun (which would
     exit 1); the worker's --help is printed once, by no rank."""

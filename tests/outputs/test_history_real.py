@@ -14,6 +14,7 @@ The practice run is labelled as practice in every artifact, and history leaves i
 from __future__ import annotations
 
 import re
+import statistics
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -129,12 +130,16 @@ def test_a_run_held_to_a_fifth_of_a_core_is_degrading_in_history(runs):
         (line,) = [ln for ln in text.splitlines()
                    if ln.startswith(f"degrading: device {slot}: fp32 matmul n=")]
         assert " sustained " in line and " GFLOPS, " in line and "TFLOPS" not in line, line
-    # what the verdict judged fell; the best block (CPU seconds) barely moved
-    healthy = runs["healthy2"].check("compute")["figures"]["ranks"]
+    # what the verdict judged fell, against the median of the healthy runs as history judges
+    # it (one healthy run alone beside a loaded suite fell to a third of the other's once);
+    # the best block (CPU seconds) barely moved
+    healthy = [runs[n].check("compute")["figures"]["ranks"] for n in ("healthy1", "healthy2")]
     held = quota.check("compute")["figures"]["ranks"]
-    for before, after in zip(healthy, held):
-        b, a = before["matmul"]["fp32"], after["matmul"]["fp32"]
-        print(f"\nrank {before['rank']}: sustained {b['tflops_median'] * 1e3:.1f} -> "
-              f"{a['tflops_median'] * 1e3:.1f} GFLOPS, best block {b['tflops'] * 1e3:.1f} -> "
+    for one, two, after in zip(*healthy, held):
+        b = [r["matmul"]["fp32"] for r in (one, two)]
+        a = after["matmul"]["fp32"]
+        median = statistics.median(x["tflops_median"] for x in b)
+        print(f"\nrank {one['rank']}: sustained median {median * 1e3:.1f} -> "
+              f"{a['tflops_median'] * 1e3:.1f} GFLOPS, best block {b[1]['tflops'] * 1e3:.1f} -> "
               f"{a['tflops'] * 1e3:.1f} GFLOPS")
-        assert a["tflops_median"] < 0.5 * b["tflops_median"]  # history's CPU margin
+        assert a["tflops_median"] < 0.5 * median  # history's CPU margin

@@ -287,6 +287,24 @@ def blackhole(a: Host, b: Host, over: int = LARGE_BYTES):
                         "-j", "DROP"]) for h, o in ((a, b), (b, a))])
 
 
+@contextlib.contextmanager
+def renamed_interface(host: Host, to: str = "ens7"):
+    """The host's interface is called ``to``, not what the launcher names (a node of another
+    hardware generation, whose predictable name differs): its address and routes stay, so
+    every connection by address still works, and only a lookup by name fails. Renaming takes
+    the link down for a moment (milliseconds; TCP rides it out)."""
+    def rename(old: str, new: str) -> None:
+        in_host(host, "ip", "link", "set", old, "down")
+        in_host(host, "ip", "link", "set", old, "name", new)
+        in_host(host, "ip", "link", "set", new, "up")
+    rename(host.ifname, to)
+    try:
+        yield host
+    finally:
+        with contextlib.suppress(FaultError):
+            rename(to, host.ifname)
+
+
 # -- the report folder -----------------------------------------------------------------------
 
 class SmallFolder:

@@ -172,9 +172,12 @@ def test_link_cut_mid_run_is_named_not_its_two_ends(box, tmp_path):
         with _rules(_link_down(a, b)):
             report = _report(nodes, tmp_path / str(attempt))
         assert _named(report) == _link(report, a, b), (_named(report), nodes.tails())
-        stopped = next(c for c in report["checks"] if c["name"] == "collectives")
+        # the check the cut stopped: collectives, or compute's closing exchange on a loaded
+        # host (compute still running when the cut came: seen in a suite run)
+        stopped = next(c for c in report["checks"] if c["status"] == "fail")
+        assert stopped["name"] in ("compute", "collectives"), stopped["name"]
         probes = stopped["figures"]["probes"].values()
-        assert stopped["status"] == "fail" and any(p["failed"] for p in probes), probes
+        assert any(p["failed"] for p in probes), probes
 
 
 @pytest.mark.timeout(HELD_REPEAT * 170)

@@ -16,7 +16,6 @@ import datetime
 import json
 import threading
 import time
-import traceback
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -28,11 +27,8 @@ from . import (fate, forensics, keys, liveness, progress, reach, records, retran
 from .store import POLL_MAX_S, STORE_OPS_PER_S, Silence, Stop, dead_after, listed, try_get
 
 GRACE_S = 5.0  # the main thread's waits outlast the deadline by this: the watchdog acts first
-# Messages of backend errors seen by a rank whose peer vanished: the rank is a victim.
-_COMM_MARKERS = ("Connection closed by peer", "Connection reset by peer", "gloo/transport",
-                 "Broken pipe", "NCCL communicator was aborted", "Timed out waiting")
 
-__all__ = ["Coordinator", "Run", "Stop", "error_detail"]
+__all__ = ["Coordinator", "Run", "Stop"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,15 +433,4 @@ class Coordinator:
             store.append(keys.listed(keys.FORENSICS), f"{self.env.rank},")
         except Exception:  # noqa: BLE001 — the store is gone; the files are still there
             pass
-        # a node's leader: who it can still connect to
-        reach.survey(store, self.env.rank, self.cfg.get("diagnosis"))
-
-
-def error_detail(e: BaseException) -> dict:
-    """An exception as an :class:`.records.ErrorAbort`'s fields; ``comm`` marks a rank that
-    saw its peer vanish."""
-    message = str(e)
-    comm_error = isinstance(e, getattr(dist, "DistError", ())) or any(m in message
-                                                                      for m in _COMM_MARKERS)
-    return {"type": type(e).__name__, "message": message.splitlines()[0][:500] if message else "",
-            "traceback": traceback.format_exc(limit=6), "comm": comm_error}
+        reach.survey(store, self.env.rank, self.cfg.get("diagnosis"))  # leaders: who is reached

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -106,6 +107,24 @@ class ErrorAbort(Abort):
     traceback: str | None = None
     comm: bool = False
     reason: str | None = None  # the culprit's reason, where the raiser knows it better
+
+
+# Backend errors of a rank whose peer vanished: a victim; not one whose own transport could
+# not start (_OWN: gloo finds no interface of the name it was given on this node).
+_COMM_MARKERS = ("Connection closed by peer", "Connection reset by peer", "gloo/transport",
+                 "Broken pipe", "NCCL communicator was aborted", "Timed out waiting")
+_OWN = ("Unable to find address for",)
+
+
+def error_detail(e: BaseException) -> dict:
+    """An exception as an :class:`ErrorAbort`'s fields; ``comm`` marks a rank that saw its
+    peer vanish."""
+    import torch.distributed as dist  # only a rank that raised gets here: torch is loaded
+    message = str(e)
+    comm = (isinstance(e, getattr(dist, "DistError", ())) or any(
+        m in message for m in _COMM_MARKERS)) and not any(m in message for m in _OWN)
+    return {"type": type(e).__name__, "message": message.splitlines()[0][:500] if message else "",
+            "traceback": traceback.format_exc(limit=6), "comm": comm}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,8 +18,7 @@ from . import fleet
 
 INDEX_NAME = ".ddp-smoke-history.sqlite"
 # 2: runs.practice, compute figures the sustained median block; 3: the fleet memory's tables
-# (_FLEET_TABLES); 4: the training check's figures (a report indexed before is read again);
-# 5: hosts.status (was hosts.verdict: a host has a status, a report a verdict)
+# (_FLEET_TABLES); 4: the training check's figures; 5: hosts.status (was hosts.verdict)
 SCHEMA = 5
 REPORT = "report.json"
 # Folders a run writes beside its report: never a run of their own, not worth a walk.
@@ -336,8 +335,7 @@ class Index:
             [(rel, f["kind"], f["entity"], f["label"], f["host"], f["figure"], f["unit"],
               f["value"]) for f in figures(report)])
         self.db.executemany("INSERT INTO hosts VALUES (?,?,?)",
-                            [(rel, str(_d(h).get("host")), str(_d(h).get("status")
-                                                               or _d(h).get("verdict")))  # older
+                            [(rel, str(_d(h).get("host")), str(_d(h).get("status") or _d(h).get("verdict")))
                              for h in _l(report.get("hosts")) if _d(h).get("host")])
         if not report.get("injected"):
             self.db.executemany("INSERT INTO host_runs VALUES (?,?,?,?,?)",
