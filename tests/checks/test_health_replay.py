@@ -115,6 +115,15 @@ def test_a_gpu_run_without_nvml_fails_the_node_with_cause_and_fix(tmp_path, conf
     assert (tmp_path / "bad_hosts.txt").read_text().split() == [c["host"]]
 
 
+def test_a_recording_of_files_alone_is_a_node_without_nvidias_library(tmp_path, config_file):
+    """hca_ports.json holds sysfs files and no NVML section (an HCA-only node): the health
+    check read it as a node whose NVML is absent; it raised KeyError 'nvml' on every rank."""
+    run, check = replayed("hca_ports", tmp_path, config_file)
+    assert check["status"] == "pass", check
+    assert "0 GPU(s), 4 HCA port(s) read" in check["summary"] and "(replayed)" in \
+        check["summary"], check["summary"]
+
+
 def test_a_gpu_off_the_bus_during_the_run_is_named_with_its_rank(tmp_path, config_file):
     run, check = replayed("h200_gpu_off_bus", tmp_path, config_file)
     one = (1, 1, "00000000:43:00.0", "1641824000242")

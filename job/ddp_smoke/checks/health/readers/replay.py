@@ -60,6 +60,9 @@ def load(path: str) -> dict:
         for dotted, value in rec.get("patch", {}).items():
             _set(base, dotted, value)
         rec = base
+    # files alone (an HCA-only or CPU node's sysfs): a node without NVIDIA's library, as NVML
+    # says it, not a KeyError in the health check
+    rec.setdefault("nvml", {"init": "NVML_ERROR_LIBRARY_NOT_FOUND"})
     rec["path"] = str(p)
     return rec
 
