@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="run the tasks in this image through pyxis (default: none)")
     ap.add_argument("--container-python", default=IMAGE_PYTHON, metavar="PATH",
                     help=f"the image's interpreter (default {IMAGE_PYTHON})")
+    ap.add_argument("--python", metavar="PATH",
+                    help="the tasks' interpreter on Slurm's nodes, without a container (default: "
+                         "this one): the nodes' own venv, or a site's wrapper around it")
     ap.add_argument("--cpus-per-proc", type=int, metavar="N",
                     help=f"CPUs per process (default 1; {GPU_CPUS_PER_PROC} with GPUs)")
     ap.add_argument("--folder", metavar="DIR",
@@ -397,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
         kwargs = dict(nodes=a.nodes, procs_per_node=a.procs_per_node,
                       gpus_per_node=a.gpus_per_node, partition=a.partition, account=a.account,
                       qos=a.qos, time_min=a.time_min, container_image=a.container_image,
-                      container_python=a.container_python, cpus_per_proc=a.cpus_per_proc,
+                      container_python=a.container_python, python=a.python,
+                      cpus_per_proc=a.cpus_per_proc,
                       folder=a.folder, worker_args=worker, allow_local_folder=a.allow_local_folder)
         check_wait_timeout(a.wait_timeout)
         if a.dry_run:

@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -291,14 +292,36 @@ def _popen(argv, out: Path, env: dict, cwd=REPO, **kw) -> subprocess.Popen:
 
 
 def start(cell, parts: Parts, work: Path, reports: Path, worker: list[str], marker: str,
-          dup: tuple[int, int] | None, before=lambda hosts: None) -> Launch:
+          dup: tuple[int, int] | None, before=lambda hosts: None,
+          node_env=lambda node: {}) -> Launch:
     """Start ``cell``'s launcher with the worker's options ``worker`` (no --report-dir): its
     own files (logs, submitit's) in ``work``, the run's report folder under ``reports``.
     ``before(hosts)``: called with the nodes' Hosts once they exist, before anything starts
-    on them (a fault that must be there before the launcher looks)."""
+    on them (a fault that must be there before the launcher looks). ``node_env(i)``: more
+    environment for node i's ranks alone (a site's per-node setting; a wrapper of the
+    interpreter where the launcher gives every node the same environment)."""
     launch = {"torchrun": _torchrun, "smoke_local": _smoke_local, "slurm": _slurm,
               "image": _image, "submit": _submit}[cell.launcher]
-    return launch(cell, parts, work, reports, worker, marker, dup, before)
+    return launch(cell, parts, work, reports, worker, marker, dup, before, node_env)
+
+
+WRAPPER = """#!/bin/sh
+# The cell's per-node environment: each node's own, by Slurm's name for it.
+{cases}exec {python} "$@"
+"""
+
+
+def _python(work: Path, names: list[str], node_env) -> str:
+    """This interpreter, or a wrapper of it that sets ``node_env(i)`` on node ``names[i]``."""
+    cases = "".join(f'if [ "$SLURMD_NODENAME" = "{name}" ]; then export '
+                    + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + "; fi\n"
+                    for name, env in ((n, node_env(i)) for i, n in enumerate(names)) if env)
+    if not cases:
+        return sys.executable
+    path = work / "python-per-node"
+    path.write_text(WRAPPER.format(cases=cases, python=sys.executable))
+    path.chmod(0o755)
+    return str(path)
 
 
 def _env(marker: str, cell=None) -> dict:
@@ -313,13 +336,13 @@ def _worker_env(marker: str, cell) -> dict:
     return {"DDP_SMOKE_CAMPAIGN": marker, **({"MALLOC_MMAP_THRESHOLD_": "131072"} if oom else {})}
 
 
-def _torchrun(cell, parts, work, reports, worker, marker, dup, before) -> Launch:
+def _torchrun(cell, parts, work, reports, worker, marker, dup, before, node_env) -> Launch:
     rd = reports / "report"
     launch = Launch(cell, marker, rd, out_path=work / "launcher.log")
     if cell.nodes == 1:
         argv = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={cell.per_node}",
                 "-m", "ddp_smoke", "--report-dir", str(rd), *worker]
-        launch.proc = _popen(argv, launch.out_path, _env(marker, cell))
+        launch.proc = _popen(argv, launch.out_path, {**_env(marker, cell), **node_env(0)})
         return launch
     box = parts.hosts()
     hosts = box.hosts[:cell.nodes]
@@ -335,7 +358,8 @@ def _torchrun(cell, parts, work, reports, worker, marker, dup, before) -> Launch
                              "join_timeout=60,read_timeout=30", ["--report-dir", str(rd),
                                                                  *worker])
         with open(work / "logs" / f"node{i + 1}.log", "wb") as f:
-            procs.append(subprocess.Popen(host_command(shown, argv), env=_env(marker, cell),
+            procs.append(subprocess.Popen(host_command(shown, argv),
+                                          env={**_env(marker, cell), **node_env(i)},
                                           stdout=f, stderr=subprocess.STDOUT,
                                           start_new_session=True, cwd=REPO))
     launch.proc = _Group(procs, lambda: launch.workers().values())
@@ -385,19 +409,21 @@ class _Group:
             time.sleep(0.1)
 
 
-def _smoke_local(cell, parts, work, reports, worker, marker, dup, before) -> Launch:
+def _smoke_local(cell, parts, work, reports, worker, marker, dup, before, node_env) -> Launch:
     rd = reports / "report"
     launch = Launch(cell, marker, rd, out_path=work / "launcher.log")
     args = " ".join(worker)
     launch.proc = _popen(["make", "-s", "smoke-local", f"NPROC={cell.per_node}",
-                          f"REPORT_DIR={rd}", f"ARGS={args}"], launch.out_path, _env(marker, cell))
+                          f"REPORT_DIR={rd}", f"ARGS={args}"], launch.out_path,
+                         {**_env(marker, cell), **node_env(0)})
     return launch
 
 
-def _slurm(cell, parts, work, reports, worker, marker, dup, before) -> Launch:
+def _slurm(cell, parts, work, reports, worker, marker, dup, before, node_env) -> Launch:
     cluster = parts.slurm(dup)
     before(cluster.hosts.hosts[:cell.nodes])
-    env = cluster.env(**_env(marker, cell), WORKER_PYTHON=sys.executable,
+    python = _python(work, [h.name for h in cluster.hosts.hosts[:cell.nodes]], node_env)
+    env = cluster.env(**_env(marker, cell), WORKER_PYTHON=python,
                       NPROC_PER_NODE=str(cell.per_node), REPORT_ROOT=str(reports / "reports"))
     proc = subprocess.run(["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2",
                            f"--nodes={cell.nodes}", f"--output={work}/job.out", str(TEMPLATE),
@@ -435,7 +461,7 @@ class _SlurmJob:
             time.sleep(0.5)
 
 
-def _image(cell, parts, work, reports, worker, marker, dup, before) -> Launch:
+def _image(cell, parts, work, reports, worker, marker, dup, before, node_env) -> Launch:
     from tests.sandbox.docker import PodNetwork
     engine, image = parts.docker()
     uid = int(engine.docker("image", "inspect", "-f", "{{.Config.User}}", image.tag).stdout)
@@ -453,7 +479,13 @@ def _image(cell, parts, work, reports, worker, marker, dup, before) -> Launch:
                     names=names)
     before(launch.hosts)
     worker, volumes = _in_pod(worker, [f"{out}:/reports"])
-    for pod in pods:
+    for i, pod in enumerate(pods):
+        # a file the pod reads (a recording, and the recordings it builds on): its folder
+        # mounted read-only, the variable naming it there
+        own = {k: f"/campaign/files/{Path(v).name}" if Path(v).is_file() else v
+               for k, v in node_env(i).items()}
+        mounts = [f"{Path(v).parent}:/campaign/files:ro" for v in node_env(i).values()
+                  if Path(v).is_file()][:1]
         if cell.nodes == 1:  # the entrypoint's store host comes with --standalone
             args = ["--standalone", f"--nproc-per-node={cell.per_node}"]
         else:
@@ -462,9 +494,9 @@ def _image(cell, parts, work, reports, worker, marker, dup, before) -> Launch:
                     f"--local-addr={pod.addr}"]
         launch.containers.append(_Container(net.run(
             pod, image.tag, [*args, "--", "--report-dir", "/reports", *worker],
-            volumes=volumes, env={"GLOO_SOCKET_IFNAME": "eth0",
-                                              "DDP_SMOKE_STORE": "auto", "OMP_NUM_THREADS": "1",
-                                              **_worker_env(marker, cell)})))
+            volumes=volumes + mounts, env={"GLOO_SOCKET_IFNAME": "eth0",
+                                           "DDP_SMOKE_STORE": "auto", "OMP_NUM_THREADS": "1",
+                                           **_worker_env(marker, cell), **own})))
     launch.net = net
     return launch
 
@@ -503,21 +535,22 @@ class _Container:
         self.c.engine.docker("kill", self.c.name, check=False)
 
 
-def _submit(cell, parts, work, reports, worker, marker, dup, before) -> Launch:
+def _submit(cell, parts, work, reports, worker, marker, dup, before, node_env) -> Launch:
     folder = work / "submitit"
     folder.mkdir()
     (reports / "report").mkdir(exist_ok=True)
     (folder / "report").symlink_to(reports / "report")  # submit's report folder: DIR/report
     argv = [str(BIN / "ddp-smoke-submit"), "--folder", str(folder), "--wait-timeout", "240",
             "--procs-per-node", str(cell.per_node)]
-    env = _env(marker, cell)
+    env = {**_env(marker, cell), **node_env(0)} if cell.nodes == 1 else _env(marker, cell)
     hosts = []
     if cell.nodes > 1:
         cluster = parts.slurm(dup)
         env = cluster.env(**env)
         hosts = cluster.hosts.hosts[:cell.nodes]
         before(hosts)
-        argv += ["--cluster", "slurm", "--nodes", str(cell.nodes), "--allow-local-folder"]
+        argv += ["--cluster", "slurm", "--nodes", str(cell.nodes), "--allow-local-folder",
+                 "--python", _python(work, [h.name for h in hosts], node_env)]
     launch = Launch(cell, marker, folder / "report", out_path=work / "launcher.log",
                     hosts=hosts)
     launch.proc = _popen([*argv, "--", *worker], launch.out_path, env)

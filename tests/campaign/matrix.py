@@ -22,7 +22,7 @@ import random
 KINDS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop", "exit", "oom", "hang", "stall",
          "slow_rank", "slow_link", "slow_node", "dead_link", "dead_node", "blackhole",
          "lossy_link", "lossy_one_way", "flapping_link", "store_killed", "disk_full", "read_only",
-         "dup_hostname", "sdc", "missing_interface")
+         "dup_hostname", "sdc", "missing_interface", "gpu_xid79")
 POSITIONS = ("rank0", "middle", "last", "store_node")
 STAGES = ("join", "environment", "ddp_step", "sampler_epochs", "collectives", "storage",
           "bandwidth", "transport", "compute", "health")
@@ -63,7 +63,12 @@ DESCRIBE = {
            "place in one element (the injector's sdc: no CPU corrupts on demand)",
     "missing_interface": "the node's interface is named ens7, not the eth0 the launcher names "
                          "(GLOO_SOCKET_IFNAME): its address and routes unchanged",
+    "gpu_xid79": "the node's GPUs are a recorded node's (DDP_SMOKE_HEALTH_REPLAY on that node "
+                 "only: tests/data/health/xid79_kernel_log.json): its kernel log says XID 79, "
+                 "a GPU fallen off the bus",
 }
+# Recorded GPU states, replayed on the fault's node (tests/data/health, PROVENANCE.md)
+REPLAYED = {"gpu_xid79": "xid79_kernel_log.json"}
 
 SIGNALS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop")
 INSTANT = SIGNALS + ("oom", "store_killed")  # struck from outside at one moment
@@ -164,6 +169,8 @@ def impossible(c: Cell) -> str | None:
         return "a hostname is set before the run starts"
     if c.kind == "missing_interface" and c.stage != "join":
         return "an interface is named, and looked up, before the run starts"
+    if c.kind in REPLAYED and c.stage != "health":
+        return "a recorded node's GPUs are read by the health check alone"
     if c.kind == "store_killed" and c.position != "store_node":
         return "the store lives on one node: the store's"
     if c.kind in FOLDER and c.position != "rank0":
@@ -538,6 +545,10 @@ def expect(c: Cell) -> Expect:
                 "every rank's storage writes fail alike: the folder, not a rank"))
         return Expect(PASS, words=(said,), writers=frozenset({"stderr"}), why=(
             "every check passed; the report goes to stderr as one JSON line, exit 1"))
+    if k in REPLAYED:
+        return Expect(FAIL, frozenset({("host", c.node)}), ("XID 79",), why=(
+            "the health check reads the recorded kernel log on that node: the node, not a "
+            "rank (the recording cannot tell which GPU's bus address is which rank's)"))
     if k == "missing_interface":
         if c.launcher == "torchrun":
             return Expect(FAIL, me, ("Unable to find address for: eth0",), why=(

@@ -46,6 +46,7 @@ _SIGNALS = {"sigkill": signal.SIGKILL, "sigsegv": signal.SIGSEGV, "sigabrt": sig
             "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
 _SRUN_LABEL = re.compile(r"^\[[^\]\s]+\]:")  # srun --label: "[node:task]:" before each line
 _INJECT = {"exit": "crash", "hang": "hang", "stall": "stall", "sdc": "sdc"}
+RECORDINGS = Path(__file__).resolve().parents[1] / "data" / "health"
 
 
 @dataclasses.dataclass
@@ -156,9 +157,14 @@ def run(cell: Cell, parts: launchers.Parts, work: Path) -> Row:
         def before(hosts):  # a node's interface named otherwise: before the launcher looks
             if cell.kind == "missing_interface":
                 undo.enter_context(faults.renamed_interface(hosts[cell.node]))
+
+        def node_env(node: int) -> dict:  # the fault's node reads a recorded node's GPUs
+            if cell.kind in matrix.REPLAYED and node == cell.node:
+                return {"DDP_SMOKE_HEALTH_REPLAY": str(RECORDINGS / matrix.REPLAYED[cell.kind])}
+            return {}
         try:
             launch = launchers.start(cell, parts, work, folder.path if folder else work,
-                                     worker_args(cell, config), marker, dup, before)
+                                     worker_args(cell, config), marker, dup, before, node_env)
         except Exception as e:  # noqa: BLE001 — a launcher that cannot start is this row's
             return Row(cell, expect, Got("none", frozenset(), "", None, None, None, 0.0,
                                          f"error: could not start: {e}"), time.monotonic() - t0)
@@ -197,7 +203,7 @@ def _strike(cell: Cell, launch, parts, undo: contextlib.ExitStack, folder) -> fl
     k = cell.kind
     if k in _INJECT and cell.stage != "join":
         return _arrived(cell, launch)
-    if k in _INJECT or k in ("dup_hostname", "missing_interface") or (
+    if k in _INJECT or k in ("dup_hostname", "missing_interface", *matrix.REPLAYED) or (
             k in matrix.FOLDER and cell.stage == "join"):
         return None
     network = k in matrix.NETWORK

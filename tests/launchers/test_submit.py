@@ -209,6 +209,11 @@ def test_cli_dry_run_and_bad_input():
                                 "--dry-run", "--", *QUICK],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert dry.returncode == 0 and "nodes=2" in dry.stdout and "--checks" in dry.stdout
+    site = subprocess.run(cli + ["--cluster", "slurm", "--folder", str(REPO / ".sandbox" / "dry"),
+                                 "--allow-local-folder", "--python", "/opt/site/python",
+                                 "--dry-run", "--", *QUICK],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert site.returncode == 0 and "worker: /opt/site/python -m" in site.stdout, site.stdout
     bad = subprocess.run(cli + ["--", "--checks", "nope"], capture_output=True, text=True,
                          cwd=REPO, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "nope" in bad.stderr
