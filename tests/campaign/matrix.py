@@ -22,7 +22,8 @@ import random
 KINDS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop", "exit", "oom", "hang", "stall",
          "slow_rank", "slow_link", "slow_node", "dead_link", "dead_node", "blackhole",
          "lossy_link", "lossy_one_way", "flapping_link", "store_killed", "disk_full", "read_only",
-         "dup_hostname", "sdc", "missing_interface", "gpu_xid79")
+         "dup_hostname", "sdc", "missing_interface", "gpu_xid79", "gpu_off_bus",
+         "gpu_remap_pending", "gpu_nvlink_down")
 POSITIONS = ("rank0", "middle", "last", "store_node")
 STAGES = ("join", "environment", "ddp_step", "sampler_epochs", "collectives", "storage",
           "bandwidth", "transport", "compute", "health")
@@ -66,9 +67,29 @@ DESCRIBE = {
     "gpu_xid79": "the node's GPUs are a recorded node's (DDP_SMOKE_HEALTH_REPLAY on that node "
                  "only: tests/data/health/xid79_kernel_log.json): its kernel log says XID 79, "
                  "a GPU fallen off the bus",
+    "gpu_off_bus": "the same with h200_gpu_off_bus.json: GPU 1 of 8 H200s stops answering on "
+                   "PCIe during the run (XID 79, then 154)",
+    "gpu_remap_pending": "the same with remap_pending.json: a GPU with a row remap pending "
+                         "(uncorrectable ECC errors; a reset is due)",
+    "gpu_nvlink_down": "the same with v100_nvlink_inactive.json: 2 of a V100's 6 NVLinks down",
 }
-# Recorded GPU states, replayed on the fault's node (tests/data/health, PROVENANCE.md)
-REPLAYED = {"gpu_xid79": "xid79_kernel_log.json"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recording:
+    """A recorded GPU node (tests/data/health, PROVENANCE.md), replayed on the fault's node:
+    its file, the words of its finding, and the GPU the finding is on where the kit can tell
+    which local rank owns it (local rank i uses GPU i, by the recording's UUIDs; None: a
+    recording without them, named on the node)."""
+    file: str
+    words: str
+    gpu: int | None = None
+
+
+REPLAYED = {"gpu_xid79": Recording("xid79_kernel_log.json", "XID 79"),
+            "gpu_off_bus": Recording("h200_gpu_off_bus.json", "no longer answers on PCIe", 1),
+            "gpu_remap_pending": Recording("remap_pending.json", "row remap pending"),
+            "gpu_nvlink_down": Recording("v100_nvlink_inactive.json", "NVLink link(s) 3, 5 down")}
 
 SIGNALS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop")
 INSTANT = SIGNALS + ("oom", "store_killed")  # struck from outside at one moment
@@ -546,9 +567,13 @@ def expect(c: Cell) -> Expect:
         return Expect(PASS, words=(said,), writers=frozenset({"stderr"}), why=(
             "every check passed; the report goes to stderr as one JSON line, exit 1"))
     if k in REPLAYED:
-        return Expect(FAIL, frozenset({("host", c.node)}), ("XID 79",), why=(
-            "the health check reads the recorded kernel log on that node: the node, not a "
-            "rank (the recording cannot tell which GPU's bus address is which rank's)"))
+        rec = REPLAYED[k]
+        if rec.gpu is not None and rec.gpu < c.per_node:
+            return Expect(FAIL, frozenset({("rank", c.node * c.per_node + rec.gpu)}),
+                          (rec.words,), why=f"GPU {rec.gpu} is local rank {rec.gpu}'s")
+        return Expect(FAIL, frozenset({("host", c.node)}), (rec.words,), why=(
+            "the health check reads the recorded node on that node: the node, where no rank "
+            "there owns the GPU (a recording without UUIDs, or fewer ranks than GPUs)"))
     if k == "missing_interface":
         if c.launcher == "torchrun":
             return Expect(FAIL, me, ("Unable to find address for: eth0",), why=(

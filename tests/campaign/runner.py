@@ -160,7 +160,8 @@ def run(cell: Cell, parts: launchers.Parts, work: Path) -> Row:
 
         def node_env(node: int) -> dict:  # the fault's node reads a recorded node's GPUs
             if cell.kind in matrix.REPLAYED and node == cell.node:
-                return {"DDP_SMOKE_HEALTH_REPLAY": str(RECORDINGS / matrix.REPLAYED[cell.kind])}
+                recording = RECORDINGS / matrix.REPLAYED[cell.kind].file
+                return {"DDP_SMOKE_HEALTH_REPLAY": str(recording)}
             return {}
         try:
             launch = launchers.start(cell, parts, work, folder.path if folder else work,
