@@ -23,7 +23,7 @@ KINDS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop", "exit", "oom", "
          "slow_rank", "slow_link", "slow_node", "dead_link", "dead_node", "blackhole",
          "lossy_link", "lossy_one_way", "flapping_link", "store_killed", "disk_full", "read_only",
          "dup_hostname", "sdc", "missing_interface", "gpu_xid79", "gpu_off_bus",
-         "gpu_remap_pending", "gpu_nvlink_down")
+         "gpu_remap_pending", "gpu_nvlink_down", "hca_port_down")
 POSITIONS = ("rank0", "middle", "last", "store_node")
 STAGES = ("join", "environment", "ddp_step", "sampler_epochs", "collectives", "storage",
           "bandwidth", "transport", "compute", "health")
@@ -72,6 +72,9 @@ DESCRIBE = {
     "gpu_remap_pending": "the same with remap_pending.json: a GPU with a row remap pending "
                          "(uncorrectable ECC errors; a reset is due)",
     "gpu_nvlink_down": "the same with v100_nvlink_inactive.json: 2 of a V100's 6 NVLinks down",
+    "hca_port_down": "the node's HCAs are a recorded node's (hca_ports.json: two RoCE ports "
+                     "ACTIVE, an InfiniBand port DOWN/Disabled), on a cluster that names its "
+                     "GPU-traffic ports (NCCL_IB_HCA=mlx4_0 on every node)",
 }
 
 
@@ -89,7 +92,11 @@ class Recording:
 REPLAYED = {"gpu_xid79": Recording("xid79_kernel_log.json", "XID 79"),
             "gpu_off_bus": Recording("h200_gpu_off_bus.json", "no longer answers on PCIe", 1),
             "gpu_remap_pending": Recording("remap_pending.json", "row remap pending"),
-            "gpu_nvlink_down": Recording("v100_nvlink_inactive.json", "NVLink link(s) 3, 5 down")}
+            "gpu_nvlink_down": Recording("v100_nvlink_inactive.json", "NVLink link(s) 3, 5 down"),
+            "hca_port_down": Recording("hca_ports.json", "state '1: DOWN'")}
+# The cluster's own setting beside a replayed node, on every node (the GPU-traffic ports a
+# down port must be one of to fail: unnamed, it may be an uncabled one, and only warns)
+SITE_ENV = {"hca_port_down": {"NCCL_IB_HCA": "=mlx4_0"}}
 
 SIGNALS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop")
 INSTANT = SIGNALS + ("oom", "store_killed")  # struck from outside at one moment
@@ -192,6 +199,8 @@ def impossible(c: Cell) -> str | None:
         return "an interface is named, and looked up, before the run starts"
     if c.kind in REPLAYED and c.stage != "health":
         return "a recorded node's GPUs are read by the health check alone"
+    if c.kind == "hca_port_down" and c.nodes == 1:
+        return "one node uses no fabric: the health check judges HCAs across nodes only"
     if c.kind == "store_killed" and c.position != "store_node":
         return "the store lives on one node: the store's"
     if c.kind in FOLDER and c.position != "rank0":

@@ -159,10 +159,11 @@ def run(cell: Cell, parts: launchers.Parts, work: Path) -> Row:
                 undo.enter_context(faults.renamed_interface(hosts[cell.node]))
 
         def node_env(node: int) -> dict:  # the fault's node reads a recorded node's GPUs
+            site = matrix.SITE_ENV.get(cell.kind, {})
             if cell.kind in matrix.REPLAYED and node == cell.node:
                 recording = RECORDINGS / matrix.REPLAYED[cell.kind].file
-                return {"DDP_SMOKE_HEALTH_REPLAY": str(recording)}
-            return {}
+                return {**site, "DDP_SMOKE_HEALTH_REPLAY": str(recording)}
+            return site
         try:
             launch = launchers.start(cell, parts, work, folder.path if folder else work,
                                      worker_args(cell, config), marker, dup, before, node_env)
