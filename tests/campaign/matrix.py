@@ -23,7 +23,7 @@ KINDS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop", "exit", "oom", "
          "slow_rank", "slow_link", "slow_node", "dead_link", "dead_node", "blackhole",
          "lossy_link", "lossy_one_way", "flapping_link", "store_killed", "disk_full", "read_only",
          "dup_hostname", "sdc", "missing_interface", "gpu_xid79", "gpu_off_bus",
-         "gpu_remap_pending", "gpu_nvlink_down", "hca_port_down")
+         "gpu_remap_pending", "gpu_nvlink_down", "gpu_faults_per_gpu", "hca_port_down")
 POSITIONS = ("rank0", "middle", "last", "store_node")
 STAGES = ("join", "environment", "ddp_step", "sampler_epochs", "collectives", "storage",
           "bandwidth", "transport", "compute", "health")
@@ -72,6 +72,8 @@ DESCRIBE = {
     "gpu_remap_pending": "the same with remap_pending.json: a GPU with a row remap pending "
                          "(uncorrectable ECC errors; a reset is due)",
     "gpu_nvlink_down": "the same with v100_nvlink_inactive.json: 2 of a V100's 6 NVLinks down",
+    "gpu_faults_per_gpu": "the same with h200_faults_per_gpu.json: 7 of 8 H200s each with its "
+                          "own fault (remaps, ECC, an NVLink, HW slowdown, PCIe width, MIG)",
     "hca_port_down": "the node's HCAs are a recorded node's (hca_ports.json: two RoCE ports "
                      "ACTIVE, an InfiniBand port DOWN/Disabled), on a cluster that names its "
                      "GPU-traffic ports (NCCL_IB_HCA=mlx4_0 on every node)",
@@ -81,16 +83,18 @@ DESCRIBE = {
 @dataclasses.dataclass(frozen=True)
 class Recording:
     """A recorded GPU node (tests/data/health, PROVENANCE.md), replayed on the fault's node:
-    its file, the words of its finding, and the GPU the finding is on where the kit can tell
-    which local rank owns it (local rank i uses GPU i, by the recording's UUIDs; None: a
-    recording without them, named on the node)."""
+    its file, the words of a finding, and the faulty GPUs where the kit can tell which local
+    rank owns each (local rank i uses GPU i, by the recording's UUIDs; none: a recording
+    without them, named on the node)."""
     file: str
     words: str
-    gpu: int | None = None
+    gpus: tuple = ()
 
 
 REPLAYED = {"gpu_xid79": Recording("xid79_kernel_log.json", "XID 79"),
-            "gpu_off_bus": Recording("h200_gpu_off_bus.json", "no longer answers on PCIe", 1),
+            "gpu_off_bus": Recording("h200_gpu_off_bus.json", "no longer answers on PCIe", (1,)),
+            "gpu_faults_per_gpu": Recording("h200_faults_per_gpu.json", "row remap pending",
+                                            (0, 1, 2, 3, 5, 6, 7)),
             "gpu_remap_pending": Recording("remap_pending.json", "row remap pending"),
             "gpu_nvlink_down": Recording("v100_nvlink_inactive.json", "NVLink link(s) 3, 5 down"),
             "hca_port_down": Recording("hca_ports.json", "state '1: DOWN'")}
@@ -577,12 +581,14 @@ def expect(c: Cell) -> Expect:
             "every check passed; the report goes to stderr as one JSON line, exit 1"))
     if k in REPLAYED:
         rec = REPLAYED[k]
-        if rec.gpu is not None and rec.gpu < c.per_node:
-            return Expect(FAIL, frozenset({("rank", c.node * c.per_node + rec.gpu)}),
-                          (rec.words,), why=f"GPU {rec.gpu} is local rank {rec.gpu}'s")
-        return Expect(FAIL, frozenset({("host", c.node)}), (rec.words,), why=(
-            "the health check reads the recorded node on that node: the node, where no rank "
-            "there owns the GPU (a recording without UUIDs, or fewer ranks than GPUs)"))
+        owned = {("rank", c.node * c.per_node + g) for g in rec.gpus if g < c.per_node}
+        unowned = not rec.gpus or any(g >= c.per_node for g in rec.gpus)
+        return Expect(FAIL, frozenset(owned | ({("host", c.node)} if unowned else set())),
+                      (rec.words,), why=(
+                          "the health check reads the recorded node on that node: a faulty GPU "
+                          "is named on the local rank that owns it (local rank i uses GPU i), "
+                          "on the node where no rank there does (a recording without UUIDs, "
+                          "or fewer ranks than GPUs)"))
     if k == "missing_interface":
         if c.launcher == "torchrun":
             return Expect(FAIL, me, ("Unable to find address for: eth0",), why=(
