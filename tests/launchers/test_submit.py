@@ -122,9 +122,11 @@ def test_local_report_the_folder_cannot_take_comes_back_from_a_tasks_stderr(tmp_
     with SmallFolder(tmp_path / "report", size=1 << 20) as folder:
         filled = threading.Thread(target=_fill_once_rank0_holds_it, args=(folder,), daemon=True)
         filled.start()
+        # iterations for 3 s: the folder fills while they run, however late a loaded host
+        # wakes the filling thread (QUICK alone ended before it once, in a suite run)
         with pytest.raises(ReportNotWritten) as e:
             submit("local", procs_per_node=2, folder=tmp_path, wait_timeout_s=150,
-                   worker_args=QUICK)
+                   worker_args=QUICK + ["--duration", "3"])
         filled.join(timeout=5)
     err = capfd.readouterr().err
     assert e.value.report["run_id"] == f"submitit-{e.value.job_id}-0", e.value.report
