@@ -482,10 +482,10 @@ def _image(cell, parts, work, reports, worker, marker, dup, before, node_env) ->
     for i, pod in enumerate(pods):
         # a file the pod reads (a recording, and the recordings it builds on): its folder
         # mounted read-only, the variable naming it there
-        own = {k: f"/campaign/files/{Path(v).name}" if Path(v).is_file() else v
-               for k, v in node_env(i).items()}
-        mounts = [f"{Path(v).parent}:/campaign/files:ro" for v in node_env(i).values()
-                  if Path(v).is_file()][:1]
+        env = node_env(i)
+        files = {k: Path(v) for k, v in env.items() if Path(v).is_file()}
+        own = {**env, **{k: f"/campaign/files/{p.name}" for k, p in files.items()}}
+        mounts = sorted({f"{p.parent}:/campaign/files:ro" for p in files.values()})
         if cell.nodes == 1:  # the entrypoint's store host comes with --standalone
             args = ["--standalone", f"--nproc-per-node={cell.per_node}"]
         else:

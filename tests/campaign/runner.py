@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ddp_smoke.outputs import REPORT_FOLLOWS
 from tests.campaign import launchers, matrix
+from tests.checks import health_replay
 from tests.campaign.matrix import BAD_INPUT, FAIL, LOST, PASS, Cell, Expect
 from tests.launch import paced
 from tests.sandbox import faults
@@ -46,7 +47,6 @@ _SIGNALS = {"sigkill": signal.SIGKILL, "sigsegv": signal.SIGSEGV, "sigabrt": sig
             "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
 _SRUN_LABEL = re.compile(r"^\[[^\]\s]+\]:")  # srun --label: "[node:task]:" before each line
 _INJECT = {"exit": "crash", "hang": "hang", "stall": "stall", "sdc": "sdc"}
-RECORDINGS = Path(__file__).resolve().parents[1] / "data" / "health"
 
 
 @dataclasses.dataclass
@@ -161,7 +161,7 @@ def run(cell: Cell, parts: launchers.Parts, work: Path) -> Row:
         def node_env(node: int) -> dict:  # the fault's node reads a recorded node's GPUs
             site = matrix.SITE_ENV.get(cell.kind, {})
             if cell.kind in matrix.REPLAYED and node == cell.node:
-                recording = RECORDINGS / matrix.REPLAYED[cell.kind].file
+                recording = health_replay.DATA / matrix.REPLAYED[cell.kind].file
                 return {**site, "DDP_SMOKE_HEALTH_REPLAY": str(recording)}
             return site
         try:

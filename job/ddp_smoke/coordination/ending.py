@@ -16,11 +16,10 @@ from typing import Callable
 
 from . import keys, lost, records, runtime
 from .stopped_run import FORENSICS_WAIT_S, add_stopped_result_as_a_rank, first_error
-from .store import beat_of, look_period, next_waiting, posted, try_get, wait_key
+from .store import (TAKEOVER_SILENCES, beat_of, look_period, next_waiting, posted, try_get,
+                    wait_key)
 
 FINAL_WAIT_S = 10.0    # how long a rank waits for the report after an abort, beyond judging
-TAKEOVER_SILENCES = 3  # rank 0 silent 3 x the run's dead-after silence, before writing: a
-                       # survivor writes (stretched with that silence where the world is large)
 TAKE_OVER = "take over"  # what await_report returns to the rank that must write the report
 # Two threads (the watchdog and the main thread) may find the store gone at once: one says it
 # and exits the process; the other waits this long for that, then leaves without a word.

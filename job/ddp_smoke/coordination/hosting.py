@@ -29,7 +29,7 @@ import time
 from typing import Callable
 
 from . import keys
-from .store import Silence, dead_after, look_period, read_beats, try_get
+from .store import TAKEOVER_SILENCES, Silence, dead_after, look_period, read_beats, try_get
 
 ENV = "DDP_SMOKE_STORE"
 PREFIX = "ddp_smoke/0"  # the harness's PrefixStore (TORCHELASTIC_RESTART_COUNT 0: no restarts)
@@ -142,7 +142,7 @@ def serve(watch: Watch, max_s: float, over: threading.Event,
                     break
             return 0
         quiet = watch.all_silent_for()
-        silent_s = 3 * watch.silence.after_s  # ending.TAKEOVER_SILENCES: survivors had theirs
+        silent_s = TAKEOVER_SILENCES * watch.silence.after_s  # survivors had theirs
         if gone.is_set():
             watch.look_beats()
             if watch.meta is None:

@@ -318,12 +318,12 @@ def survey(store, rank: int, rules: dict | None = None) -> None:
         got = store.multi_get([keys.of(keys.PROBE, r) for r in tried]) if tried else []
         addrs = {r: (p["addr"], p["port"]) for r, p in zip(tried, map(json.loads, got))}
         failed = set(addrs)
-        probe_s = (rules or DIAGNOSIS)["probe_s"]
-        for _ in range((rules or DIAGNOSIS)["probe_rounds"]):
-            failed = connect_all({r: addrs[r] for r in failed}, probe_s)
+        rule = rules or DIAGNOSIS
+        for _ in range(rule["probe_rounds"]):
+            failed = connect_all({r: addrs[r] for r in failed}, rule["probe_s"])
             if not failed:
                 break
-        large = carry_all({r: a for r, a in addrs.items() if r not in failed}, probe_s)
+        large = carry_all({r: a for r, a in addrs.items() if r not in failed}, rule["probe_s"])
         store.set(keys.of(keys.REACH, rank), json.dumps({"tried": tried, "failed": sorted(failed),
                                                          "large": sorted(large)}))
         store.append(keys.listed(keys.REACH), f"{rank},")

@@ -31,6 +31,8 @@ BEAT_S = 0.25          # heartbeat period (stretched for large worlds: look_peri
 POLL_MAX_S = 0.05      # longest pause between two looks for a key, at small scale ...
 STORE_OPS_PER_S = 20000  # ... within a budget on the one store: pauses grow with the world
 BEAT_CALLS = 2         # a rank's calls per look period: its heartbeat and its watchdog's look
+TAKEOVER_SILENCES = 3  # rank 0 silent this many dead-after silences, before writing: a
+                       # survivor writes (ending); the store host waits as long for one (hosting)
 
 
 class Stop(Exception):
