@@ -172,11 +172,14 @@ def test_link_cut_mid_run_is_named_not_its_two_ends(box, tmp_path):
         with _rules(_link_down(a, b)):
             report = _report(nodes, tmp_path / str(attempt))
         assert _named(report) == _link(report, a, b), (_named(report), nodes.tails())
-        # the check the cut stopped: collectives, or compute's closing exchange on a loaded
-        # host (compute still running when the cut came: seen in a suite run)
-        stopped = next(c for c in report["checks"] if c["status"] == "fail")
-        assert stopped["name"] in ("compute", "collectives"), stopped["name"]
-        probes = stopped["figures"]["probes"].values()
+        # the check the cut stopped (its result carries the probes): collectives, or compute's
+        # closing exchange on a loaded host (compute still running when the cut came: seen in
+        # a suite run). Compute may also fail on its own evidence first, naming the same link
+        # from the beacon's timeouts (seen in CI): _named has it once.
+        stopped = [c for c in report["checks"] if "probes" in c["figures"]]
+        assert [c["name"] for c in stopped] in (["compute"], ["collectives"]), \
+            [(c["name"], c["status"]) for c in report["checks"]]
+        probes = stopped[0]["figures"]["probes"].values()
         assert any(p["failed"] for p in probes), probes
 
 
