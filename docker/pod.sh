@@ -13,9 +13,10 @@
 #                     which pod hosts the stores; torchrun orders ranks by arrival)
 #   --report-dir      where this run's report goes (REPORT_DIR/report.json, junit.xml …)
 #
-# In order: preflight (the rendezvous host listens for every pod's hello), the kit's store host
-# on the rendezvous host (torchrun its child), torchrun with c10d, then the report as one log
-# line, the one-line verdict as the termination message, and that line as the log's last.
+# In order: the worker's options checked once (bad input: one line, exit 2), preflight (the
+# rendezvous host listens for every pod's hello), the kit's store host on the rendezvous host
+# (torchrun its child), torchrun with c10d, then the report as one log line, the one-line
+# verdict as the termination message, and that line as the log's last.
 #
 # Environment read: TERMINATION_LOG (default /dev/termination-log, the kubelet's
 # terminationMessagePath); DDP_SMOKE_RUN_ID (required: the run id, the same in every pod: the
@@ -69,6 +70,23 @@ host="${endpoint%:*}" port="${endpoint##*:}"
 is_host=0
 [[ "$node_rank" != 0 ]] || is_host=1
 
+# What torchrun gives every rank after the ConfigMap's options (the derived ones win).
+worker+=(--report-dir="$report_dir" --expect-nodes="$nnodes"
+         --expect-world-size="$((nnodes * nproc))")
+
+# Bad input (a misspelt key or check in the ConfigMap, a fault for a rank the run does not
+# have, a report folder that cannot be written) is said here once, in one line, with exit 2,
+# before anything starts: the worker's own checks, not every rank's after torchrun started them
+# (each under torchrun's traceback, the pod's exit status then 1).
+status=0
+said=$(python3 -m ddp_smoke.launch_local --check --nproc-per-node="$nproc" --nnodes="$nnodes" \
+    -- "${worker[@]}" 2>&1 > /dev/null) || status=$?
+[[ -z "$said" ]] || echo "$said" >&2
+if [[ $status == 2 ]]; then
+    tail -n 1 <<< "$said" > "$msg_file" 2> /dev/null || true
+    exit 2
+fi
+
 # A report left by an earlier job of this run id (on a shared volume) is never this run's: it
 # goes before any rank of this run can write one.
 rm -f "$report_dir/report.json" "$report_dir/junit.xml"
@@ -79,7 +97,9 @@ echo "ddp-smoke: run $DDP_SMOKE_RUN_ID, report $report_dir/report.json"
 # say hello: a pod that never starts (Pending, no image) is named by node rank in its
 # termination message, instead of torchrun waiting out join_timeout.
 if [[ "${DDP_SMOKE_PREFLIGHT:-1}" != 0 ]]; then
-    mkdir -p "$report_dir"
+    # each pod's own file: /reports may be one volume that every pod shares (a PVC)
+    err="$report_dir/launch/$HOSTNAME.preflight.err"
+    mkdir -p "$report_dir/launch"
     serve=()
     [[ $is_host == 0 ]] || serve=(--serve)
     gpus=0
@@ -87,10 +107,10 @@ if [[ "${DDP_SMOKE_PREFLIGHT:-1}" != 0 ]]; then
     status=0
     python3 -m ddp_smoke preflight --rdzv "$endpoint" --nodes "$nnodes" --gpus "$gpus" \
         --report-dir "$report_dir" --timeout "${DDP_SMOKE_PREFLIGHT_TIMEOUT:-600}" "${serve[@]}" \
-        2> "$report_dir/preflight.err" || status=$?
-    cat "$report_dir/preflight.err" >&2
+        2> "$err" || status=$?
+    cat "$err" >&2
     if [[ $status != 0 ]]; then
-        tail -n 1 "$report_dir/preflight.err" > "$msg_file" 2> /dev/null || true
+        tail -n 1 "$err" > "$msg_file" 2> /dev/null || true
         exit "$status"
     fi
 fi
@@ -110,7 +130,10 @@ if [[ $is_host == 1 ]]; then
 fi
 # c10d rendezvous; node ranks follow arrival order, so rank 0 may run in any pod.
 # join_timeout bounds the wait for the last pod (image pulls differ per node), read_timeout each
-# store connection (60 s by default: too short for such pulls); no reruns.
+# store connection (60 s by default: too short for such pulls); no reruns. Their stderr goes
+# through a pipe they alone hold: it closes when the last of them has ended (see below).
+exec {err}> >(cat >&2)
+kept=$!
 "${store[@]}" torchrun \
     --nnodes="$nnodes" \
     --nproc-per-node="$nproc" \
@@ -121,11 +144,9 @@ fi
     --max-restarts=0 \
     --local-addr="$POD_IP" \
     -m ddp_smoke \
-    "${worker[@]}" \
-    --report-dir="$report_dir" \
-    --expect-nodes="$nnodes" \
-    --expect-world-size="$((nnodes * nproc))" &
+    "${worker[@]}" 2>&"$err" &
 pid=$!
+exec {err}>&-
 # As PID 1 bash ignores SIGTERM (no default action there): the trap passes pod deletion and
 # activeDeadlineSeconds on to torchrun, which stops the workers.
 trap 'kill -TERM "$pid" 2> /dev/null' TERM INT
@@ -133,6 +154,19 @@ rc=0
 wait "$pid" || rc=$?
 # wait returns early when the trap ran: wait on until torchrun has exited.
 while kill -0 "$pid" 2> /dev/null; do rc=0; wait "$pid" || rc=$?; done
+# The store host killed (the OOM killer, an operator): its torchrun and ranks live on, orphans
+# of this shell, and say what they know (lost/) once they see the store gone; leaving now, as
+# PID 1, would kill them first. They hold the pipe until they end, each by its own deadline
+# (the worker's --timeout, 90 s unless given, and torchrun's 30 s after SIGTERM); a frozen one
+# is not waited for past that.
+timeout=90
+for (( i = 0; i < ${#worker[@]}; i++ )); do
+    case "${worker[i]}" in
+        --timeout=*) timeout="${worker[i]#*=}" ;;
+        --timeout) timeout="${worker[i + 1]:-90}" ;;
+    esac
+done
+for (( s = 0; s < ${timeout%.*} + 60; s++ )); do kill -0 "$kept" 2> /dev/null || break; sleep 1; done
 
 # The pod whose rank wrote the report holds report.json (rank 0's pod, a survivor's, or, when
 # the store host wrote it, the rendezvous host); every pod does, on a shared volume. The report as one log

@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "job" / "ddp_smoke"
 # Lowest first. A module may import its own layer and those below it.
-LAYERS = [("errors", "redact"), ("model",), ("config",), ("coordination",), ("checks",),
+LAYERS = [("errors", "redact", "interfaces"), ("model",), ("config",), ("coordination",), ("checks",),
           ("outputs",), ("harness",),
           ("cli", "submit", "submit_plan", "task", "preflight", "node_check", "launch_local",
            "store_host", "__main__")]

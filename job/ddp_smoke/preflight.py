@@ -26,7 +26,9 @@ firewalls. Each node says hello there; the host waits until every expected node 
 (``--nodes``) or the timeout, and names the node ranks that never joined (on Kubernetes this is
 the only place a pod that never left Pending shows up). Each hello carries the MTU of the
 node's interface; the host names the nodes whose MTU differs from the rest (``mtu``: such a
-link passes small packets and drops large ones). The listener closes before torchrun starts;
+link passes small packets and drops large ones). A node says hello once its own checks are done,
+and a node whose checks failed says why in its hello: the host fails at once, naming it (the
+pods of a job have no launcher to gather their records; the host's line is the job's word). The listener closes before torchrun starts;
 the clients close first, so no TIME_WAIT is left on the host's side of the port.
 
 Each node writes one JSON record, ``REPORT_DIR/preflight/<node>.json``::
@@ -42,12 +44,9 @@ input. ``python -m ddp_smoke launch-report`` turns the records into a report.
 from __future__ import annotations
 
 import argparse
-import collections
-import fcntl
 import json
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -56,12 +55,14 @@ import time
 from . import __version__
 from .config.args import Parser
 from .errors import ConfigError
+from .interfaces import check_interfaces, compare_mtus, interface_mtu
 from .outputs.files import write_atomic
 from .outputs.launch_report import error_line
 
 RECORDS = "preflight"   # the records' folder under the report folder
 DEFAULT_TIMEOUT_S = 30.0
 HELLO = "ddp-smoke-preflight"
+_FAILED = "failed:"  # in a hello, before why the node's own checks failed
 _ANSWER_S = 2.0          # a hello's reply; the listener answers at once
 _RETRY_S = 0.25          # connection refused: the host's listener is not up yet
 _TORCH_PROBE = r"""
@@ -91,95 +92,6 @@ def node_rank(environ=os.environ) -> int | None:
         if value.isdigit():
             return int(value)
     return None
-
-
-# -- interfaces -----------------------------------------------------------------------------
-
-def interface_addresses() -> dict[str, list[str]]:
-    """Every interface's addresses, IPv4 (SIOCGIFADDR) and IPv6 (/proc), without torch."""
-    out: dict[str, list[str]] = {name: [] for _, name in socket.if_nameindex()}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for name in out:
-            try:
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-                out[name].append(socket.inet_ntoa(packed[20:24]))
-            except OSError:
-                pass  # no IPv4 address
-    try:
-        with open("/proc/net/if_inet6") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) == 6 and fields[5] in out:
-                    raw = bytes.fromhex(fields[0])
-                    out[fields[5]].append(socket.inet_ntop(socket.AF_INET6, raw))
-    except OSError:
-        pass  # no IPv6 on this kernel
-    return out
-
-
-def nccl_matches(spec: str, names: list[str]) -> list[str]:
-    """The interfaces NCCL_SOCKET_IFNAME selects, in NCCL's syntax: a comma list of prefixes,
-    ``=`` before the list for exact names, ``^`` for the ones to leave out (NCCL's env docs)."""
-    exclude = spec.startswith("^")
-    spec = spec[1:] if exclude else spec
-    exact = spec.startswith("=")
-    spec = spec[1:] if exact else spec
-    items = [s for s in spec.split(",") if s]
-
-    def hit(name: str) -> bool:
-        return any(name == s if exact else name.startswith(s) for s in items)
-
-    return [n for n in names if hit(n) != exclude]
-
-
-def check_interfaces(environ=os.environ, addresses: dict | None = None) -> tuple[bool, str]:
-    """Every named interface exists and carries an address."""
-    have = interface_addresses() if addresses is None else addresses
-    usable = {n: a for n, a in have.items() if a}
-    shown = ", ".join(f"{n} {a[0]}" for n, a in usable.items()) or "none with an address"
-    problems, seen = [], []
-    gloo = environ.get("GLOO_SOCKET_IFNAME", "")
-    for name in [s for s in gloo.split(",") if s]:
-        if name not in have:
-            problems.append(f"GLOO_SOCKET_IFNAME={gloo}: no interface {name} on this node")
-        elif not have[name]:
-            problems.append(f"GLOO_SOCKET_IFNAME={gloo}: {name} has no address")
-        else:
-            seen.append(f"GLOO_SOCKET_IFNAME {name} {have[name][0]}")
-    nccl = environ.get("NCCL_SOCKET_IFNAME", "")
-    if nccl:
-        picked = [n for n in nccl_matches(nccl, list(have)) if have[n]]
-        if picked:
-            seen.append(f"NCCL_SOCKET_IFNAME={nccl} -> {','.join(picked)}")
-        else:
-            problems.append(f"NCCL_SOCKET_IFNAME={nccl}: matches no interface with an address")
-    if problems:
-        return False, "; ".join(problems) + f" (interfaces here: {shown})"
-    return True, "; ".join(seen) or "no interface named (NCCL_/GLOO_SOCKET_IFNAME unset)"
-
-
-def interface_mtu(addr: str) -> int | None:
-    """The MTU of the interface holding ``addr``, or None: the kernel's (SIOCGIFMTU)."""
-    name = next((n for n, a in interface_addresses().items() if addr in a), "")  # "": ENODEV
-    ifreq = name.encode().ljust(40, b"\0")  # struct ifreq: the name, then ifr_mtu
-    try:  # not /sys/class/net: a process entering a network namespace keeps its old /sys
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            return struct.unpack("16si20x", fcntl.ioctl(s.fileno(), 0x8921, ifreq))[1]
-    except OSError:
-        return None
-
-
-def compare_mtus(mtus: dict[str, int]) -> tuple[bool, str, list[str]]:
-    """Nodes whose MTU differs from most nodes' (all of a tie): ok, the words, the nodes."""
-    counts = collections.Counter(mtus.values()).most_common()
-    if len(counts) < 2:
-        return True, f"{len(mtus)} node(s) alike, MTU {counts[0][0] if counts else '?'}", []
-    usual = None if counts[0][1] == counts[1][1] else counts[0][0]  # a tie: every node
-    odd = sorted(n for n, m in mtus.items() if m != usual)
-    named = ", ".join(f"{n} {mtus[n]}" for n in odd)
-    return False, (f"interface MTU differs between nodes: {named} (the others: {usual or '-'}); "
-                   "a link between hosts of different MTU passes small packets and drops large "
-                   "ones (jumbo frames behind a port without them): one MTU everywhere"), odd
 
 
 # -- report folder --------------------------------------------------------------------------
@@ -215,6 +127,7 @@ class Listener:
 
     def __init__(self, port: int, run_id: str):
         self.run_id, self.joined = run_id or "-", {}
+        self.failed: dict[str, str] = {}  # node rank (or name) -> "node: why", from its hello
         self.mtus: dict[str, int] = {}  # node -> MTU of the interface it reached us by
         self.changed = threading.Condition()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -242,8 +155,12 @@ class Listener:
                 if len(words) >= 4 and words[0] == HELLO:
                     conn.sendall(f"{HELLO} {self.run_id}\n".encode())
                     mine = interface_mtu(conn.getsockname()[0])  # this host's, named later
+                    key = words[2] if words[2] != "-" else words[3]
+                    _, failed, why = " ".join(words[4:]).partition(f"{_FAILED} ")
                     with self.changed:  # by node rank; by name where there is none
-                        self.joined[words[2] if words[2] != "-" else words[3]] = words[3]
+                        self.joined[key] = words[3]
+                        if failed:
+                            self.failed[key] = f"{words[3]}: {why}"
                         self.mtus.update({words[3]: int(w[4:]) for w in words[4:5]
                                           if w.startswith("mtu=") and w[4:].isdigit()})
                         if mine:
@@ -266,8 +183,9 @@ class Listener:
 
 
 def say_hello(host: str, port: int, deadline: float, run_id: str, rank: int | None,
-              node: str) -> tuple[bool, str]:
-    """Open a TCP connection to the rendezvous endpoint before the deadline; say hello."""
+              node: str, problem: str = "") -> tuple[bool, str]:
+    """Open a TCP connection to the rendezvous endpoint before the deadline; say hello (and
+    ``problem``: why this node's own checks failed, on one line)."""
     t0, last = time.monotonic(), "no attempt"
     while True:
         left = deadline - time.monotonic()
@@ -279,8 +197,9 @@ def say_hello(host: str, port: int, deadline: float, run_id: str, rank: int | No
                 took = time.monotonic() - t0
                 s.settimeout(_ANSWER_S)
                 mtu = interface_mtu(s.getsockname()[0])
+                failed = f" {_FAILED} {' '.join(problem.split())}" if problem else ""
                 s.sendall(f"{HELLO} {run_id or '-'} {rank if rank is not None else '-'} "
-                          f"{node}{f' mtu={mtu}' if mtu else ''}\n".encode())
+                          f"{node}{f' mtu={mtu}' if mtu else ''}{failed}\n".encode())
                 try:
                     answer = s.makefile().readline().split()
                 except OSError:
@@ -353,16 +272,23 @@ def run(args: argparse.Namespace, environ=os.environ) -> dict:
     if args.report_dir:
         note("report_dir", check_report_dir(args.report_dir))
     note("interfaces", check_interfaces(environ))
-    if rdzv:
-        note("rendezvous", say_hello(*rdzv, deadline - 0.5, run_id, rank, node))
     if probe is not None:
-        note("torch", finish_torch_probe(probe, args.gpus, deadline))
+        note("torch", finish_torch_probe(probe, args.gpus, deadline - 1.0))
+    if rdzv:  # with what failed here, for the host to say at once
+        problem = "; ".join(f"{c['name']}: {c['detail']}" for c in checks if not c["ok"])
+        note("rendezvous", say_hello(*rdzv, deadline - 0.5, run_id, rank, node, problem))
     joined = None
     if listener is not None:
         joined = listener.wait(args.nodes, deadline - 0.3)
         listener.close()
+        # (the others' own failures are theirs: "joined", which the launchers' verdicts read
+        # as the host's word on the others)
+        failed = [f"node rank {r} {why}" for r, why in sorted(listener.failed.items())
+                  if r not in (str(rank), node)]  # (not its own: said as its own)
         if args.nodes and len(joined) < args.nodes:
-            note("joined", (False, never_joined(joined, args.nodes, args.timeout)))
+            failed.insert(0, never_joined(joined, args.nodes, args.timeout))
+        if failed:
+            note("joined", (False, "; ".join(failed)))
         else:
             note("joined", (True, f"{len(joined)} node(s) said hello"))
         mtus = dict(listener.mtus)

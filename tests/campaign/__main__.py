@@ -149,6 +149,14 @@ def latest_rows() -> dict[str, dict]:
     return latest
 
 
+def _counts(cells: list, rows: list, dim: str, value: str) -> str:
+    """``value`` right/run of its cells (``/total`` where some are not run yet)."""
+    mine = [r for c, r in zip(cells, rows) if getattr(c, dim) == value]
+    ran = [r for r in mine if r]
+    out = f"{value} {sum(r['ok'] for r in ran)}/{len(ran)}"
+    return out + (f" of {len(mine)}" if len(ran) < len(mine) else "")
+
+
 def table(path: Path = TABLE) -> str:
     """docs/campaign.md: every covering cell's latest row, the counts, the impossible pairs.
     A cell with no row here keeps the row the table had (run on another machine or day)."""
@@ -201,6 +209,10 @@ def table(path: Path = TABLE) -> str:
         "",
         f"**Counts: {len(ran)} of {len(cov.cells)} cells run, {right} right, "
         f"{len(ran) - right} wrong.**",
+        "",
+        *(f"- right/run per {dim}: " + ", ".join(_counts(cov.cells, rows, dim, v)
+                                                 for v in matrix.DIMENSIONS[dim])
+          for dim in ("launcher", "kind")),
         "",
         "| cell (kind.position.stage.launcher.shape) | expected | got | fault to report (s) "
         "| cell (s) | |",

@@ -3,7 +3,10 @@
 A :class:`Launch` is one run of one cell: plain ``torchrun`` (``--standalone`` on one machine,
 c10d across namespace hosts), ``make smoke-local``, ``sbatch slurm/ddp_smoke.sbatch`` on the
 sandbox Slurm cluster, the image on pods (``docker run`` per node, the entrypoint as in
-Kubernetes), and ``ddp-smoke-submit`` (submitit: local, or Slurm across nodes). The campaign
+Kubernetes), ``ddp-smoke-submit`` (submitit: local, or Slurm across nodes), and the PyTorchJob of
+``k8s/`` (its pods as the Training Operator and the kubelet make them, tests/k8s_operator.py and
+tests/kubelet.py, on the same pod network: ``docker/pod.sh`` under the manifest's own
+securityContext, ConfigMap, Secret and a shared report volume). The campaign
 finds the run's processes as root sees them (their environment carries the cell's marker),
 reads its coordination store through the address a worker was given, and waits for the
 launcher to end by itself.
@@ -123,6 +126,7 @@ class Launch:
     hosts: list = dataclasses.field(default_factory=list)  # node index -> Host (network faults)
     names: list = dataclasses.field(default_factory=list)  # node index -> its hostname, where
     # that is not its Host's name (a pod's)
+    dns: dict = dataclasses.field(default_factory=dict)  # a pod's DNS name -> its address
     out_path: Path | None = None
     containers: list = dataclasses.field(default_factory=list)
     env: dict | None = None
@@ -143,8 +147,9 @@ class Launch:
             if [b"-m", b"submitit.core._submit"] == head[-2:] or \
                     b"submitit.core._submit" in head:  # one submitit task per rank
                 rank = env.get(b"SUBMITIT_LOCAL_GLOBALID") or env.get(b"SLURM_PROCID")
-            elif b"ddp_smoke" in head and b"-m" in head:  # torchrun's worker
-                rank = env.get(b"RANK")
+            elif b"ddp_smoke" in head and b"-m" in head and b"TORCHELASTIC_RUN_ID" in env:
+                rank = env.get(b"RANK")  # torchrun's worker (not a pod's preflight, whose
+                # environment holds the operator's RANK too)
             elif b"ddp_smoke.launch_local" in head:  # make smoke-local's ranks: forked, named
                 rank = fate.rank_named(pid)
             else:
@@ -201,6 +206,8 @@ class Launch:
         addr = self._said_address()
         if addr and self.containers and addr[0] in ("127.0.0.1", "localhost", "::1"):
             return self.hosts[0].addr, addr[1]
+        if addr and addr[0] in self.dns:  # cluster DNS, which this host does not ask
+            return self.dns[addr[0]], addr[1]
         return addr
 
     def _said_address(self) -> tuple[str, int] | None:
@@ -301,7 +308,8 @@ def start(cell, parts: Parts, work: Path, reports: Path, worker: list[str], mark
     environment for node i's ranks alone (a site's per-node setting; a wrapper of the
     interpreter where the launcher gives every node the same environment)."""
     launch = {"torchrun": _torchrun, "smoke_local": _smoke_local, "slurm": _slurm,
-              "image": _image, "submit": _submit}[cell.launcher]
+              "image": _image, "submit": _submit, "pytorchjob": _k8s_job("", True),
+              "indexed_job": _k8s_job("indexed-job", False)}[cell.launcher]
     return launch(cell, parts, work, reports, worker, marker, dup, before, node_env)
 
 
@@ -480,12 +488,7 @@ def _image(cell, parts, work, reports, worker, marker, dup, before, node_env) ->
     before(launch.hosts)
     worker, volumes = _in_pod(worker, [f"{out}:/reports"])
     for i, pod in enumerate(pods):
-        # a file the pod reads (a recording, and the recordings it builds on): its folder
-        # mounted read-only, the variable naming it there
-        env = node_env(i)
-        files = {k: Path(v) for k, v in env.items() if Path(v).is_file()}
-        own = {**env, **{k: f"/campaign/files/{p.name}" for k, p in files.items()}}
-        mounts = sorted({f"{p.parent}:/campaign/files:ro" for p in files.values()})
+        own, mounts = _pod_files(node_env(i))
         if cell.nodes == 1:  # the entrypoint's store host comes with --standalone
             args = ["--standalone", f"--nproc-per-node={cell.per_node}"]
         else:
@@ -498,6 +501,75 @@ def _image(cell, parts, work, reports, worker, marker, dup, before, node_env) ->
                                            "DDP_SMOKE_STORE": "auto", "OMP_NUM_THREADS": "1",
                                            **_worker_env(marker, cell), **own})))
     launch.net = net
+    return launch
+
+
+def _pod_files(env: dict) -> tuple[dict, list[str]]:
+    """A pod's per-node environment: a file it names (a recording, and the recordings it
+    builds on) has its folder mounted read-only, the variable naming it there."""
+    files = {k: Path(v) for k, v in env.items() if Path(v).is_file()}
+    own = {**env, **{k: f"/campaign/files/{p.name}" for k, p in files.items()}}
+    return own, sorted({f"{p.parent}:/campaign/files:ro" for p in files.values()})
+
+
+K8S_CLAIM = "campaign-reports"  # the PVC every pod mounts at /reports: one shared folder
+
+
+def _k8s_job(folder: str, first_last: bool):
+    """A launcher for the job of ``k8s/<folder>`` as its controller and the kubelet run its
+    pods (tests/k8s_operator.py, tests/kubelet.py): the README's edits (image, nodes, no GPU,
+    ranks a pod), the ConfigMap's config.yaml replaced by the campaign's, the cell's worker
+    options after the manifest's, the README's Secret, and a shared volume (a PVC) at
+    /reports. ``first_last``: the pods start in order (the PyTorchJob's Workers wait for the
+    Master's name), else the store's host last (an Indexed Job's pods come in no order)."""
+    def launch(cell, parts, work, reports, worker, marker, dup, before, node_env) -> Launch:
+        from tests import k8s_operator as ko, kubelet
+        from tests.sandbox.docker import PodNetwork
+        engine, image = parts.docker()
+        out = reports / "reports"
+        out.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):  # a folder the cell made read-only is already 1777
+            os.chown(out, 1000, 1000)  # the manifests' runAsUser, runAsGroup
+        at = worker.index("--config")
+        config, options = worker[at + 1], worker[:at] + worker[at + 2:]
+        docs = ko.customize(ko.load_manifests(REPO / "k8s" / folder), image=image.tag,
+                            nodes=cell.nodes, gpus_per_node=0, nproc_per_node=cell.per_node,
+                            reports_claim=K8S_CLAIM)
+        # `kubectl create secret generic ddp-smoke-secret --from-literal=secret=…` (README)
+        docs.append({"apiVersion": "v1", "kind": "Secret",
+                     "metadata": {"name": "ddp-smoke-secret"},
+                     "stringData": {"secret": os.urandom(32).hex()}})
+        job = next(d for d in docs if d["kind"] in ("PyTorchJob", "Job"))
+        templates = ([r["template"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
+                     if job["kind"] == "PyTorchJob" else [job["spec"]["template"]])
+        for (container,) in (t["spec"]["containers"] for t in templates):
+            container["args"][-1] += " " + shlex.join(options)
+        next(d for d in docs if d["kind"] == "ConfigMap")["data"]["config.yaml"] = \
+            Path(config).read_text()
+        if ko.on_pod_failure(job) != "continue":
+            raise NotImplementedError(f"{folder}: a failed pod's controller deletes the others")
+        ips = {n: f"10.231.11.{11 + i}" for i, n in enumerate(ko.pod_names(docs))}
+        pods = ko.compute_pods(docs, pod_ips=ips)
+        net = PodNetwork(engine, image.tag, PODS_PREFIX, PODS_SUBNET).up()
+        run = Launch(cell, marker, out / pods[0].env["DDP_SMOKE_RUN_ID"],
+                     names=[p.hostname for p in pods], dns=ko.etc_hosts(pods[0], pods, ips))
+        run.net = net
+
+        def more(pod):  # the cell's marker; the node's own environment and files
+            env, mounts = _pod_files(node_env(pods.index(pod)))
+            # (the rendezvous host's preflight waits this long for every pod's hello, 600 s
+            # by default for image pulls: the campaign's pods start at once)
+            return {**_worker_env(marker, cell), "OMP_NUM_THREADS": "1",
+                    "DDP_SMOKE_PREFLIGHT_TIMEOUT": "30", **env}, mounts
+
+        def plugged():  # the pods' namespaces, once they exist: node index -> Host
+            run.hosts = [net._box.plugged[i] for i in range(len(pods))]
+            before(run.hosts)
+        _, containers = kubelet.start_pods(
+            net, docs, pods, ips, pods if first_last else pods[::-1], work / "pods",
+            claims={K8S_CLAIM: out}, more=more, before=plugged)
+        run.containers = [_Container(containers[p.name]) for p in pods]  # node 0's first
+        return run
     return launch
 
 

@@ -4,7 +4,7 @@ covering set, the commit-seeded CI sample, and each cell's exact expected outcom
 A cell is one real fault of one *kind*, landing at one *position* (rank 0, a middle rank, the
 last rank, the node that holds the coordination store) at one *stage* (the join, or a check),
 under one *launcher*, on one *shape* (nodes x ranks per node). The full product is
-21 x 4 x 10 x 5 x 5 = 21,000 cells; the covering set holds every pair of values of any two
+30 x 4 x 10 x 6 x 5 = 36,000 cells; the covering set holds every pair of values of any two
 dimensions that some possible cell holds (pairwise coverage), each pair in at least one cell,
 chosen greedily for the most new pairs per second of expected run time.
 
@@ -27,7 +27,12 @@ KINDS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop", "exit", "oom", "
 POSITIONS = ("rank0", "middle", "last", "store_node")
 STAGES = ("join", "environment", "ddp_step", "sampler_epochs", "collectives", "storage",
           "bandwidth", "transport", "compute", "health")
-LAUNCHERS = ("torchrun", "smoke_local", "slurm", "image", "submit")
+LAUNCHERS = ("torchrun", "smoke_local", "slurm", "image", "submit", "pytorchjob")
+# Pods started alone, as Kubernetes starts them: the image's entrypoint on bare pods, and the
+# PyTorchJob of k8s/ (its pods as the Training Operator and the kubelet make them)
+PODS = ("image", "pytorchjob")
+# docker/pod.sh's jobs: their rendezvous host's preflight waits for every pod's hello first
+K8S_JOBS = ("pytorchjob",)
 SHAPES = ("1x2", "1x3", "1x4", "3x1", "4x1")
 DIMENSIONS = {"kind": KINDS, "position": POSITIONS, "stage": STAGES, "launcher": LAUNCHERS,
               "shape": SHAPES}
@@ -216,7 +221,9 @@ def impossible(c: Cell) -> str | None:
                 "lost); whether its first two retransmission timeouts, 0.6 s or more after the "
                 "cut, fall before the check's last count is the moment's (measured: "
                 "flapping_link.last.health.torchrun.3x1 passed)")
-    if c.kind == "read_only" and c.launcher == "image" and c.stage != "join":
+    if c.kind == "dup_hostname" and c.launcher == "pytorchjob":
+        return "the operator names every pod, and the pod's hostname is its name: unique"
+    if c.kind == "read_only" and c.launcher in PODS and c.stage != "join":
         return ("a running pod keeps its own mount of the folder: a read-only bind made over it "
                 "on the host later never reaches it (the tmpfs itself cannot be remounted "
                 "read-only while a rank writes there)")
@@ -292,7 +299,8 @@ def cover(seed: int = 0, kept: list[Cell] = ()) -> Cover:
 
 
 # Each launcher's start on a loaded 2-core machine, to its first rank (seconds)
-START_S = {"torchrun": 10, "smoke_local": 10, "slurm": 18, "image": 16, "submit": 18}
+START_S = {"torchrun": 10, "smoke_local": 10, "slurm": 18, "image": 16, "submit": 18,
+           "pytorchjob": 18}
 
 
 def cost_s(c: Cell) -> float:
@@ -303,7 +311,7 @@ def cost_s(c: Cell) -> float:
     if c.kind in ("hang", "stall", "dead_link", "dead_node", "blackhole") or (
             c.kind == "sigstop" and c.stage in COLLECTIVE):
         t += TIMEOUT_S
-    if c.kind == "sigstop" and c.launcher in ("torchrun", "smoke_local", "image"):
+    if c.kind == "sigstop" and c.launcher in ("torchrun", "smoke_local", *PODS):
         t += 30  # torchrun gives a stopped worker 30 s after SIGTERM before SIGKILL
     if c.kind in SLOW:
         t += 10
@@ -441,13 +449,13 @@ TOOK_OVER = "rank 1 (took over from rank 0)"
 def _writer_after(c: Cell, gone: int) -> frozenset:
     if gone != 0:
         return frozenset({"rank 0"})
-    if c.nodes > 1 and c.launcher in ("image", "slurm"):
+    if c.nodes > 1 and c.launcher in (*PODS, "slurm"):
         # node 2's agent may stop rank 1 first: its rendezvous store was node 1's agent
         return frozenset({TOOK_OVER, "store host"})
     return frozenset({TOOK_OVER})
 
 
-_AGENTS = ("torchrun", "image", "slurm")  # torchrun's agents, on node 1's rendezvous store
+_AGENTS = ("torchrun", "slurm", *PODS)  # torchrun's agents, on node 1's rendezvous store
 _AGENT_WAIT = ("torchrun's agents then wait for their rendezvous store across the cut, within "
                "torchrun's own timeouts (read 30 s, exit barrier 300 s): theirs, not the kit's")
 
@@ -503,7 +511,7 @@ def expect(c: Cell) -> Expect:
                           why="plain torchrun across nodes: node 1's agent holds the store "
                               "and leaves with its only worker")
         local = c.per_node > 1  # a live rank on the dead rank's node reads that node's word
-        in_pod = k == "oom" and c.launcher == "image"
+        in_pod = k == "oom" and c.launcher in PODS
         words = {"sigkill": ("SIGKILL",) if c.launcher == "smoke_local" else ("died",),
                  "sigsegv": ("SIGSEGV",), "sigabrt": ("SIGABRT",),
                  "oom": ("OOM killer",) if local and not in_pod else ("died",),
@@ -538,6 +546,17 @@ def expect(c: Cell) -> Expect:
             return Expect(FAIL, frozenset({_link(c)}), ("below the reference",))
         return Expect(FAIL, frozenset({("rank", c.node * c.per_node)}),
                       ("slow with every partner",))
+    if k in ("dead_link", "dead_node") and s == "join" and c.launcher in K8S_JOBS and (
+            k == "dead_node" or 0 in (c.node, c.peer_node)):
+        unheard = [c.node] if c.node else list(range(1, c.nodes))
+        if k == "dead_link":
+            unheard = [c.node or c.peer_node]
+        return Expect(NONE, words=(f"node rank(s) {', '.join(map(str, unheard))} never "
+                                   "joined",), writers=frozenset(), ends=False, why=(
+            "the rendezvous host's preflight never hears the cut node's hello and names it, in "
+            "its log and termination message, before any rank starts; the pods that said "
+            "hello wait in torchrun's rendezvous for the host that never starts it, within "
+            "torchrun's own join timeout: theirs, not the kit's"))
     if k in ("dead_link", "dead_node") and s == "join" and _before_rendezvous(c):
         return Expect(NONE, words=("The connection to the C10d store has failed",),
                       writers=frozenset(), why=(
@@ -599,7 +618,15 @@ def expect(c: Cell) -> Expect:
                                            for i in range(c.per_node)}), ("no interface eth0",),
                           frozenset({"submitit launcher"}), why=(
                               "each task's preflight, before its rank starts"))
-        if c.launcher == "image":  # pods started alone, as Kubernetes starts them
+        if c.launcher in K8S_JOBS:
+            return Expect(NONE, words=("no interface eth0",) + (
+                (f"node rank {c.node} ",) if c.node else ()), writers=frozenset(), ends=False,
+                why=("the pod's preflight names its node in its log and termination message, "
+                     "and says so in its hello: the rendezvous host's preflight fails at once "
+                     "naming it, before any rank starts (a job's pods gather no report); the "
+                     "other pods wait in torchrun's rendezvous for the host that never starts "
+                     "it, within torchrun's own join timeout: theirs, not the kit's"))
+        if c.launcher in PODS:  # pods started alone, as Kubernetes starts them
             return Expect(FAIL, frozenset({("host", c.node)}), ("no interface eth0",),
                           frozenset({"docker launcher"}), ends=False, why=(
                               "the pod's preflight names its node before torchrun starts; the "

@@ -362,7 +362,11 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
             return Got(LOST, frozenset(), f"{said} | {out[-2000:]}", None, status, report_s,
                        end_s, f"{len(lost)} lost records", len(lost))
         verdict = BAD_INPUT if "ddp-smoke: error:" in out else "none"
-        return Got(verdict, frozenset(), out[-4000:], None, status, None, end_s)
+        # the kit's own lines first, wherever they are (each pod's log, in node order), then
+        # the output's end
+        said = "\n".join(ln for ln in out.splitlines() if ln.startswith("ddp-smoke"))
+        return Got(verdict, frozenset(), f"{said[-3000:]}\n{out[-2000:]}", None, status, None,
+                   end_s)
     culprits, slow, reasons = set(), set(), []
     # a host by its node number (machines' names differ): a node where no rank ran by name
     nodes = {i.get("host"): i.get("group_rank") for i in report.get("ranks") or []

@@ -632,9 +632,17 @@ def _calls() -> dict[str, str]:
     return out
 
 
-def here(argv: list[str]) -> list[str]:
-    """A pod's argv run on this machine: the image's pod script is the checkout's."""
-    return [a.replace(IN_IMAGE, str(POD_SCRIPT)) for a in argv]
+def here(argv: list[str], tmp_path: Path, pod: ko.Pod | None = None) -> list[str]:
+    """A pod's argv run on this machine: the image's pod script is the checkout's, and the
+    ConfigMap the kubelet mounts at /etc/ddp-smoke is a folder of its files under tmp_path."""
+    etc = tmp_path / "etc-ddp-smoke"
+    for mount in pod.mounts if pod else []:
+        if mount.kind == "configMap" and mount.path == "/etc/ddp-smoke":
+            etc.mkdir(exist_ok=True)
+            for name, text in mount.files.items():
+                (etc / name).write_text(text)
+    return [a.replace(IN_IMAGE, str(POD_SCRIPT)).replace("/etc/ddp-smoke/", f"{etc}/")
+            for a in argv]
 
 
 @pytest.mark.parametrize("variant", ["pytorchjob", "indexed-job", "trainer-v2"])
@@ -684,7 +692,8 @@ def _run_pod(pod: ko.Pod, tmp_path: Path, rc: int = 1):
            "TERMINATION_LOG": str(tmp_path / f"{pod.name}.termination-log")}
     if "REPORT_DIR" in env:
         env["REPORT_DIR"] = str(tmp_path / env["REPORT_DIR"].lstrip("/"))
-    proc = subprocess.run(here(pod.argv), env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(here(pod.argv, tmp_path, pod), env=env, capture_output=True,
+                          text=True, timeout=60)
     return proc, json.loads((tmp_path / f"{pod.name}.json").read_text())
 
 
@@ -699,7 +708,7 @@ def test_pytorchjob_pods_run_c10d_torchrun_and_log_the_report(tmp_path):
                     "--rdzv-conf=join_timeout=600,read_timeout=600,is_host=0",
                     "--max-restarts=0",
                     "--local-addr=10.9.0.3", "-m", "ddp_smoke",
-                    "--config=/etc/ddp-smoke/config.yaml",
+                    f"--config={tmp_path}/etc-ddp-smoke/config.yaml",
                     f"--report-dir={tmp_path}/reports/ddp-smoke", "--expect-nodes=2",
                     "--expect-world-size=16"]
     assert proc.returncode == 1, proc.stderr  # torchrun's status, after the report was logged
@@ -728,7 +737,8 @@ def test_a_stale_report_is_never_logged_as_this_runs(tmp_path):
     env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
            "DDP_SMOKE_PREFLIGHT": "0",
            "REPORT_DIR": str(stale.parent), "TERMINATION_LOG": str(tmp_path / "msg")}
-    proc = subprocess.run(here(pod.argv), env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(here(pod.argv, tmp_path, pod), env=env, capture_output=True,
+                          text=True, timeout=60)
     assert proc.returncode == 1 and "ddp-smoke-report.json" not in proc.stdout, proc.stdout
     assert not stale.exists()
     assert "no report in this pod" in (tmp_path / "msg").read_text()
@@ -743,13 +753,14 @@ def _rendezvous_host(variant: str, port: int, tmp_path: Path) -> tuple[list[str]
         env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "0",
                "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
                "DDP_SMOKE_RUN_ID": f"ddp-smoke-v2-{tmp_path.name}", "POD_IP": "127.0.0.1"}
-        return here(doc["spec"]["trainer"]["command"] + doc["spec"]["trainer"]["args"]), env
+        return here(doc["spec"]["trainer"]["command"] + doc["spec"]["trainer"]["args"],
+                    tmp_path), env
     docs = ko.load_manifests(FOLDERS[variant])
     host = ko.compute_pods(docs, pod_ips={n: "127.0.0.1" for n in ko.pod_names(docs)})[0]
     env = {**host.env, "REPORT_DIR": str(tmp_path / "reports"),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "RDZV_ENDPOINT": f"127.0.0.1:{port}"}
-    return here(host.argv), env
+    return here(host.argv, tmp_path, host), env
 
 
 @pytest.mark.parametrize("variant", ["pytorchjob", "indexed-job", "trainer-v2"])
@@ -767,12 +778,19 @@ def test_rendezvous_host_names_the_node_ranks_that_never_joined(variant, tmp_pat
     (bin_dir / "torchrun").chmod(0o755)
     env.update({"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
                 "DDP_SMOKE_PREFLIGHT_TIMEOUT": "4", "TERMINATION_LOG": str(tmp_path / "msg")})
+    fixed = Path(f"/tmp/ddp-smoke-reports/ddp-smoke-v2-{tmp_path.name}")  # the TrainJob's
+    folder = fixed if variant == "trainer-v2" else Path(env["REPORT_DIR"])
     try:
         proc = subprocess.run(host_argv, env=env, capture_output=True, text=True, timeout=60)
-    finally:  # the TrainJob's report folder is fixed, under /tmp
-        shutil.rmtree(f"/tmp/ddp-smoke-reports/ddp-smoke-v2-{tmp_path.name}", ignore_errors=True)
+        # the pod's own preflight error file: on a volume every pod shares, one file for all
+        # was truncated by each pod's preflight and tailed into another pod's message
+        said = (folder / "launch" / f"{socket.gethostname()}.preflight.err").read_text()
+    finally:
+        shutil.rmtree(fixed, ignore_errors=True)
     assert proc.returncode == 1 and "torchrun ran" not in proc.stdout, proc.stdout + proc.stderr
+    assert not (folder / "preflight.err").exists()
     message = (tmp_path / "msg").read_text().strip()
+    assert said.rstrip().splitlines()[-1] == message, (said, message)
     assert message.startswith("ddp-smoke preflight: ") and " FAIL · " in message, message
     assert "joined: node rank(s) 1 never joined within 4 s: 1 of 2 said hello" in message, message
     assert "\n" not in message
@@ -800,6 +818,31 @@ def test_indexed_job_pods_say_who_hosts_the_store(tmp_path):
         assert served == (pod.index == 0), proc.stderr
 
 
+@pytest.mark.parametrize("variant", ["pytorchjob", "indexed-job"])
+def test_a_misspelt_configmap_is_one_line_and_exit_2_before_anything_starts(variant, tmp_path):
+    """A check misspelt in the ConfigMap is said once by the pod, before preflight and torchrun
+    (found by the fault campaign's first PyTorchJob cells: a report folder that cannot be
+    written ended as every rank's error under torchrun's traceback, the pod's status 1)."""
+    docs = ko.load_manifests(FOLDERS[variant])
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    config["data"]["config.yaml"] = config["data"]["config.yaml"].replace(
+        "checks: [environment,", "checks: [enviroment,")
+    pod = ko.compute_pods(docs, pod_ips={n: "10.9.0.2" for n in ko.pod_names(docs)})[0]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("torchrun", "nvidia-smi"):  # neither may run
+        (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} ran\n")
+        (bin_dir / tool).chmod(0o755)
+    env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "TERMINATION_LOG": str(tmp_path / "msg"), "REPORT_DIR": str(tmp_path / "r")}
+    proc = subprocess.run(here(pod.argv, tmp_path, pod), env=env, capture_output=True,
+                          text=True, timeout=60)
+    (line,) = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert proc.returncode == 2 and "enviroment" in line, proc.stdout + proc.stderr
+    assert line.startswith("ddp-smoke: error: ") and " ran" not in proc.stdout, proc.stdout
+    assert (tmp_path / "msg").read_text().strip() == line
+
+
 def test_indexed_job_pod_beyond_nnodes_is_one_line_and_exit_2(tmp_path):
     """completions raised without NNODES: the extra pod says so once, starts nothing."""
     docs = ko.load_manifests(K8S / "indexed-job")
@@ -808,7 +851,8 @@ def test_indexed_job_pod_beyond_nnodes_is_one_line_and_exit_2(tmp_path):
     pod = ko.compute_pods(docs, pod_ips={n: f"10.9.0.{i + 2}" for i, n in enumerate(names)})[2]
     env = {**pod.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "TERMINATION_LOG": str(tmp_path / "msg"), "REPORT_DIR": str(tmp_path / "r")}
-    proc = subprocess.run(here(pod.argv), env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(here(pod.argv, tmp_path, pod), env=env, capture_output=True,
+                          text=True, timeout=60)
     line = ("ddp-smoke: error: pod of node rank 2 but --nnodes=2: the job starts more pods "
             "than its node count (Indexed Job: set completions and NNODES to the same number)")
     assert proc.returncode == 2 and proc.stderr.strip() == line, proc.stderr
@@ -995,7 +1039,8 @@ def test_a_pod_whose_ranks_lost_the_store_says_who_went_silent(tmp_path):
     env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
            "DDP_SMOKE_PREFLIGHT": "0", "REPORT_DIR": str(reports),
            "TERMINATION_LOG": str(tmp_path / "msg")}
-    proc = subprocess.run(here(pod.argv), env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(here(pod.argv, tmp_path, pod), env=env, capture_output=True,
+                          text=True, timeout=60)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     message = (tmp_path / "msg").read_text()
     assert message.startswith(f"ddp-smoke FAIL · run {record['run_id']} · 2 ranks"), message

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import k8s_operator as ko
-from tests.launchers.test_k8s_run import _security_options, _volumes
+from tests import k8s_operator as ko, kubelet
 from tests.sandbox import hosts, tools
 from tests.sandbox.docker import PodNetwork, docker_engine, worker_image  # noqa: F401
 
@@ -220,8 +219,8 @@ def test_the_daemonset_labels_a_healthy_node_pass_and_a_faulty_one_fail_on_its_i
         try:
             for pod in pods:
                 spec = ds["spec"]["template"]["spec"]
-                user, security = _security_options(spec, pod)
-                binds, shm_size, _ = _volumes(pod, spec, tmp_path / pod.name)
+                user, security = kubelet.security_options(spec, pod)
+                binds, shm_size, _ = kubelet.volumes(pod, spec, tmp_path / pod.name)
                 binds.append(f"{sa}:{SA_DIR}:ro")
                 env = {**pod.env, "KUBERNETES_SERVICE_HOST": gateway,
                        "KUBERNETES_SERVICE_PORT": str(api.port)}

@@ -61,7 +61,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests import k8s_operator as ko, report_schema, store_kill
+from tests import k8s_operator as ko, kubelet, report_schema, store_kill
 from tests.launch import paced
 from tests.sandbox import hosts
 from tests.sandbox.docker import (REPO, BuiltImage, Container, PodNetwork,  # noqa: F401
@@ -79,9 +79,6 @@ REPORT_LINE = "ddp-smoke-report.json: "
 SECRET_NAME, SECRET_KEY, SECRET = "ddp-smoke-secret", "secret", os.urandom(32).hex()
 STORE_PORT = 29401  # the rendezvous port + 1: the manifests' store host
 KILL_TIMEOUT_S = 30  # the killed run's stage deadline: its report must come within it + 10 s
-# securityContext keys this file turns into `docker run` options (or checks); any other key fails.
-SECURITY_KEYS = {"runAsUser", "runAsGroup", "runAsNonRoot", "fsGroup", "fsGroupChangePolicy",
-                 "seccompProfile", "allowPrivilegeEscalation", "privileged", "capabilities"}
 
 
 @pytest.fixture
@@ -92,89 +89,6 @@ def k8s_net(docker_engine, worker_image: BuiltImage):
         pytest.skip(reason)
     with PodNetwork(docker_engine, worker_image.tag, prefix=PREFIX, subnet=SUBNET) as net:
         yield net
-
-
-# -- from a computed pod to `docker run` options ---------------------------------------------------
-
-def _pod_spec(docs: list[dict[str, Any]], pod: ko.Pod) -> dict[str, Any]:
-    """The pod template's spec that ``pod`` was made from (for the pod-level securityContext)."""
-    job = next(d for d in docs if d["kind"] in ("PyTorchJob", "Job"))
-    if job["kind"] == "PyTorchJob":
-        return job["spec"]["pytorchReplicaSpecs"][pod.replica]["template"]["spec"]
-    return job["spec"]["template"]["spec"]
-
-
-def _security_options(pod_spec: dict[str, Any], pod: ko.Pod) -> tuple[str, list[str]]:
-    """``--user`` value and further ``docker run`` options for the pod's securityContexts.
-
-    Pod-level fields apply unless the container sets them (the kubelet's merge); the kubelet
-    refuses to start a container whose runAsNonRoot contradicts its user.
-    """
-    (container,) = pod_spec["containers"]
-    pod_sc, ctr_sc = pod_spec.get("securityContext", {}), container.get("securityContext", {})
-    merged = {**pod_sc, **ctr_sc}
-    unknown = set(merged) - SECURITY_KEYS
-    assert not unknown, f"securityContext fields this test does not emulate: {sorted(unknown)}"
-    assert pod.run_as_user is not None and pod.run_as_group is not None, (
-        "runAsUser/runAsGroup unset: the pod would run as the image's user; write them")
-    if merged.get("runAsNonRoot"):
-        assert pod.run_as_user != 0, "runAsNonRoot with runAsUser 0: the kubelet refuses it"
-    extra = []
-    if "fsGroup" in pod_sc:  # the kubelet adds fsGroup to the container's supplementary groups
-        extra.append(f"--group-add={pod_sc['fsGroup']}")
-    caps = merged.get("capabilities", {})
-    extra += [f"--cap-drop={c}" for c in caps.get("drop", [])]
-    extra += [f"--cap-add={c}" for c in caps.get("add", [])]
-    if merged.get("allowPrivilegeEscalation") is False:
-        extra.append("--security-opt=no-new-privileges")
-    assert not merged.get("privileged"), "privileged pods are not run here"
-    seccomp = merged.get("seccompProfile", {}).get("type", "RuntimeDefault")
-    assert seccomp == "RuntimeDefault", f"seccompProfile {seccomp} is not emulated"
-    # RuntimeDefault = the runtime's default profile: Docker applies its own unless told not to.
-    return f"{pod.run_as_user}:{pod.run_as_group}", extra
-
-
-def _volumes(pod: ko.Pod, pod_spec: dict[str, Any], root: Path) -> tuple[list[str], str, dict]:
-    """Host folders for the pod's mounts: ``-v`` values, /dev/shm size, mount path → host folder."""
-    root.mkdir(parents=True)
-    fs_group = pod_spec.get("securityContext", {}).get("fsGroup")
-    binds, shm_size, host_of = [], None, {}
-    for i, mount in enumerate(pod.mounts):
-        if mount.kind == "memory":
-            assert mount.path == "/dev/shm", f"memory emptyDir at {mount.path}: not emulated"
-            assert mount.size_limit_bytes, "a memory emptyDir without sizeLimit is unbounded"
-            shm_size = str(mount.size_limit_bytes)  # bytes; Docker's unit-less default
-            continue
-        folder = root / f"vol{i}"
-        folder.mkdir()
-        if mount.kind == "configMap":
-            # The kubelet writes each key as a file, mode 0644 (defaultMode), in a folder every
-            # user can read, and mounts configMap volumes read-only whatever the pod says.
-            for name, text in mount.files.items():
-                (folder / name).write_text(text)
-                (folder / name).chmod(0o644)
-            folder.chmod(0o755)
-            binds.append(f"{folder}:{mount.path}:ro")
-        elif mount.kind == "emptyDir":
-            # The kubelet creates an emptyDir 0777; with fsGroup it then gives it that group
-            # and the setgid bit, so files made in it keep the group.
-            if fs_group is not None:
-                os.chown(folder, 0, fs_group)
-            folder.chmod(0o777 if fs_group is None else 0o2777)
-            binds.append(f"{folder}:{mount.path}{':ro' if mount.read_only else ''}")
-        else:
-            pytest.fail(f"volume kind {mount.kind} at {mount.path}: not emulated here")
-        host_of[mount.path] = folder
-    assert shm_size, "no memory emptyDir at /dev/shm: the runtime's 64 MiB default would apply"
-    return binds, shm_size, host_of
-
-
-def _host_path(host_of: dict[str, Path], path: str) -> Path:
-    """The host path of a path inside the container, through its bind mounts."""
-    for inside, folder in sorted(host_of.items(), key=lambda kv: -len(kv[0])):
-        if path == inside or path.startswith(inside.rstrip("/") + "/"):
-            return folder / os.path.relpath(path, inside)
-    raise AssertionError(f"{path} is on no volume: it dies with the container")
 
 
 # -- one job, run -----------------------------------------------------------------------------------
@@ -197,32 +111,6 @@ def _config_checks(docs: list[dict[str, Any]]) -> list[str]:
     return yaml.safe_load(config["data"]["config.yaml"])["checks"]
 
 
-def _start_job(net: PodNetwork, docs: list[dict[str, Any]], pods: list[ko.Pod],
-               ips: dict[str, str], start_order: list[ko.Pod],
-               tmp_path: Path) -> tuple[dict[str, Any], dict[str, Container]]:
-    """Starts every pod; returns {name: {pod, host_of, message}} and the containers by name."""
-    runs: dict[str, dict[str, Any]] = {}
-    for pod in pods:
-        spec = _pod_spec(docs, pod)
-        user, security = _security_options(spec, pod)
-        binds, shm_size, host_of = _volumes(pod, spec, tmp_path / pod.name)
-        message = tmp_path / pod.name / "termination-log"  # the kubelet's terminationMessagePath
-        message.touch(mode=0o666)
-        message.chmod(0o666)
-        binds.append(f"{message}:/dev/termination-log")
-        net_pod = net.add_pod(pod.hostname, ips[pod.name],
-                              etc_hosts=ko.etc_hosts(pod, pods, ips))
-        runs[pod.name] = dict(pod=pod, net_pod=net_pod, host_of=host_of, message=message,
-                              opts=dict(command=pod.argv, env=pod.env, volumes=binds, user=user,
-                                        shm_size=shm_size, extra=security))
-    containers: dict[str, Container] = {}
-    runs["_start"] = time.monotonic()
-    for pod in start_order:
-        run = runs[pod.name]
-        containers[pod.name] = net.run(run["net_pod"], pod.image, **run["opts"])
-    return runs, containers
-
-
 def _run_job(net: PodNetwork, docs: list[dict[str, Any]], pods: list[ko.Pod],
              ips: dict[str, str], start_order: list[ko.Pod], tmp_path: Path) -> dict[str, Any]:
     """Runs every pod, waits, and returns {name: {status, logs, host_of, pod, message}} per pod.
@@ -230,12 +118,12 @@ def _run_job(net: PodNetwork, docs: list[dict[str, Any]], pods: list[ko.Pod],
     Once a pod has failed, the others are treated as their controller treats them: left to
     finish (bounded), or deleted, their logs lost with them.
     """
-    runs, containers = _start_job(net, docs, pods, ips, start_order, tmp_path)
+    runs, containers = kubelet.start_pods(net, docs, pods, ips, start_order, tmp_path)
     statuses = wait_all([containers[p.name] for p in pods], RUN_TIMEOUT_S)
     job = next(d for d in docs if d["kind"] in ("PyTorchJob", "Job"))
     if any(s not in (None, 0) for s in statuses) and None in statuses:
         if ko.on_pod_failure(job) == "continue":
-            statuses = wait_all_ended([containers[p.name] for p in pods], RUN_TIMEOUT_S)
+            statuses = kubelet.wait_all_ended([containers[p.name] for p in pods], RUN_TIMEOUT_S)
         else:
             for pod, status in zip(pods, statuses):
                 if status is None:  # deleted: no exit status, no log, no message
@@ -250,18 +138,6 @@ def _run_job(net: PodNetwork, docs: list[dict[str, Any]], pods: list[ko.Pod],
                               message=runs[pod.name]["message"].read_text())
     runs["_elapsed_s"] = elapsed
     return runs
-
-
-def wait_all_ended(containers: list[Container], timeout_s: float) -> list[int | None]:
-    """Exit statuses once every container has exited (None for one still running at timeout)."""
-    deadline = time.monotonic() + timeout_s
-    statuses: list[int | None] = []
-    for container in containers:
-        try:
-            statuses.append(container.wait(max(1.0, deadline - time.monotonic())))
-        except Exception:  # noqa: BLE001 — still running at the deadline
-            statuses.append(None)
-    return statuses
 
 
 def _describe(runs: dict[str, Any]) -> str:
@@ -290,8 +166,9 @@ def _assert_ran_before_torchrun(runs: dict[str, Any], pods: list[ko.Pod], host: 
     for pod in pods:
         logs = runs[pod.name]["logs"]
         assert f"ddp-smoke preflight: {pod.hostname} ok in " in logs, info
-        record = json.loads(_host_path(runs[pod.name]["host_of"], f"{pod.env['REPORT_DIR']}/"
-                                       f"preflight/{pod.hostname}.json").read_text())
+        record = json.loads(kubelet.host_path(
+            runs[pod.name]["host_of"],
+            f"{pod.env['REPORT_DIR']}/preflight/{pod.hostname}.json").read_text())
         assert record["ok"] and record["run_id"] == pod.env["DDP_SMOKE_RUN_ID"], record
         if pod is host:
             assert sorted(record["joined"].values()) == sorted(p.hostname for p in pods), record
@@ -308,7 +185,8 @@ def _assert_passing_report(runs: dict[str, Any], pods: list[ko.Pod],
     info = _describe(runs)
     holders = []
     for pod in pods:
-        path = _host_path(runs[pod.name]["host_of"], f"{pod.env['REPORT_DIR']}/report.json")
+        path = kubelet.host_path(runs[pod.name]["host_of"],
+                                 f"{pod.env['REPORT_DIR']}/report.json")
         lines = [ln for ln in runs[pod.name]["logs"].splitlines() if ln.startswith(REPORT_LINE)]
         if path.exists():
             holders.append(pod)
@@ -459,7 +337,7 @@ def test_pod_deletion_reaches_the_workers(k8s_net: PodNetwork, worker_image: Bui
                         checks=["environment", "ddp_step"], fault="0:hang@ddp_step")
     ips = _ips(docs)
     pods = ko.compute_pods(docs, pod_ips=ips)
-    runs, containers = _start_job(k8s_net, docs, pods, ips, pods, tmp_path)
+    runs, containers = kubelet.start_pods(k8s_net, docs, pods, ips, pods, tmp_path)
     deadline = time.monotonic() + 120
 
     def workers_up(container: Container) -> bool:  # torchrun starts them as `python -u -m …`
@@ -476,7 +354,7 @@ def test_pod_deletion_reaches_the_workers(k8s_net: PodNetwork, worker_image: Bui
     sent = time.monotonic()
     for container in containers.values():
         k8s_net.engine.docker("kill", "--signal=TERM", container.name)
-    statuses = wait_all_ended(list(containers.values()), 30)
+    statuses = kubelet.wait_all_ended(list(containers.values()), 30)
     stopped_s = time.monotonic() - sent
     logs = "\n".join(f"--- {n}\n{c.logs()[-3000:]}" for n, c in containers.items())
     assert None not in statuses, f"still running 30 s after SIGTERM\n{logs}"
@@ -495,7 +373,7 @@ def test_pytorchjob_rank0_killed_the_report_names_it(k8s_net: PodNetwork,
                         timeout=KILL_TIMEOUT_S)
     ips = _ips(docs)
     pods = ko.compute_pods(docs, pod_ips=ips)
-    runs, containers = _start_job(k8s_net, docs, pods, ips, pods, tmp_path)
+    runs, containers = kubelet.start_pods(k8s_net, docs, pods, ips, pods, tmp_path)
     end, master = time.monotonic() + 240, containers[pods[0].name]
     while "serving the coordination store at " not in master.logs():  # the Master's store host
         assert time.monotonic() < end, "\n".join(c.logs() for c in containers.values())
@@ -505,7 +383,8 @@ def test_pytorchjob_rank0_killed_the_report_names_it(k8s_net: PodNetwork,
     pids = store_kill.workers(run_id=pods[0].env["DDP_SMOKE_RUN_ID"])
     assert sorted(pids) == [0, 1], pids
     killed = store_kill.kill([pids[0]])
-    paths = {p.name: _host_path(runs[p.name]["host_of"], f"{p.env['REPORT_DIR']}/report.json")
+    paths = {p.name: kubelet.host_path(runs[p.name]["host_of"],
+                                       f"{p.env['REPORT_DIR']}/report.json")
              for p in pods}
     written, holder = None, None
     while written is None and time.monotonic() < killed + KILL_TIMEOUT_S + 10:
@@ -513,7 +392,7 @@ def test_pytorchjob_rank0_killed_the_report_names_it(k8s_net: PodNetwork,
                       None)
         written = time.monotonic() if holder else None
         time.sleep(0.1)
-    statuses = wait_all_ended(list(containers.values()), 120)
+    statuses = kubelet.wait_all_ended(list(containers.values()), 120)
     logs = "\n".join(f"--- {n} (exit {s})\n{c.logs()[-5000:]}"
                      for (n, c), s in zip(containers.items(), statuses))
     assert written is not None, f"no report within {KILL_TIMEOUT_S + 10} s of the kill\n{logs}"

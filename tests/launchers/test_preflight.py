@@ -10,12 +10,13 @@ import json
 import os
 import socket
 import subprocess
+import time
 import sys
 from pathlib import Path
 
 import pytest
 
-from ddp_smoke import preflight
+from ddp_smoke import interfaces
 from ddp_smoke.coordination import lost
 from ddp_smoke.outputs import REPORT_FOLLOWS
 from ddp_smoke.outputs import launch_report as lr
@@ -38,19 +39,19 @@ def _free_port() -> int:
     ("bond", []),
 ])
 def test_nccl_socket_ifname_syntax(spec, expected):
-    assert preflight.nccl_matches(spec, ["lo", "docker0", "eth0", "eth1", "ib0"]) == expected
+    assert interfaces.nccl_matches(spec, ["lo", "docker0", "eth0", "eth1", "ib0"]) == expected
 
 
 def test_interfaces_must_exist_and_carry_an_address():
     have = {"lo": ["127.0.0.1"], "eth0": ["10.0.0.5"], "ib0": []}
-    ok, text = preflight.check_interfaces({"GLOO_SOCKET_IFNAME": "eth0",
+    ok, text = interfaces.check_interfaces({"GLOO_SOCKET_IFNAME": "eth0",
                                            "NCCL_SOCKET_IFNAME": "^lo"}, have)
     assert ok and "eth0 10.0.0.5" in text
-    ok, text = preflight.check_interfaces({"GLOO_SOCKET_IFNAME": "eth9"}, have)
+    ok, text = interfaces.check_interfaces({"GLOO_SOCKET_IFNAME": "eth9"}, have)
     assert not ok and text.startswith("GLOO_SOCKET_IFNAME=eth9: no interface eth9"), text
-    ok, text = preflight.check_interfaces({"GLOO_SOCKET_IFNAME": "ib0"}, have)
+    ok, text = interfaces.check_interfaces({"GLOO_SOCKET_IFNAME": "ib0"}, have)
     assert not ok and "ib0 has no address" in text
-    ok, text = preflight.check_interfaces({"NCCL_SOCKET_IFNAME": "=ib0"}, have)
+    ok, text = interfaces.check_interfaces({"NCCL_SOCKET_IFNAME": "=ib0"}, have)
     assert not ok and "matches no interface with an address" in text
 
 
@@ -260,6 +261,28 @@ def test_preflight_host_names_the_node_ranks_that_never_joined(tmp_path):
     assert "joined: node rank(s) 1, 2 never joined within 3 s: 1 of 3 said hello" in err, err
 
 
+def test_a_node_whose_own_checks_failed_says_so_in_its_hello_and_the_host_names_it(tmp_path):
+    """A pod's interface missing (the campaign's missing_interface.middle.join.pytorchjob):
+    before, its hello passed as any other, the host started torchrun and the job waited in
+    the rendezvous for a pod that had left; the host names it now, at once."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    common = ["--rdzv", endpoint, "--timeout", "60", "--skip-torch", "--report-dir",
+              str(tmp_path)]
+    host = _preflight(*common, "--serve", "--nodes", "2", "--node", "h0",
+                      env={"PET_NODE_RANK": "0"})
+    node = _preflight(*common, "--node", "h1",
+                      env={"PET_NODE_RANK": "1", "GLOO_SOCKET_IFNAME": "ens7"})
+    t0 = time.monotonic()
+    (out, err), (nout, nerr) = host.communicate(timeout=90), node.communicate(timeout=90)
+    assert node.returncode == 1 and "no interface ens7" in nerr, nout + nerr
+    assert host.returncode == 1 and time.monotonic() - t0 < 30, out + err
+    record = json.loads((tmp_path / "preflight" / "h0.json").read_text())
+    (failed,) = [c for c in record["checks"] if not c["ok"]]  # the others' word: "joined"
+    assert failed["name"] == "joined" and failed["detail"].startswith(
+        "node rank 1 h1: interfaces: GLOO_SOCKET_IFNAME=ens7: no interface ens7"), failed
+    assert record["joined"] == {"0": "h0", "1": "h1"}
+
+
 def test_preflight_unreachable_rendezvous_and_bad_input(tmp_path):
     proc = _preflight("--rdzv", f"127.0.0.1:{_free_port()}", "--timeout", "2", "--skip-torch")
     out, err = proc.communicate(timeout=30)
@@ -458,16 +481,16 @@ def test_ranks_that_lost_the_store_make_the_launchers_report_naming_the_silent_n
 def test_interface_mtu_is_the_kernels_for_the_address():
     """Read through a socket (SIOCGIFMTU), not /sys/class/net: a process that entered a network
     namespace (the jumbo test's hosts) still sees the /sys of the namespace that mounted it."""
-    assert preflight.interface_mtu("127.0.0.1") == int(Path("/sys/class/net/lo/mtu").read_text())
-    assert preflight.interface_mtu("192.0.2.254") is None  # no interface here holds it
+    assert interfaces.interface_mtu("127.0.0.1") == int(Path("/sys/class/net/lo/mtu").read_text())
+    assert interfaces.interface_mtu("192.0.2.254") is None  # no interface here holds it
 
 
 def test_mtu_comparison_names_the_odd_nodes_and_the_launcher_report_blames_them():
-    ok, detail, odd = preflight.compare_mtus({"n1": 1500, "n2": 9000, "n3": 9000, "n4": 1500,
+    ok, detail, odd = interfaces.compare_mtus({"n1": 1500, "n2": 9000, "n3": 9000, "n4": 1500,
                                               "n5": 1500})
     assert (ok, odd) == (False, ["n2", "n3"]) and "drops large ones" in detail
-    assert preflight.compare_mtus({"a": 1500, "b": 9000})[2] == ["a", "b"]  # a tie: both
-    assert preflight.compare_mtus({"a": 1500, "b": 1500})[0]
+    assert interfaces.compare_mtus({"a": 1500, "b": 9000})[2] == ["a", "b"]  # a tie: both
+    assert interfaces.compare_mtus({"a": 1500, "b": 1500})[0]
     host = {"node": "n1", "ok": False, "joined": {"0": "n1", "1": "n2", "2": "n3"},
             "checks": [{"name": "joined", "ok": True, "detail": "3 node(s) said hello"},
                        {"name": "mtu", "ok": False, "detail": detail, "nodes": ["n2", "n3"]}]}
