@@ -141,7 +141,8 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
     check_wait_timeout(wait_timeout_s)
     p = plan(cluster, **kwargs)
     p.folder.mkdir(parents=True, exist_ok=True)
-    prepare(str(p.report_dir))  # a folder that cannot take the report: one line, nothing submitted
+    # a folder that cannot take the report: one line, nothing submitted (rank 0 keeps room)
+    prepare(str(p.report_dir), room=False)
     # submitit's pickles carry the run's signing secret: the folder is the user's alone
     os.chmod(p.folder, p.folder.stat().st_mode & ~0o077)
     extra = {"slurm_python": p.python} if p.python and cluster == "slurm" else {}

@@ -181,7 +181,11 @@ def table(path: Path = TABLE) -> str:
         "by `python -m tests.campaign --table` from the rows `make campaign` leaves.",
         "",
         "- The cells, their generation and expectations: `tests/campaign/matrix.py` (pure); "
-        "each launcher started as users start it: `tests/campaign/launchers.py`; one cell run "
+        "each launcher started as users start it (plain torchrun, `make smoke-local`, the "
+        "Slurm template on a real Slurm cluster, the image on bare pods, `ddp-smoke-submit`, "
+        "and the PyTorchJob and Indexed Job of `k8s/`, their pods as the controllers and the "
+        "kubelet make them: `tests/k8s_operator.py`, `tests/kubelet.py`): "
+        "`tests/campaign/launchers.py`; one cell run "
         "and judged: `tests/campaign/runner.py`; the real faults (cgroups, tc, iptables, a "
         "tmpfs folder): `tests/sandbox/faults.py`. Signals go to PIDs, the memory limit makes "
         "the kernel's OOM killer act, network faults live in the nodes' namespaces; only the "

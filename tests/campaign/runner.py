@@ -340,13 +340,16 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
     if path.exists():
         with contextlib.suppress(ValueError, OSError):
             report = json.loads(path.read_text())
-    if report is None and REPORT_FOLLOWS in out:
-        tail = [_SRUN_LABEL.sub("", ln) for ln in out.split(REPORT_FOLLOWS, 1)[1].splitlines()]
+    for part in out.split(REPORT_FOLLOWS)[1:] if report is None else []:
+        # each copy in turn: a rank's own, cut where torchrun's tee interleaved other lines,
+        # and the launcher's whole one after the run (the Slurm template's)
+        tail = [_SRUN_LABEL.sub("", ln) for ln in part.splitlines()]
         first = next((i for i, ln in enumerate(tail) if ln.startswith("{")), None)
         if first is not None:  # docker's log splits a line every 16 KiB: joined again (a
             with contextlib.suppress(ValueError):  # JSON line holds no raw newline)
                 report = json.JSONDecoder().raw_decode("".join(tail[first:]))[0]
                 writer, report_at = "stderr", report_at or at
+                break
     lost = sorted((launch.report_dir / "lost").glob("*.json")) \
         if (launch.report_dir / "lost").is_dir() else []
     report_s = None if report_at is None else round(report_at - at, 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -209,10 +210,28 @@ def test_run_verdict_from_a_report_the_folder_could_not_take_exits_1(tmp_path):
             assert "report kept only" not in proc.stdout, proc.stdout
             continue
         assert proc.returncode == 1, proc.stdout + proc.stderr
-        assert proc.stdout.startswith(f"ddp-smoke: verdict {verdict} · report kept only in the "
-                                      f"job's output ({why})"), proc.stdout
-        assert ("storage: unwritable folder" in proc.stdout) == (verdict == "fail")
+        said, line, last = proc.stdout.splitlines()  # the report once more, whole, then
+        assert said == f"ddp-smoke: error: {why}; {REPORT_FOLLOWS}" and \
+            json.loads(line) == report, proc.stdout
+        assert last.startswith(f"ddp-smoke: verdict {verdict} · report kept only in the "
+                               f"job's output ({why})"), proc.stdout
+        assert ("storage: unwritable folder" in last) == (verdict == "fail")
         assert not (tmp_path / "report.json").exists()
+    # the node's copy cut by another rank's lines (torchrun's tee reads a long line in pieces):
+    # rank 0's own stderr file (torchrun --log-dir) holds it whole
+    report = {**report, "verdict": "fail", "run_id": "7"}
+    (tmp_path / "launch" / "b.run.err").write_text(
+        f"ddp-smoke: error: {why}; {REPORT_FOLLOWS}\n{json.dumps(report)[:40]}\n"
+        f"[b:1]: a line of rank 1\n{json.dumps(report)[40:]}\n")
+    own = tmp_path / "torchrun" / "b" / "7_x" / "attempt_0" / "0"
+    own.mkdir(parents=True)
+    (own / "stderr.log").write_text(f"ddp-smoke: error: {why}; {REPORT_FOLLOWS}\n"
+                                    f"{json.dumps(report)}\n")
+    proc = _launcher(tmp_path, "run", "a b", "--exit", "1")
+    assert json.loads(proc.stdout.splitlines()[1]) == report, proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("ddp-smoke: verdict fail · report kept "
+                                                   "only in the job's output"), proc.stdout
+    shutil.rmtree(tmp_path / "torchrun")
     # a full folder kept the error line and not the long JSON line after it (the campaign's
     # disk_full.rank0.storage.image.4x1): not "bad input" either
     (tmp_path / "launch" / "b.run.err").write_text(f"ddp-smoke: error: {why}; {REPORT_FOLLOWS}\n")

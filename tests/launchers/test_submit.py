@@ -113,10 +113,12 @@ def test_local_report_folder_that_cannot_take_a_report_is_refused_before_submitt
 
 @pytest.mark.timeout(180)
 def test_local_report_the_folder_cannot_take_comes_back_from_a_tasks_stderr(tmp_path, capfd):
-    """The report folder fills up mid-run (the campaign's disk_full.rank0.transport.submit.3x1,
-    read_only.rank0.storage.submit.1x4): rank 0 puts the report on its task's stderr as one
-    JSON line; submit reads it back, says why the folder took none and, the checks having
-    passed, raises ReportNotWritten (the CLI exits 1): a pass nobody kept is not one."""
+    """The report folder fills up mid-run, a folder too small for rank 0 to keep room for the
+    report in (1 MiB; with room, the report takes it: tests/outputs/test_report_write_failure.
+    py), or turns read-only (the campaign's read_only.rank0.storage.submit.1x4): rank 0 puts
+    the report on its task's stderr as one JSON line; submit reads it back, says why the folder
+    took none and, the checks having passed, raises ReportNotWritten (the CLI exits 1): a pass
+    nobody kept is not one."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     with SmallFolder(tmp_path / "report", size=1 << 20) as folder:

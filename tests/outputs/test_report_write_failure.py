@@ -5,6 +5,8 @@ import contextlib
 import json
 import os
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -12,6 +14,7 @@ from ddp_smoke import outputs
 from ddp_smoke.errors import ConfigError
 from tests import report_schema
 from tests.launch import torchrun
+from tests.sandbox.faults import SmallFolder
 
 
 @contextlib.contextmanager
@@ -75,3 +78,32 @@ def test_a_full_folder_is_bad_input_for_the_writer_only_and_leaves_no_probe(tmp_
         assert os.listdir(full / "r") == []
         outputs.check_writable(str(full / "r"), room=False)
         assert os.listdir(full / "r") == []
+
+
+@pytest.mark.timeout(180)
+def test_a_folder_that_fills_during_the_run_takes_the_report_in_the_room_kept_for_it(tmp_path):
+    """The campaign's disk_full.rank0.environment.slurm.1x3: the folder filled mid-run, and the
+    report put on stderr instead was cut where the ranks' own output files share that folder
+    (the Slurm template's torchrun --log-dir): the run left no report anywhere. Rank 0 keeps
+    room for the report at its start; the report takes it, and says the folder is full."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    with SmallFolder(tmp_path / "small", size=16 << 20) as folder:
+        report_dir = folder.path / "report"
+
+        def fill_once_room_is_kept():
+            end = time.monotonic() + 60
+            while not (report_dir / ".ddp-smoke-room").exists() and time.monotonic() < end:
+                time.sleep(0.02)
+            folder.fill()
+        filler = threading.Thread(target=fill_once_room_is_kept, daemon=True)
+        filler.start()
+        run = torchrun(2, "--checks", "environment,ddp_step", "--duration", "3", "--timeout",
+                       "60", report_dir=report_dir)
+        filler.join(timeout=5)
+        report, left = run.report, sorted(os.listdir(report_dir))
+        assert os.statvfs(folder.path).f_bavail * os.statvfs(folder.path).f_frsize < (4 << 20)
+    assert run.returncode == 0 and report["verdict"] == "pass", run.stderr[-3000:]
+    assert "; written in the room kept for the report instead: the folder is full" in \
+        run.stderr, run.stderr[-3000:]
+    assert "report.json" in left and ".ddp-smoke-room" not in left, left

@@ -395,7 +395,9 @@ def test_the_stale_files_are_removed_links_included(tmp_path):
     (d / "junit.xml").symlink_to(victim)
     (d / "notes.txt").write_text("mine")
     assert sorted(Path(p).name for p in clear_stale(str(d))) == ["junit.xml", "report.json"]
-    assert [p.name for p in d.iterdir()] == ["notes.txt"] and victim.read_text() == "kept"
+    # (and the room kept for this run's report: ddp_smoke/outputs/files.py hold_room)
+    assert sorted(p.name for p in d.iterdir()) == [".ddp-smoke-room", "notes.txt"]
+    assert victim.read_text() == "kept"
 
 
 def test_report_write_error_is_one_line_naming_path_and_reason():

@@ -16,16 +16,17 @@ from typing import NamedTuple
 
 from ..errors import ConfigError, ReportWriteError
 from ..model import FAIL, Report
-from . import hosts, metrics, page, plot, summary
+from . import files, hosts, metrics, page, plot, summary
 from .report import to_json_line, write_report
 
 ARTIFACTS = ("report.json", "junit.xml", plot.FILENAME, page.FILENAME, *hosts.LISTS.values(),
              hosts.RAIL_LIST)
 
 
-def prepare(report_dir: str) -> list[str]:
-    """Before a run: the folder must be writable, and every artifact of an earlier run goes.
-    Returns the paths removed.
+def prepare(report_dir: str, room: bool = True) -> list[str]:
+    """Before a run: the folder must be writable, and every artifact of an earlier run goes;
+    with ``room`` (the report's writer, at its start), room for the report is kept there
+    (:func:`.files.hold_room`, freed by :func:`publish`). Returns the paths removed.
 
     Raises:
         ConfigError: the folder cannot be written, or a stale file cannot be removed
@@ -43,6 +44,8 @@ def prepare(report_dir: str) -> list[str]:
             raise ConfigError(f"--report-dir {report_dir}: cannot remove {name} left by another "
                               f"run ({e.strerror}); remove it or choose another folder") from None
         gone.append(path)
+    if room:  # for the report, should the folder fill during the run
+        files.hold_room(report_dir)
     return gone
 
 
@@ -110,14 +113,22 @@ def publish(report: Report, report_dir: str, run_id: str,
     last line): only those lines before it. A report that cannot be written goes to stderr as
     one JSON line. Never raises."""
     lost, png = False, None
-    try:
-        path = write_report(report, report_dir)
-        png = plot.write_busbw_png(report, report_dir)  # only with matplotlib installed
-        page.write(report, report_dir)  # report.html, with history when ROOT has runs
-    except (ReportWriteError, OSError) as e:  # full, over quota, read-only, stale NFS
-        path, lost = f"(not written: {e})", True
-        print(f"ddp-smoke: error: {e}; {REPORT_FOLLOWS}", file=sys.stderr)
-        print(to_json_line(report), file=sys.stderr)
+    for first in (True, False):
+        try:
+            path = write_report(report, report_dir)
+            png = plot.write_busbw_png(report, report_dir)  # only with matplotlib installed
+            page.write(report, report_dir)  # report.html, with history when ROOT has runs
+            break
+        except (ReportWriteError, OSError) as e:  # full, over quota, read-only, stale NFS
+            if first and files.free_room(report_dir):  # the folder filled during the run
+                print(f"ddp-smoke: warning: {e}; written in the room kept for the report "
+                      "instead: the folder is full", file=sys.stderr)
+                continue
+            path, lost = f"(not written: {e})", True
+            print(f"ddp-smoke: error: {e}; {REPORT_FOLLOWS}", file=sys.stderr)
+            print(to_json_line(report), file=sys.stderr)
+            break
+    files.free_room(report_dir)  # the run's outputs are out: no room is held past them
     said = hosts.finish(report, report_dir, run_id)
     prom = metrics.write(report, run_id)  # --prometheus FILE, when set
     # where the optional files went, or why they are absent: a missing file asks a question

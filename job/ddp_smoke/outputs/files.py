@@ -56,3 +56,35 @@ def remove(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+ROOM = ".ddp-smoke-room"  # in the report folder while the run goes on
+ROOM_BYTES = 4 << 20      # a report, its junit.xml, plot and page, with room to spare
+
+
+def hold_room(report_dir: str) -> bool:
+    """Keep room for the report in its folder while the run goes on: a file of ROOM_BYTES,
+    freed when the report finds the folder full (filled during the run: another job's
+    checkpoints, logs; under the Slurm template the ranks' own output files are there too,
+    so even the report put on stderr was cut). Best effort: a folder without that much room
+    now keeps none (its report may still fit)."""
+    path = os.path.join(report_dir, ROOM)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, ROOM_BYTES)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        remove(path)
+        return False
+
+
+def free_room(report_dir: str) -> bool:
+    """Free the room :func:`hold_room` kept; whether there was any."""
+    try:
+        os.unlink(os.path.join(report_dir, ROOM))
+        return True
+    except OSError:
+        return False

@@ -342,9 +342,17 @@ def main(argv: list[str]) -> int:
                   flush=True)
             return 0 if verdict == "pass" else 1
         stderr = {n: node_stderr(a.report_dir, n, "run") for n in nodes}
-        said = next((x for n in nodes if (x := report_in_stderr(stderr[n]))
+        # and each rank's own stderr file (torchrun --log-dir): the node's copy interleaves the
+        # ranks' lines as torchrun's tee reads them, a long line in pieces (the campaign's
+        # read_only.rank0.ddp_step.slurm.4x1: a 100 KB report cut by another rank's lines)
+        own = [_read(f) for n in nodes for f in sorted(glob.glob(os.path.join(
+            a.report_dir, "torchrun", n, "*", "attempt_*", "*", "stderr.log")))]
+        said = next((x for text in [*stderr.values(), *own] if (x := report_in_stderr(text))
                      and (not a.run_id or x.report.get("run_id") == a.run_id)), None)
         if said is not None:  # the folder took no report (full, read-only): the writer said it
+            # once more, whole, where no rank writes any more: the job's output keeps it
+            print(f"ddp-smoke: error: {said.why}; {REPORT_FOLLOWS}\n"
+                  f"{json.dumps(said.report, separators=(',', ':'))}", flush=True)
             print(last_line(str(said.report.get("verdict")), f"report kept only in the job's "
                             f"output ({said.why}); {culprit_text(said.report)}".rstrip("; "),
                             a.exit_code, path, a.launcher), flush=True)
