@@ -41,7 +41,7 @@ COMPUTED = {
     "str(BIN / 'ddp-smoke-submit')": "ddp-smoke-submit", "str(BIN / 'torchrun')": "torchrun",
     "str(launch.BIN / 'torchrun')": "torchrun",
     "pod.argv": "sh", "master.argv": "sh",  # a manifest's command, with a stand-in torchrun
-    "here(pod.argv)": "sh",  # the same, with the checkout's pod script
+    "here(pod.argv, tmp_path, pod)": "sh",  # the same, with the checkout's pod script
     "plot.INSTALL.split()": "python",  # .venv/bin/python -m pip install matplotlib
     "host_argv": "sh",
     "PY": "python",  # tests/launchers/test_preflight.py: sys.executable
