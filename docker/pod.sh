@@ -166,7 +166,10 @@ for (( i = 0; i < ${#worker[@]}; i++ )); do
         --timeout) timeout="${worker[i + 1]:-90}" ;;
     esac
 done
-for (( s = 0; s < ${timeout%.*} + 60; s++ )); do kill -0 "$kept" 2> /dev/null || break; sleep 1; done
+for (( s = 0; s < ${timeout%.*} + 60; s++ )); do
+    kill -0 "$kept" 2> /dev/null || break
+    sleep 1
+done
 
 # The pod whose rank wrote the report holds report.json (rank 0's pod, a survivor's, or, when
 # the store host wrote it, the rendezvous host); every pod does, on a shared volume. The report as one log

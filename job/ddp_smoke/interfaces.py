@@ -9,16 +9,23 @@ import socket
 import struct
 
 
-def interface_addresses() -> dict[str, list[str]]:
-    """Every interface's addresses, IPv4 (SIOCGIFADDR) and IPv6 (/proc), without torch."""
-    out: dict[str, list[str]] = {name: [] for _, name in socket.if_nameindex()}
+def ipv4_addresses() -> dict[str, str]:
+    """The IPv4 address (SIOCGIFADDR) of every interface that has one, loopback included."""
+    out = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for name in out:
+        for _, name in socket.if_nameindex():
             try:
                 packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-                out[name].append(socket.inet_ntoa(packed[20:24]))
             except OSError:
-                pass  # no IPv4 address
+                continue  # no IPv4 address
+            out[name] = socket.inet_ntoa(packed[20:24])
+    return out
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """Every interface's addresses, IPv4 (:func:`ipv4_addresses`) then IPv6 (/proc)."""
+    ipv4 = ipv4_addresses()
+    out = {name: [ipv4[name]] if name in ipv4 else [] for _, name in socket.if_nameindex()}
     try:
         with open("/proc/net/if_inet6") as f:
             for line in f:

@@ -26,10 +26,11 @@ firewalls. Each node says hello there; the host waits until every expected node 
 (``--nodes``) or the timeout, and names the node ranks that never joined (on Kubernetes this is
 the only place a pod that never left Pending shows up). Each hello carries the MTU of the
 node's interface; the host names the nodes whose MTU differs from the rest (``mtu``: such a
-link passes small packets and drops large ones). A node says hello once its own checks are done,
-and a node whose checks failed says why in its hello: the host fails at once, naming it (the
-pods of a job have no launcher to gather their records; the host's line is the job's word). The listener closes before torchrun starts;
-the clients close first, so no TIME_WAIT is left on the host's side of the port.
+link passes small packets and drops large ones). A node says hello once its own checks are
+done, and a node whose checks failed says why in its hello: the host fails at once, naming it
+(the pods of a job have no launcher to gather their records; the host's line is the job's
+word). The listener closes before torchrun starts; the clients close first, so no TIME_WAIT is
+left on the host's side of the port.
 
 Each node writes one JSON record, ``REPORT_DIR/preflight/<node>.json``::
 

@@ -62,7 +62,7 @@ from .model import Culprit, injected
 from .outputs import (REPORT_FOLLOWS, Said, launch_report, prepare, publish,
                       report_in_stderr)
 from .outputs.last_line import from_lost
-from .outputs.report import as_dict
+from .outputs.report import as_dict, json_line
 
 LAST_RESORT_S = 15.0  # after the job: the store host's report of last resort comes within this
 AFTER_REPORT_S = 15.0  # after the job's report: the tasks still running then are cancelled
@@ -166,7 +166,7 @@ def submit(cluster: str = "local", *, wait_timeout_s: float = 900, progress: boo
         report = _own_report(p.report_dir / "report.json", job.job_id)
     if said is not None:
         print(f"ddp-smoke-submit: {said.why}; rank 0's report, from its task's stderr: "
-              f"{REPORT_FOLLOWS}\n{json.dumps(report, separators=(',', ':'))}", file=sys.stderr)
+              f"{REPORT_FOLLOWS}\n{json_line(report)}", file=sys.stderr)
     if report is None:
         errors = _task_errors(job, cluster)
         notice = (_death_notice(job, errors) + _survivors(p.report_dir, job.job_id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from ..coordination import rails, runtime
+from ..interfaces import ipv4_addresses
 from . import _nccl_log as nccl_log
 
 
@@ -36,7 +37,7 @@ def mine(ctx) -> dict:
     given = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
     if given:
         return {**out, "device": given, "sent_on": given, "source": "GLOO_SOCKET_IFNAME",
-                "address": runtime.interface_addresses().get(given)}
+                "address": ipv4_addresses().get(given)}
     addr, name = runtime.store_route(ctx.env)
     return {**out, "device": name, "sent_on": name, "address": addr,
             "source": "route to the store"}

@@ -29,6 +29,7 @@ import os
 
 from ..config import DIAGNOSIS
 from ..errors import ConfigError
+from ..interfaces import ipv4_addresses
 from . import keys, reach, runtime
 
 _CHOSEN: dict | None = None  # this rank's rail, once bound (see chosen())
@@ -44,7 +45,7 @@ def check(cfg: dict, env) -> None:
     address. Raises ConfigError (one line, exit 2) naming the key, the rank and the host."""
     if not cfg["rails"] or runtime.pick_backend(cfg["backend"]) != "gloo":
         return
-    name, found = interface(cfg["rails"], env.local_rank), runtime.interface_addresses()
+    name, found = interface(cfg["rails"], env.local_rank), ipv4_addresses()
     if name not in found:
         raise ConfigError(
             f"key 'rails' = {cfg['rails']!r}: local rank {env.local_rank}'s interface {name!r} "
@@ -67,7 +68,7 @@ def bind(c, store, rails: list[str] | None, backend: str) -> None:
         return
     env = c.env
     name = interface(rails, env.local_rank)
-    addr = runtime.interface_addresses().get(name)
+    addr = ipv4_addresses().get(name)
     records, group, found = _survey(c, store, name, addr)
     dead = _dead(env.rank, records, group, found)
     sent_on = runtime.store_route(env)[1] if dead else name

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import fcntl
 import os
 import socket
-import struct
 
 import torch
 import torch.distributed as dist
@@ -20,6 +18,7 @@ from . import identity, keys, records
 from .reach import route_address
 from ..config.launchenv import LaunchEnv
 from ..errors import ConfigError
+from ..interfaces import ipv4_addresses
 
 
 def share_run_id(env: LaunchEnv, tell, read) -> LaunchEnv:
@@ -134,25 +133,12 @@ def init_process_group(env: LaunchEnv, backend: str, device: torch.device,
                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
 
 
-def interface_addresses() -> dict[str, str]:
-    """IPv4 address of every interface that has one (SIOCGIFADDR), loopback included."""
-    out = {}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-            except OSError:
-                continue  # interface without an IPv4 address
-            out[name] = socket.inet_ntoa(packed[20:24])
-    return out
-
-
 def store_route(env) -> tuple[str | None, str | None]:
     """The address and interface of this node's route to the coordination store: the network
     the run already uses (each is None when unknown)."""
     host, port = env.store or (env.master_addr, env.master_port)
     addr = route_address(host, port)
-    return addr, next((n for n, a in interface_addresses().items() if a == addr), None)
+    return addr, next((n for n, a in ipv4_addresses().items() if a == addr), None)
 
 
 def hostname_addresses(host: str) -> list[str]:
@@ -180,7 +166,7 @@ def rank_record(env: LaunchEnv, device: torch.device) -> dict:
         rank=env.rank, local_rank=env.local_rank, group_rank=env.group_rank, host=host,
         pid=os.getpid(), device=str(device),
         route_address=route_address(env.master_addr, env.master_port),
-        hostname_addresses=hostname_addresses(host), addresses=interface_addresses(),
+        hostname_addresses=hostname_addresses(host), addresses=ipv4_addresses(),
         **gpu_facts(device), **launcher_node(), identity=identity.collect(device)))
 
 

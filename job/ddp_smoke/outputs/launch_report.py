@@ -35,6 +35,7 @@ from .. import __version__
 from ..coordination import lost
 from ..model import FAIL, CheckResult, Culprit, Report
 from . import REPORT_FOLLOWS, publish, report_in_stderr, unwritten
+from .report import json_line
 
 STAGES = ("preflight", "run")
 CHECK = {"preflight": "preflight", "run": "launch"}
@@ -352,7 +353,7 @@ def main(argv: list[str]) -> int:
         if said is not None:  # the folder took no report (full, read-only): the writer said it
             # once more, whole, where no rank writes any more: the job's output keeps it
             print(f"ddp-smoke: error: {said.why}; {REPORT_FOLLOWS}\n"
-                  f"{json.dumps(said.report, separators=(',', ':'))}", flush=True)
+                  f"{json_line(said.report)}", flush=True)
             print(last_line(str(said.report.get("verdict")), f"report kept only in the job's "
                             f"output ({said.why}); {culprit_text(said.report)}".rstrip("; "),
                             a.exit_code, path, a.launcher), flush=True)

@@ -26,7 +26,12 @@ def to_json(report: Report) -> str:
 
 def to_json_line(report: Report) -> str:
     """The report on one line (the fallback on stderr when the file cannot be written)."""
-    return json.dumps(finite(as_dict(report)), separators=(",", ":"), allow_nan=False)
+    return json_line(as_dict(report))
+
+
+def json_line(content: dict[str, Any]) -> str:
+    """report.json's content on one line (a report read back from a rank's stderr, said again)."""
+    return json.dumps(finite(content), separators=(",", ":"), allow_nan=False)
 
 
 def practice_note(report) -> str:
