@@ -19,8 +19,8 @@ def world():
     port, made, connections = free_port(), [], []
 
     def make(n: int, timeout: float = 5.0, checks=("alpha",), per_node: int | None = None,
-             node_beats: str = "auto"):
-        cfg = {"checks": list(checks), "timeout": timeout, "node_beats": node_beats}
+             node_speaker: str = "auto"):
+        cfg = {"checks": list(checks), "timeout": timeout, "node_speaker": node_speaker}
         master = dist.TCPStore("127.0.0.1", port, n, True, datetime.timedelta(seconds=10),
                                wait_for_workers=False)
         made.append(master)

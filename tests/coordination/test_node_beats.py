@@ -1,23 +1,26 @@
-"""Node beats (coordination/node.py): a node's ranks beat through its lowest running rank.
+"""Node speakers (coordination/node.py): a node's ranks beat, arrive and post their
+observations through one of them.
 
-The speaker's choice is tested against real processes in each state a rank can be in
-(running, stopped, a zombie, gone, silent); the protocol on a real TCPStore with ranks as
-threads (tests/coordination/test_protocol.py's ``world``); the worker tests strike a real
-speaker under torchrun (tests/worker/test_node_beats.py).
+The speaker's and the relayer's choice are tested against real processes in each state a rank
+can be in (running, stopped, a zombie, gone, silent); the protocol on a real TCPStore with
+ranks as threads (tests/coordination/test_protocol.py's ``world``); the worker tests strike a
+real speaker under torchrun (tests/worker/test_node_beats.py).
 """
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from ddp_smoke.config.launchenv import LaunchEnv
-from ddp_smoke.coordination import keys, node, records
+from ddp_smoke.coordination import keys, node, records, stopped_run
 from ddp_smoke.coordination.store import Silence, dead_after, listed, read_beats
-from tests.coordination.test_protocol import _stopped_result
+from ddp_smoke.coordination.protocol import Stop
+from tests.coordination.test_protocol import _stopped_result, _threads
 
 PERIOD = 0.25
 
@@ -82,6 +85,35 @@ def test_the_lowest_running_local_rank_speaks(tmp_path, processes):
                                                   5: {"n": 1, "t": 0, "stage": "x"}}
 
 
+def test_the_relayer_is_the_lowest_rank_that_left_a_value_and_runs(tmp_path, processes):
+    """A node's values go through the lowest local rank that left one and runs: a lower rank
+    that has not arrived is passed over (so that it is named alone), and so is one whose
+    process is frozen or gone once it left its value (the next one posts in its place)."""
+    lower, me = node.NodeBeats(_env(0), PERIOD, str(tmp_path)), \
+        node.NodeBeats(_env(1), PERIOD, str(tmp_path))
+    token = me.offer("arrive/alpha/0", "1")
+    assert me._relays(token) is True  # rank 4 (local 0) has not arrived
+    running = processes()
+    lower._put(f"0.{token}", f"4 {running.pid}\n1")  # as its own process would leave it
+    assert me._relays(token) is False
+    assert me._values(token) == {4: "1", 5: "1"}
+    os.kill(running.pid, signal.SIGSTOP)
+    for _ in range(50):
+        if me._relays(token):
+            break
+        time.sleep(0.01)
+    assert me._relays(token) is True  # frozen
+    os.kill(running.pid, signal.SIGCONT)
+    for _ in range(50):
+        if not me._relays(token):
+            break
+        time.sleep(0.01)
+    assert me._relays(token) is False
+    running.kill()
+    running.wait()
+    assert me._relays(token) is True  # gone
+
+
 def test_a_clean_exit_takes_the_slots_of_gone_ranks_and_the_last_one_the_folder(tmp_path,
                                                                                   processes):
     gone = processes()
@@ -113,7 +145,7 @@ def test_auto_is_for_worlds_beyond_the_store_budget_and_never_for_rank_0():
 def test_a_silent_speaker_is_named_alone_and_its_node_beats_on(world):
     """Ranks 1-3 share a node; rank 1 speaks until it falls silent; rank 2 takes over and
     rank 0 sees exactly rank 1 silent, as it would see a rank beating for itself."""
-    coords = world(4, per_node=4, node_beats="on")
+    coords = world(4, per_node=4, node_speaker="on")
     try:
         assert [c.liveness.node is not None for c in coords] == [False, True, True, True]
         store = coords[0].store
@@ -148,3 +180,100 @@ def test_a_silent_speaker_is_named_alone_and_its_node_beats_on(world):
         for c in coords:
             if c.liveness.node is not None:
                 c.liveness.node.leave()
+
+
+class _Calls:
+    """A rank's store, passed through, with the calls its main thread makes listed."""
+
+    def __init__(self, store):
+        self._store, self.made = store, []
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if callable(attr):
+            self.made.append(name)
+        return attr
+
+
+def _arrive_and_post(c, store, stage="alpha"):
+    c.enter(stage, 5.0)
+    c.arrive(store, keys.of(keys.ARRIVE, c.key(stage)), f"every rank to arrive at {stage}")
+    c.post_observation(store, stage, records.Observation(data={"r": c.env.rank},
+                                                         duration_s=0.0, waits=[]))
+    return c.gather(store, stage) if c.env.rank == 0 else None
+
+
+def test_a_nodes_arrivals_and_observations_are_one_call_each_of_its_relayer(world, monkeypatch):
+    """Ranks 1-3 share a node: each leaves its arrival and its observation in a slot, and the
+    lowest of them posts the node's in one call (the same per-rank keys rank 0 waits for and
+    the blame reads) and reads rank 0's flag for the node; ranks 2 and 3 make no store call.
+    Two checks in a row: a stage's flag is not taken for the next one's."""
+    monkeypatch.setattr(node, "PARTIAL_S", 30.0)  # the whole node at once, whoever is first
+    coords = world(4, per_node=4, node_speaker="on", checks=("alpha", "beta"))
+    spies = {c.env.rank: _Calls(c.store) for c in coords}
+    try:
+        for stage in ("alpha", "beta"):
+            out = _threads(lambda c: _arrive_and_post(c, spies[c.env.rank], stage),
+                           coords[::-1])
+            assert [o["data"]["r"] for o in out[0]] == [0, 1, 2, 3], out
+            assert out[1] is None and out[2] is None and out[3] is None, out
+            store = coords[0].store
+            assert all(store.check([f"arrive/{stage}/0/{r}", f"obs/{stage}/0/{r}"])
+                       for r in range(4))
+        # (between the slices of its flag's read the relayer beats: its liveness look)
+        assert spies[1].made.count("multi_set") == 4, spies[1].made
+        assert spies[2].made == spies[3].made == []
+        # the relayer keeps the last stage's flag and values only
+        left = sorted(os.listdir(coords[1].liveness.node.dir))
+        assert [n for n in left if not n.endswith(".beat")] == [
+            "1.obs~beta~0", "2.obs~beta~0", "3.obs~beta~0", "flag.obs~beta~0"], left
+    finally:
+        for c in coords[1:]:
+            c.liveness.node.leave()
+    assert not os.path.exists(coords[1].liveness.node.dir)
+
+
+def test_a_rank_that_never_arrives_is_named_alone_not_its_node(world, monkeypatch):
+    """Rank 2 never arrives: after PARTIAL_S its node posts ranks 1 and 3, so rank 0's blame
+    names rank 2 alone, not its node; the relayer, waiting for rank 2, stops once its node is
+    told the run aborted."""
+    monkeypatch.setattr(stopped_run, "FORENSICS_WAIT_S", 0.2)  # (none are left here)
+    coords = world(4, per_node=4, node_speaker="on", timeout=1.0)
+    for c in coords:
+        c.enter("alpha", 1.0)
+        c.store.set(f"rank/{c.env.rank}", json.dumps(c.run.ranks[c.env.rank]))
+        c.liveness.beat(c.store)
+    run = coords[0].run
+    try:
+        out = {}
+
+        def relayed(c):  # a thread that lets its exception out of relay
+            try:
+                c.arrive(c.store, "arrive/alpha/0", "every rank to arrive at alpha")
+            except BaseException as e:  # noqa: BLE001
+                out[c.env.rank] = e
+        threads = [threading.Thread(target=relayed, args=(coords[r],)) for r in (1, 3)]
+        for t in threads:
+            t.start()
+        store, end = coords[0].store, time.monotonic() + 10
+        arrived = [1, 3]
+        while not store.check([f"arrive/alpha/0/{r}" for r in arrived]):
+            assert time.monotonic() < end, "ranks 1 and 3 not posted"
+            time.sleep(0.05)
+        assert not store.check(["arrive/alpha/0/2"])
+        store.set("arrive/alpha/0/0", "1")  # rank 0 arrived; its deadline passes, it aborts
+        coords[0].abort(store, records.TimeoutAbort, waiting_for="every rank to arrive at alpha")
+        coords[1].liveness.beat(coords[1].store)  # the node's speaker looks, and tells it
+        assert coords[1].liveness._look(coords[1].store) is True
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)
+        assert isinstance(out[1], Stop) and isinstance(out[3], Stop), out
+        stopped, live = _stopped_result(coords, run.replace(silence=Silence(30.0)),
+                                        lambda: [c.liveness.beat(c.store) for c in coords])
+        result = stopped.judged[-1][1]
+        assert [k.rank for k in result.culprits] == [2], result
+        assert result.figures["arrived"] == [0, 1, 3]
+    finally:
+        for c in coords[1:]:
+            c.liveness.node.leave()

@@ -1,10 +1,12 @@
-"""Node beats under a real torchrun: the speaker struck, the exact culprit named.
+"""Node speakers under a real torchrun: the speaker struck, the exact culprit named.
 
-Four ranks on one node with ``--node-beats on`` (coordination/node.py): ranks 1-3 beat
-through the lowest of them that runs, rank 1 to begin with. The speaker is frozen (SIGSTOP)
-or killed (SIGKILL) while the others wait for it at a check: rank 2 takes over at its next
-look, and rank 0's watchdog names exactly rank 1 from its counter, as it would name a rank
-that beats for itself; its node mates are victims, not a lost node.
+Four ranks on one node with ``--node-speaker on`` (coordination/node.py): ranks 1-3 beat,
+arrive and post their observations through the lowest of them that runs, rank 1 to begin
+with. Rank 1 holds back before compute, so rank 2 relays the node's arrivals there (rank 1
+never arrived: it is not posted with them). The speaker is then frozen (SIGSTOP) or killed
+(SIGKILL): rank 2 takes over the beats at its next look, and rank 0's watchdog names exactly
+rank 1 from its counter, as it would name a rank that beats for itself; its node mates are
+victims, not a lost node.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from tests.worker.test_diagnosis import _culprits, _finish_failed, _in_compute, 
 def test_the_speaker_struck_is_named_alone(tmp_path, sig):
     # rank 1 holds back before compute (the others wait at its arrival, rank 0 watching
     # their heartbeats), then it is struck
-    run = Spawned(4, "--checks", "environment,compute", "--timeout", "60", "--node-beats", "on",
+    run = Spawned(4, "--checks", "environment,compute", "--timeout", "60", "--node-speaker", "on",
                   "--fault", "1:hang@compute", report_dir=tmp_path / "report",
                   env={"OMP_NUM_THREADS": "1"})
     run.wait_until(_in_compute)

@@ -112,9 +112,9 @@ def worker_parser(manual: Callable[[], str] | None = None) -> Parser:
     p.add_argument("--act", choices=rules.ACTS,
                    help="after the report, drain the bad hosts' Slurm nodes with scontrol "
                         "(default: only print the commands)")
-    p.add_argument("--node-beats", choices=rules.NODE_BEATS,
-                   help="ranks beat through one rank of their node: auto (beyond 2,500 ranks, "
-                        "the default), on, off")
+    p.add_argument("--node-speaker", choices=rules.NODE_SPEAKER,
+                   help="ranks beat, arrive and post through one rank of their node: auto "
+                        "(beyond 2,500 ranks, the default), on, off")
     p.add_argument("--progress", choices=rules.PROGRESS,
                    help="rank 0's lines on stderr while the run runs: the join, each check as "
                         "it is judged, who a long wait awaits; auto (default) = plain, none")

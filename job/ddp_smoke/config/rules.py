@@ -21,7 +21,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 # The checks in their default order (checks/__init__.py imports each by this name).
 CHECKS = ("environment", "ddp_step", "sampler_epochs", "collectives", "storage", "bandwidth",
           "transport", "rails", "compute", "training", "health")
-NODE_BEATS = ("auto", "on", "off")  # --node-beats: coordination.node
+NODE_SPEAKER = ("auto", "on", "off")  # --node-speaker: coordination.node
 PROGRESS = ("auto", "plain", "none")  # --progress: coordination.telling
 LAYOUTS = ("auto", "fsdp", "hsdp")  # training.layout: checks/training.py
 ACTS = ("slurm-drain",)  # --act: what rank 0 may do itself after the verdict
@@ -154,7 +154,7 @@ RULES: dict[str, Any] = {
     "repeat": Int(1, 100000),
     "duration": Real(0.0, 7 * DAY_S, lo_open=True),  # with repeat: config._validate
     "act": OneOf(ACTS),
-    "node_beats": OneOf(NODE_BEATS),
+    "node_speaker": OneOf(NODE_SPEAKER),
     "progress": OneOf(PROGRESS),
     "prometheus": Path(),
     "rails": Devices(64),  # a node has at most a few dozen NICs

@@ -19,7 +19,8 @@ abort first and the liveness thread has not begun to finish it
 one thread keeps its heartbeat going (:meth:`.liveness.Liveness.keep_beating`): a third one
 when the liveness thread leaves, since the main thread may never return from C++. In a world
 beyond 2,500 ranks a rank other than 0 beats into its node's shared memory, and the node's
-lowest running rank posts them all in one record (:mod:`.node`). Rank 0 says on stderr, as
+lowest running rank posts them all in one record; its arrivals and observations go the same
+way, one call a node (:mod:`.node`). Rank 0 says on stderr, as
 the run goes, the join, each check as it is judged and whom a long wait waits for
 (:mod:`.telling`, from the main thread and from the watchdog's looks).
 

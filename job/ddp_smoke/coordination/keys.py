@@ -13,8 +13,9 @@ connect/<r>, /all       every rank   arrival at the start, holding the rank's ba
                                      ``/all`` raised by rank 0
 backend                 rank 0       how many connect records picked nccl
 run_id                  rank 0       the run id every rank adopts
-arrive/<stage>/<r>      every rank   arrival at a check; ``/all`` raised by rank 0
-obs/<stage>/<r>         every rank   its observation of a check (JSON)
+arrive/<stage>/<r>      every rank   arrival at a check; ``/all`` raised by rank 0 (with
+                                     node speakers, a node's in one call: :mod:`.node`)
+obs/<stage>/<r>         every rank   its observation of a check (JSON; the same)
 result/<stage>          rank 0       its judgement of a check (JSON), for a survivor
 next/<iteration>        rank 0       repeat mode: "1" for another pass, "0" to stop
 beat/<r>                every rank   heartbeat: counter, time, stage, collective progress

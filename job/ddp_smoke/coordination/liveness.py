@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from . import keys, records
 from .ending import at_leave, exit_aborted, give_up
-from .node import NodeBeats, wanted as node_beats
+from .node import NodeBeats, wanted as node_speaker
 from .store import beat_of, look_period, read_beats, try_get
 
 TERMINATING = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", signal.SIGUSR1: "SIGUSR1",
@@ -48,7 +48,7 @@ class Liveness:
         self._wake = (-1, -1)
         self._thread: threading.Thread | None = None
         self.node: NodeBeats | None = None  # node beats (:mod:`.node`), for a large world
-        if node_beats(coord.env, coord.cfg.get("node_beats", "auto")):
+        if node_speaker(coord.env, coord.cfg.get("node_speaker", "auto")):
             try:
                 self.node = NodeBeats(coord.env, self.period)
                 at_leave(self.node.leave)

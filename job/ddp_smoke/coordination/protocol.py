@@ -4,10 +4,11 @@ Every rank posts to the store and waits on it. For every check each rank arrives
 key of its own; rank 0 waits for all of them in one store wait and raises a flag the others
 read, blocking, in one call), runs the check and posts its observation; rank 0 waits for all
 observations in one wait, reads them in one more call and judges. Three store calls per rank
-per check, however long the check takes (a longer wait is cut in slices, one call each:
-rank 0's a look period long, the others' half a heartbeat silence). Rank 0 writes what the
-others block on once per rank, each reading a key of its own, and the first aborting rank
-wakes them (:data:`.keys.WOKEN`). The keys are :mod:`.keys`, the records :mod:`.records`.
+(with node speakers, a node: :mod:`.node`) per check, however long the check takes (a longer
+wait is cut in slices, one call each: rank 0's a look period long, the others' half a
+heartbeat silence). Rank 0 writes what the others block on once per rank, each reading a key
+of its own, and the first aborting rank wakes them (:data:`.keys.WOKEN`). The keys are
+:mod:`.keys`, the records :mod:`.records`.
 """
 from __future__ import annotations
 
@@ -180,9 +181,10 @@ class Coordinator:
         """The stage's deadline (monotonic), or None."""
         return self._phase[1]
 
-    def expired(self) -> bool:
+    def expired(self, grace: bool = False) -> bool:
+        """The stage's deadline passed (with ``grace``, GRACE_S ago: the watchdog's turn)."""
         deadline = self._phase[1]
-        return deadline is not None and time.monotonic() > deadline
+        return deadline is not None and time.monotonic() > deadline + grace * GRACE_S
 
     def waiting(self) -> tuple:
         """What the main thread waits for now: ``(awaiting, following)``, either ``(what,
@@ -308,6 +310,11 @@ class Coordinator:
         """Post ``prefix/<rank>`` (``mine``) and wait until every rank has (or raise Stop). Rank 0
         waits for all of them in one call and then raises ``prefix/all``, which every other
         rank waits for: two store calls per rank, whatever the world size."""
+        node = self.liveness.node
+        if node is not None and prefix.startswith(keys.ARRIVE + "/"):  # a check's, by its node
+            if not node.relay(self, store, prefix, mine, what, flag=keys.every(prefix)):
+                raise Stop
+            return
         store.set(keys.of(prefix, self.env.rank), mine)
         if self.env.rank == 0:
             self.await_all(store, prefix, what)
@@ -378,7 +385,13 @@ class Coordinator:
                 store.multi_get([keys.of(prefix, r) for r in range(self.env.world_size)])]
 
     def post_observation(self, store, stage: str, obs: records.Observation) -> None:
-        store.set(keys.of(keys.of(keys.OBS, self.key(stage)), self.env.rank), records.text(obs))
+        prefix, node = keys.of(keys.OBS, self.key(stage)), self.liveness.node
+        if node is not None:  # through the node's relayer (:meth:`.node.NodeBeats.relay`)
+            if not node.relay(self, store, prefix, records.text(obs),
+                              f"every rank to finish {stage}"):
+                raise Stop
+        else:
+            store.set(keys.of(prefix, self.env.rank), records.text(obs))
 
     def post_result(self, store, result: CheckResult) -> None:
         """Rank 0 keeps each judged result in the store too: a survivor may have to write."""
