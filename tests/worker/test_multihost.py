@@ -28,12 +28,13 @@ STARTUP_S = 40              # torchrun + torch import on a loaded 2-core machine
 box = sandbox_fixture(PREFIX, SUBNET, 3)
 
 
-def _run_job(box: HostSandbox, tmp_path: Path, nnodes: int, nproc: int, port: int) -> dict:
+def _run_job(box: HostSandbox, tmp_path: Path, nnodes: int, nproc: int, port: int,
+             *options: str) -> dict:
     """Runs the worker on nnodes×nproc ranks; returns report.json plus the job's wall time."""
     hosts, report_dir = box.hosts[:nnodes], tmp_path / "report"
     worker = ["--backend", "gloo", "--checks", "environment,ddp_step,training", "--timeout", "60",
               "--expect-nodes", str(nnodes), "--expect-world-size", str(nnodes * nproc),
-              "--report-dir", str(report_dir)]
+              "--report-dir", str(report_dir), *options]
     nodes = _Nodes(box, tmp_path)
     for host in hosts:
         nodes.start(host, _torchrun(host, nnodes, nproc, f"{hosts[0].name}:{port}",
@@ -66,7 +67,10 @@ def _assert_spans(report: dict, hosts: list[Host], nproc: int) -> None:
 
 @pytest.mark.timeout(180)
 def test_two_nodes_two_procs(box, tmp_path):
-    report = _run_job(box, tmp_path, nnodes=2, nproc=2, port=29410)
+    # through node speakers (coordination/node.py): node 2's ranks beat, arrive and post
+    # through rank 2, node 1's rank 1 through itself, across real hosts
+    report = _run_job(box, tmp_path, 2, 2, 29410, "--node-speaker", "on")
+    assert report["config"]["node_speaker"] == "on"
     _assert_spans(report, box.hosts[:2], nproc=2)
     # torchrun gives the first node (the lowest address) the low ranks.
     assert [r["host"] for r in report["ranks"]] == ["dsh-node1"] * 2 + ["dsh-node2"] * 2
