@@ -233,6 +233,41 @@ def test_a_nodes_arrivals_and_observations_are_one_call_each_of_its_relayer(worl
     assert not os.path.exists(coords[1].liveness.node.dir)
 
 
+def test_an_abort_wakes_the_relayer_and_through_it_its_node_at_once(world):
+    """Ranks 1-3 arrived; their relayer blocks on rank 0's flag. Rank 3 aborts: the relayer
+    wakes (the first aborting rank writes WOKEN where ranks block), raises the node's flag as
+    WOKEN and tells the node, so that every rank of it stops now, not a look later."""
+    coords = world(4, per_node=4, node_speaker="on", timeout=30.0)
+    try:
+        out = {}
+
+        def arrive(c):
+            try:
+                c.arrive(c.store, "arrive/alpha/0", "every rank to arrive at alpha")
+            except BaseException as e:  # noqa: BLE001
+                out[c.env.rank] = e
+        for c in coords:
+            c.enter("alpha", 30.0)
+        threads = [threading.Thread(target=arrive, args=(coords[r],)) for r in (1, 2, 3)]
+        for t in threads:
+            t.start()
+        store, end = coords[0].store, time.monotonic() + 10
+        while not store.check([f"arrive/alpha/0/{r}" for r in (1, 2, 3)]):
+            assert time.monotonic() < end, "the node's arrivals not posted"
+            time.sleep(0.02)
+        time.sleep(0.2)  # the relayer is in its blocking read
+        t = time.monotonic()
+        coords[3].abort(coords[3].store, records.ErrorAbort, type="ValueError", message="x")
+        for th in threads:
+            th.join(10)
+        assert all(isinstance(out.get(r), Stop) for r in (1, 2, 3)), out
+        assert time.monotonic() - t < coords[1].follow_slice + 0.5
+        assert coords[2].liveness.node.told_aborted()
+    finally:
+        for c in coords[1:]:
+            c.liveness.node.leave()
+
+
 def test_a_rank_that_never_arrives_is_named_alone_not_its_node(world, monkeypatch):
     """Rank 2 never arrives: after PARTIAL_S its node posts ranks 1 and 3, so rank 0's blame
     names rank 2 alone, not its node; the relayer, waiting for rank 2, stops once its node is

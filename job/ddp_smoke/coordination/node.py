@@ -177,6 +177,8 @@ class NodeBeats:
                     finally:
                         self._put(f"flag.{token}", said)
                         self._forget(token)
+                        if said == WOKEN:  # the node's ranks need not wait for a look
+                            self.tell_aborted()
                     return True
             if self.told_aborted():
                 return False
