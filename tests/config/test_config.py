@@ -29,6 +29,7 @@ def test_flag_beats_file_beats_default(tmp_path):
     ("timeout: fast\n", ["'timeout'", "'fast'", "expected a float", "got str"]),
     ("timeout: -1\n", ["'timeout'", "-1", "> 0"]),
     ("backend: mpi\n", ["'backend'", "'mpi'", "auto, gloo, nccl"]),
+    ("node_speaker: on\n", ["'node_speaker'", "expected a str, got bool", "quote it"]),
     ("checks: [environment, nope]\n", ["unknown check 'nope'", "registered checks"]),
     ("checks: environment\n", ["'checks'", "expected a list"]),
     ("expect_nodes: 0\n", ["'expect_nodes'", ">= 1"]),

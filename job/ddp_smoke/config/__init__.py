@@ -105,9 +105,11 @@ def _typed(name: str, value: Any, default: Any, source: str) -> Any:
         expected_text = f"a list of {item.__name__}"
     else:
         expected_text = f"{'an' if expected.__name__[0] in 'aeiou' else 'a'} {expected.__name__}"
-    if not ok:
+    if not ok:  # (YAML 1.1, as PyYAML reads it: a bare on, off, yes or no is a boolean)
+        hint = " (quote it: YAML reads a bare on/off/yes/no as true/false)" \
+            if isinstance(value, bool) and expected is str else ""
         raise ConfigError(f"key {name!r} = {value!r} ({source}): expected {expected_text}, "
-                          f"got {_kind(value)}")
+                          f"got {_kind(value)}{hint}")
     return value
 
 
