@@ -312,3 +312,21 @@ def test_a_rank_that_never_arrives_is_named_alone_not_its_node(world, monkeypatc
     finally:
         for c in coords[1:]:
             c.liveness.node.leave()
+
+
+@pytest.mark.parametrize("relayed", [False, True], ids=["own", "relayed"])
+def test_a_relayed_beat_posted_after_the_abort_proves_no_life(relayed):
+    """A node's speaker posts its mates' beats up to a period after they wrote them: a rank
+    killed just after it beat has that beat reach the store after the abort. Seen then, the
+    move proves nothing (measured in the campaign with --node-speaker on: a rank killed by
+    SIGABRT was taken for alive in 2 runs of 4, and its two node mates named instead); a rank
+    that beats for itself, seen moving between two looks after the abort, is alive."""
+    silence, lag = Silence(0.3), 0.25
+    look = dict(relayed={2} if relayed else set(), lag_s=lag)
+    silence.update({2: 6}, **look)
+    since = time.monotonic()  # the abort
+    time.sleep(0.01)
+    silence.update({2: 6}, **look)  # the first look after it: not moved yet
+    time.sleep(0.01)
+    silence.update({2: 7}, **look)  # the beat it wrote before it died, posted now
+    assert silence.undecided([2], since) == ([2] if relayed else [])

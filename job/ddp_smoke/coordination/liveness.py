@@ -141,8 +141,10 @@ class Liveness:
         self.looked = time.monotonic()
         c, world = self.coord, range(self.coord.env.world_size)
         forged: set[int] = set()  # heartbeats written from outside: no sign of death
-        beats = read_beats(store, world, forged)
-        silent = c.silence.update({r: (beats.get(r) or {}).get("n") for r in world}, forged)
+        relayed: set[int] = set()  # (beats a node's speaker posts, up to a period late)
+        beats = read_beats(store, world, forged, relayed)
+        silent = c.silence.update({r: (beats.get(r) or {}).get("n") for r in world}, forged,
+                                  relayed, self.period)
         gone = [r for r in silent if r in beats and try_get(store, keys.of(prefix, r)) is None]
         if gone:
             c.abort(store, records.LostAbort, silent=gone, waiting_for=what)

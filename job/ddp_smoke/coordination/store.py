@@ -212,11 +212,15 @@ class Silence:
         self.looked: dict[int, float] = {}  # rank -> when its counter was last read
         self._lock = threading.Lock()
 
-    def update(self, beats: dict, tampered=()) -> list[int]:
+    def update(self, beats: dict, tampered=(), relayed=(), lag_s: float = 0.0) -> list[int]:
         """Record one look (rank -> counter); return the silent ranks among them. A rank in
         ``tampered`` (its heartbeat record was written from outside the run) counts as moving:
         a forger must not make a live rank look dead. A counter that could not be read (None
-        after a value) is no news: a failed read is not a beat."""
+        after a value) is no news: a failed read is not a beat. A rank in ``relayed`` beats
+        through its node's speaker, whose record reaches the store up to ``lag_s`` after the
+        beat: its move proves a beat since the look before, less that lag (measured: a rank
+        killed just after it beat had that beat posted after the abort, and was taken for
+        alive)."""
         now = time.monotonic()
         with self._lock:
             for r, n in beats.items():
@@ -230,7 +234,8 @@ class Silence:
                     continue
                 elif self.last[r][0] != n:
                     self.last[r] = (n, now)
-                    self.moved[r] = (n, now, before)  # it beat between those two looks
+                    # it beat between those two looks (a relayed beat: up to lag_s before)
+                    self.moved[r] = (n, now, before - lag_s * (r in relayed))
                 self.looked[r] = now
             return sorted(r for r in beats if now - self.last[r][1] > self.after_s)
 
@@ -324,12 +329,14 @@ def reads(store, prefix: str, ranks, forged: set | None = None) -> dict[int, dic
         return {}
 
 
-def read_beats(store, ranks, forged: set | None = None) -> dict[int, dict]:
+def read_beats(store, ranks, forged: set | None = None,
+               relayed: set | None = None) -> dict[int, dict]:
     """Every heartbeat of ``ranks`` there is: the ranks that beat list themselves once
     (``beat/listed``), and so do the nodes whose ranks beat through a speaker
     (``nodebeat/listed``, :mod:`.node`), so four reads answer whatever the world size,
     however many have not beaten yet (a search among 16,384 keys, half of them missing,
-    costs thousands). A node record that fails its check is no news of its ranks."""
+    costs thousands). A node record that fails its check is no news of its ranks. The ranks
+    whose beat came in a node's record, into ``relayed``."""
     try:
         ranks = set(ranks)
         beaten = sorted(set(listed(store, keys.BEAT)).intersection(ranks))
@@ -342,6 +349,8 @@ def read_beats(store, ranks, forged: set | None = None) -> dict[int, dict]:
             for r, beat in unpack(record).items():
                 if r in ranks and beat.get("n", 0) > beats.get(r, {}).get("n", 0):
                     beats[r] = beat
+                    if relayed is not None:
+                        relayed.add(r)
         return beats
     except Exception:  # noqa: BLE001 — evidence gathering never raises
         return {}
@@ -363,9 +372,10 @@ def dead_ranks(store, ranks, silence: Silence,
     end, latest = start + silence.after_s + BEAT_S, {}
     decided = None  # the silent ranks once every rank was silent or seen moving
     while True:
-        forged: set[int] = set()
-        latest.update(read_beats(store, ranks, forged))
-        silent = silence.update({r: (latest.get(r) or {}).get("n") for r in ranks}, forged)
+        forged, relayed = set(), set()
+        latest.update(read_beats(store, ranks, forged, relayed))
+        silent = silence.update({r: (latest.get(r) or {}).get("n") for r in ranks}, forged,
+                                relayed, look_period(max(ranks, default=0) + 1))
         if decided is None and not silence.undecided(ranks, since):
             decided = set(silent)
         if decided is not None:  # a witness's or a mate's word ends the wait for that rank
