@@ -114,6 +114,26 @@ def test_the_relayer_is_the_lowest_rank_that_left_a_value_and_runs(tmp_path, pro
     assert me._relays(token) is True  # gone
 
 
+def test_a_run_of_the_same_id_forgets_what_a_killed_one_left(tmp_path):
+    """A run killed whole leaves its node folder; the next run of the same id, store and
+    restart gets the same one. A stale flag would let a rank past a stage before its node
+    arrived, a stale abort mark would stop it: each rank forgets its own slots when it starts,
+    and the flags and the mark older than that."""
+    first = node.NodeBeats(_env(1), PERIOD, str(tmp_path))
+    left = ["1.arrive~alpha~0", "1.beat", "2.arrive~alpha~0", "flag.arrive~alpha~0", "aborted"]
+    for name in left:
+        path = os.path.join(first.dir, name)
+        with open(path, "w") as f:
+            f.write("5 1\n1")
+        os.utime(path, (time.time() - 10, time.time() - 10))
+    again = node.NodeBeats(_env(1), PERIOD, str(tmp_path))
+    assert again.dir == first.dir
+    assert sorted(os.listdir(again.dir)) == ["2.arrive~alpha~0"]  # local rank 2's: its own
+    assert not again.told_aborted()
+    node.NodeBeats(_env(2), PERIOD, str(tmp_path))
+    assert os.listdir(again.dir) == []
+
+
 def test_a_clean_exit_takes_the_slots_of_gone_ranks_and_the_last_one_the_folder(tmp_path,
                                                                                   processes):
     gone = processes()

@@ -80,6 +80,22 @@ class NodeBeats:
         self._told: list[str] = []  # the stage whose flag this rank posted last (relays)
         self._slot = self._path(env.local_rank)
         self._aborted = os.path.join(self.dir, "aborted")
+        self._forget_earlier_runs()
+
+    def _forget_earlier_runs(self) -> None:
+        """A run killed whole leaves its folder, and a run of the same id, store and restart
+        gets the same one: this rank's own slots from then go, and the flags and the abort
+        mark older than now (this run writes those only after every rank has started), lest
+        a stale flag let a rank past a stage or a stale mark stop it."""
+        now, mine = time.time(), f"{self.env.local_rank}."
+        for name in os.listdir(self.dir):
+            path = os.path.join(self.dir, name)
+            try:
+                if name.startswith(mine) or (name.startswith("flag.") or name == "aborted") \
+                        and os.stat(path).st_mtime < now:
+                    os.remove(path)
+            except OSError:
+                pass  # another rank of the node removed it first
 
     def _path(self, local_rank: int) -> str:
         return os.path.join(self.dir, f"{local_rank}.beat")
