@@ -35,6 +35,7 @@ share one folder and lose a report.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import logging
@@ -190,7 +191,7 @@ def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int,
     witness = fate.watch_workers()  # each worker's signal or exit status, for the culprits
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.launcher import api as launcher_api
 
     # The agent's "failed (exitcode …)", "closing signal SIGTERM" and "Terminating process …"
     # lines come after the kit's verdict; the exit status below says the same.
@@ -206,7 +207,8 @@ def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int,
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     config, _, _ = torchrun.config_from_args(args)
     try:
-        elastic_launch(config=config, entrypoint=_rank)(store_port, *worker_args)
+        with _reaps_told(witness):
+            launcher_api.elastic_launch(config=config, entrypoint=_rank)(store_port, *worker_args)
     except ChildFailedError as e:
         codes = sorted({f.exitcode for f in e.failures.values()})
         if 2 in codes:
@@ -227,6 +229,30 @@ def _torchrun(nproc: int, worker_args: list[str], store_port: int) -> tuple[int,
         return 128 + int(sig), (f"ddp-smoke: stopped by {signal.Signals(sig).name}; the ranks "
                                 "were stopped too")
     return 0, None
+
+
+@contextlib.contextmanager
+def _reaps_told(witness: fate.Witness | None):
+    """While the agent runs: each worker's end it reaps is told to the Witness too, at the
+    reap, before the agent stops the other workers. A status the agent reaped before the
+    Witness's thread woke is otherwise lost to it (a loaded machine, the agent's 0.1 s look
+    first), and the report's writer waits for it in vain, naming the rank "gone" without its
+    signal. The agent's forked workers are reaped by ``multiprocessing``'s ``Popen.poll``."""
+    from multiprocessing import popen_fork
+    stock, launcher = popen_fork.Popen.poll, os.getpid()
+
+    def poll(self, *flag):
+        known = self.returncode is not None
+        code = stock(self, *flag)
+        if code and not known and witness and os.getpid() == launcher:  # (not in a worker)
+            witness.reaped(self.pid, code)
+        return code
+
+    popen_fork.Popen.poll = poll
+    try:
+        yield
+    finally:
+        popen_fork.Popen.poll = stock
 
 
 def _rank(store_port: int, *worker_args: str) -> int:
