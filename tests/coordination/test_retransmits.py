@@ -4,6 +4,7 @@ checks/bandwidth's collapse, model.nodes_or_links. The real faults (random loss,
 port, loss one way) in namespace nodes: tests/worker/test_diagnosis_network.py."""
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -159,6 +160,57 @@ def test_a_pair_with_one_exchange_stalled_is_intermittent():
                (1, 2): _record(3000, 5000, 31900)}  # 6.4x: a busy moment, not a stall
     got = _pairs.unstable(records, RULES, "cpu")
     assert (got["stalls"], got["links"]) == ([(0, 2)], [(0, 2)])
+
+
+def test_a_moment_the_ends_spent_waiting_for_a_core_is_not_the_links():
+    """CI, 2026-12-06: on a suite-loaded machine a healthy rail's pair was named beside the
+    slow rail. A pair's worst moment that its two ends' waits for a core cover is the cores'
+    (``busy``, named by no one); a lost message's 200 ms timer with a few ms of waiting, or a
+    stalled exchange the waits do not cover, stays the link's."""
+    def waited(record, rtt_ms=0.0, exchange_ms=0.0):
+        return {**record, "rtt_cpu_wait_us": rtt_ms * 1e3,
+                "exchange_cpu_wait_us": exchange_ms * 1e3}
+
+    records = {(0, 1): _record(3000), (0, 2): _record(4000),
+               (1, 2): waited(_record(3500, rtt_max_us=208000), rtt_ms=230)}
+    got = _pairs.unstable(records, RULES, "cpu")
+    assert (got["links"], got["waited"], got["busy"]) == ([], [], [(1, 2)])
+    records[(1, 2)] = waited(_record(3500, rtt_max_us=208000), rtt_ms=3)
+    assert _pairs.unstable(records, RULES, "cpu")["links"] == [(1, 2)]
+    stalled = {(0, 1): _record(3000), (0, 2): waited(_record(3000, 6500, 259700), exchange_ms=300),
+               (1, 2): _record(3000)}
+    assert _pairs.unstable(stalled, RULES, "cpu")["busy"] == [(0, 2)]
+    stalled[(0, 2)] = waited(stalled[(0, 2)], exchange_ms=40)
+    assert _pairs.unstable(stalled, RULES, "cpu")["links"] == [(0, 2)]
+
+
+def test_a_process_kept_off_its_core_counts_its_wait_and_an_idle_one_does_not():
+    """The count behind ``busy`` (``proc.cpu_wait_s``: the threads' run_delay) on real
+    processes: two busy loops pinned to one core each wait about half the time; one sleeping
+    process waits for nothing."""
+    import subprocess
+    import sys
+    import time
+
+    from ddp_smoke.coordination import proc
+    core = sorted(os.sched_getaffinity(0))[0]
+    loop = "import os, time\nos.sched_setaffinity(0, {%d})\nend = time.time() + 3\n" \
+           "while time.time() < end: pass\n" % core
+    busy = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(2)]
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    try:
+        time.sleep(0.5)
+        before = [proc.cpu_wait_s(p.pid) for p in busy + [idle]]
+        time.sleep(1.5)
+        after = [proc.cpu_wait_s(p.pid) for p in busy + [idle]]
+    finally:
+        for p in busy + [idle]:
+            p.kill()
+            p.wait()
+    grew = [b - a for a, b in zip(before, after)]
+    assert all(g >= 0.3 for g in grew[:2]), grew  # ~0.75 s each of the 1.5 s
+    assert grew[2] < 0.05, grew
+    assert proc.cpu_wait_s(idle.pid) is None  # gone
 
 
 def test_on_a_gpu_fabric_the_floor_is_the_fabrics():

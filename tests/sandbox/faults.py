@@ -172,16 +172,26 @@ class MemoryLimit:
 # -- network, between namespace hosts ---------------------------------------------------------
 
 @contextlib.contextmanager
-def slow_node(host: Host):
-    """tbf on both ends of the node's veth: every link of the node, both directions."""
-    sh("tc", "qdisc", "add", "dev", host.link, "root", "tbf", *SLOW_RATE)
+def slow_node(host: Host, rail: int = 0):
+    """tbf on both ends of the node's veth: every link of the node, both directions (``rail``:
+    on that rail's interface alone, 0: eth0)."""
+    ifname, _, link = host.rail(rail)
+    sh("tc", "qdisc", "add", "dev", link, "root", "tbf", *SLOW_RATE)
     try:
-        in_host(host, "tc", "qdisc", "add", "dev", host.ifname, "root", "tbf", *SLOW_RATE)
+        in_host(host, "tc", "qdisc", "add", "dev", ifname, "root", "tbf", *SLOW_RATE)
         yield
     finally:
-        subprocess.run(["tc", "qdisc", "del", "dev", host.link, "root"], capture_output=True)
+        subprocess.run(["tc", "qdisc", "del", "dev", link, "root"], capture_output=True)
         subprocess.run(["nsenter", f"--net=/run/netns/{host.netns}", "tc", "qdisc", "del",
-                        "dev", host.ifname, "root"], capture_output=True)
+                        "dev", ifname, "root"], capture_output=True)
+
+
+def dead_interface(host: Host, rail: int = 0):
+    """Everything in and out of the node's interface of ``rail`` dropped: a dead NIC or
+    cable."""
+    ifname = host.rail(rail)[0]
+    return _rules([(host, ["INPUT", "-i", ifname, "-j", "DROP"]),
+                   (host, ["OUTPUT", "-o", ifname, "-j", "DROP"])])
 
 
 @contextlib.contextmanager

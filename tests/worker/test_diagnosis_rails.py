@@ -22,13 +22,12 @@ import pytest
 
 from tests import report_schema
 from tests.launch import HELD_REPEAT
-from tests.multinode import Nodes, in_host, sh, torchrun_argv
+from tests.multinode import Nodes, torchrun_argv
 from tests.sandbox import faults
 from tests.sandbox.hosts import Host, HostSandbox, sandbox_fixture
 
 PREFIX, SUBNET, RAIL1 = "dsl", "10.231.37.0/24", "10.231.38.0/24"
 NODES, PER_NODE = 3, 2
-SLOW = ["rate", "200mbit", "burst", "64kb", "latency", "500ms"]
 # Small transfers: at 200 mbit a large buffer takes seconds per exchange.
 CONFIG = """rails: [eth0, eth1]
 bandwidth:
@@ -43,32 +42,11 @@ _port = iter(range(29700, 29790))
 
 @contextlib.contextmanager
 def _slow_rail(hosts: list[Host], rail: int = 1):
-    """tbf on both ends of each host's rail veth: that rail of those nodes, both directions."""
-    for h in hosts:
-        ifname, _, link = h.rail(rail)
-        sh("tc", "qdisc", "add", "dev", link, "root", "tbf", *SLOW)
-        in_host(h, "tc", "qdisc", "add", "dev", ifname, "root", "tbf", *SLOW)
-    try:
-        yield
-    finally:
+    """That rail of those nodes slow, both directions (tbf on both ends of each rail veth)."""
+    with contextlib.ExitStack() as stack:
         for h in hosts:
-            ifname, _, link = h.rail(rail)
-            sh("tc", "qdisc", "del", "dev", link, "root")
-            in_host(h, "tc", "qdisc", "del", "dev", ifname, "root")
-
-
-@contextlib.contextmanager
-def _dead_rail(host: Host, rail: int = 1):
-    """Everything in and out of the node's rail interface dropped: a dead NIC or cable."""
-    ifname = host.rail(rail)[0]
-    rules = [["INPUT", "-i", ifname, "-j", "DROP"], ["OUTPUT", "-o", ifname, "-j", "DROP"]]
-    for rule in rules:
-        in_host(host, "iptables", "-I", *rule)
-    try:
+            stack.enter_context(faults.slow_node(h, rail))
         yield
-    finally:
-        for rule in rules:
-            in_host(host, "iptables", "-D", *rule)
 
 
 def run(sandbox: HostSandbox, tmp_path: Path, config: str = CONFIG,
@@ -112,8 +90,9 @@ def _show(report: dict, nodes: Nodes) -> None:
     for p in pairs.get("results", []):
         print(f"  rail {p.get('rail')} {p['host_a']} <-> {p['host_b']} pass {p['pass']}: "
               f"{p['busbw_gbps']:.3f} GB/s{' slow' if p['slow'] else ''}")
-    for c in _named(report):
-        print("  culprit", c)
+    for c in report["checks"]:
+        for k in c["culprits"]:
+            print("  culprit", c["name"], k["rank"], k.get("ranks"), k.get("rail"), k["reason"])
     print("  rails check:", _check(report, "rails")["summary"])
 
 
@@ -170,7 +149,7 @@ def test_one_nodes_slow_rail_is_named_as_that_rail(box, tmp_path, attempt):
 @pytest.mark.parametrize("attempt", range(HELD_REPEAT))
 def test_one_nodes_dead_rail_is_named_and_the_run_goes_on(box, tmp_path, attempt):
     dead = box.hosts[1]
-    with _dead_rail(dead):
+    with faults.dead_interface(dead, rail=1):
         report, nodes = run(box, tmp_path)
     _show(report, nodes)
     assert _named(report) == [("bandwidth", _rank(report, dead, 1), dead.name, 1, "eth1")]

@@ -29,7 +29,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ..coordination import progress
+from ..coordination import proc, progress
 from ..model import nodes_or_links, percentile
 from . import _rail_blame, perf
 
@@ -118,10 +118,12 @@ def _rounds(ctx, cfg, plans, pass_number, groups, spot, size, clock) -> list[dic
             # the exchange's symmetric handshake evens that out before the round's barrier
             # (else the pairs' lower node always arrives last there: a straggler by design)
             rtt = _round_trips(ctx, groups[g][peer], me < peer, ctx.section("links"))
+            waited = proc.cpu_wait_s()
             times = _exchange(ctx, groups[g][peer], size, cfg["pair_iters"], clock)
             out.append({"pass": pass_number, "round": number, "node": me, "peer_node": peer,
                         "time_us": min(times) * 1e6, "time_us_max": max(times) * 1e6,
-                        **rtt, **({"rail": g} if len(groups) > 1 else {})})
+                        **_cpu_wait_us("exchange", waited), **rtt,
+                        **({"rail": g} if len(groups) > 1 else {})})
         progress.barrier()  # rounds never overlap: each rank talks to one partner at a time
     return out
 
@@ -162,10 +164,23 @@ def _round_trips(ctx, peer: int, first: bool, cfg: dict) -> dict:
     # trip (a barrier slowed by another lossy link let one side in 200 ms late: CI named a
     # healthy pair's node for it)
     progress.ping_pong(token, peer, first, 1)
+    waited = proc.cpu_wait_s()
     got = progress.ping_pong(token, peer, first, cfg["latency_iters"])
-    if not got:
+    out = _cpu_wait_us("rtt", waited)
+    if got:
+        out["rtt_us"] = [round(percentile(got, q) * 1e6, 1) for q in (50, 99, 100)]
+    return out
+
+
+def _cpu_wait_us(what: str, since: float | None) -> dict:
+    """``{"<what>_cpu_wait_us": …}``: how long this rank's threads waited for a core since
+    ``since`` (:func:`proc.cpu_wait_s`), where the kernel counts it. Both sides of a pair post
+    theirs: a trip or an exchange that one slow moment stretched is the link's only if the
+    two processes were not kept off the cores as long."""
+    now = proc.cpu_wait_s()
+    if since is None or now is None:
         return {}
-    return {"rtt_us": [round(percentile(got, q) * 1e6, 1) for q in (50, 99, 100)]}
+    return {f"{what}_cpu_wait_us": round(max(0.0, now - since) * 1e6, 1)}
 
 
 def _first_pass_tables(ctx, plans: list, size: int, mine: list[dict]) -> list[dict]:
@@ -208,7 +223,8 @@ def figures_and_culprits(ev, cfg: dict) -> tuple[dict, list]:
     links = ev.section("links")
     tails = [unstable(r, links, first["device_type"]) for r in records]
     figures["latency"] = {"iters": links["latency_iters"], "floor_us": tails[0]["floor_us"],
-                          "reference_p99_us": [t["reference_p99_us"] for t in tails]}
+                          "reference_p99_us": [t["reference_p99_us"] for t in tails],
+                          "busy": [t["busy"] for t in tails]}
     rows = [rail["ranks"] for rail in rails] if rails else [first["leaders"]]
     return figures, culprits + _unstable_culprits(ev, tails, records, rows, rails, culprits)
 
@@ -242,9 +258,19 @@ def unstable(records: dict, cfg: dict, device_type: str) -> dict:
               and m["time_us_max"] - m["time_us"] > gap_us}
     waited = {p for p, m in records.items()
               if m.get("rtt_us") and m["rtt_us"][2] >= 1e3 * cfg["latency_stall_ms"]}
+    # A pair whose two processes waited for a core as long as its worst moment stood above
+    # its typical one: the cores' moment, not the link's (CI: a healthy rail's pair named
+    # beside a slow rail on a suite-loaded machine). A lost message's 200 ms timer stands.
+    busy = {p for p, m in records.items()
+            if (p in tail or p in waited) and m.get("rtt_cpu_wait_us", -1) >=
+            m["rtt_us"][2] - m["rtt_us"][0]
+            or p in stalls and m.get("exchange_cpu_wait_us", -1) >=
+            m["time_us_max"] - m["time_us"]}
+    tail, stalls, waited = tail - busy, stalls - busy, waited - busy
     nodes, links = nodes_or_links(tail | stalls | waited, records)
     return {"reference_p99_us": ref, "floor_us": floor_us, "tail": sorted(tail),
-            "stalls": sorted(stalls), "waited": sorted(waited), "nodes": nodes, "links": links}
+            "stalls": sorted(stalls), "waited": sorted(waited), "busy": sorted(busy),
+            "nodes": nodes, "links": links}
 
 
 def _unstable_culprits(ev, tails: list[dict], records: list[dict], rows: list[list],
@@ -293,20 +319,33 @@ def _evidence(m: dict, t: dict, pair: tuple) -> str:
     return "; ".join(parts)
 
 
+_WAITS = ("rtt_cpu_wait_us", "exchange_cpu_wait_us")
+
+
 def _best(observations: list, size: int, n: int) -> tuple[list[dict], list[dict]]:
     """Per rail: each pair's busbw (its better pass, the slower side's time) and its record,
-    which carries the pair's worst round-trip tail and slowest exchange of any pass."""
+    which carries the pair's worst round-trip tail and slowest exchange of any pass, and the
+    most its two ends waited for a core in one pass (``*_cpu_wait_us``, both ends summed)."""
     by_pass: dict = {}
     tails: dict = {}
-    for o in observations:
-        for m in o["pairs"]["measured"]:
-            key = (m.get("rail", 0), tuple(sorted((m["node"], m["peer_node"]))), m["pass"])
-            if m["time_us"] > by_pass.get(key, {"time_us": 0.0})["time_us"]:
-                by_pass[key] = m  # the slower side's time is the exchange's
-            tail = tails.setdefault(key[:2], {"time_us_max": 0.0})
-            tail["time_us_max"] = max(tail["time_us_max"], m.get("time_us_max", m["time_us"]))
-            if m.get("rtt_us") and m["rtt_us"][1] > tail.get("rtt_us", [0, -1])[1]:
-                tail["rtt_us"] = m["rtt_us"]  # the first side times the round trips
+    waits: dict = {}
+    measured = [m for o in observations for m in o["pairs"]["measured"]]
+    for m in measured:
+        key = (m.get("rail", 0), tuple(sorted((m["node"], m["peer_node"]))), m["pass"])
+        for what in _WAITS:
+            if what in m:
+                waits[key + (what,)] = waits.get(key + (what,), 0.0) + m[what]
+    for m in measured:
+        key = (m.get("rail", 0), tuple(sorted((m["node"], m["peer_node"]))), m["pass"])
+        if m["time_us"] > by_pass.get(key, {"time_us": 0.0})["time_us"]:
+            by_pass[key] = m  # the slower side's time is the exchange's
+        tail = tails.setdefault(key[:2], {"time_us_max": 0.0})
+        tail["time_us_max"] = max(tail["time_us_max"], m.get("time_us_max", m["time_us"]))
+        if m.get("rtt_us") and m["rtt_us"][1] > tail.get("rtt_us", [0, -1])[1]:
+            tail["rtt_us"] = m["rtt_us"]  # the first side times the round trips
+        for what in _WAITS:
+            if key + (what,) in waits:
+                tail[what] = max(tail.get(what, 0.0), waits[key + (what,)])
     records: list[dict] = [{} for _ in range(n)]
     for (g, pair, _), m in sorted(by_pass.items()):
         if m["time_us"] < records[g].get(pair, {"time_us": float("inf")})["time_us"]:

@@ -1,5 +1,5 @@
-"""What the kernel says of processes: ``/proc/<pid>/stat``, and the kernel log
-(``/dev/kmsg``); the one reader of each (no torch here).
+"""What the kernel says of processes: ``/proc/<pid>/stat``, the threads' ``schedstat``, and
+the kernel log (``/dev/kmsg``); the one reader of each (no torch here).
 
 The stat file's fields are read after the command name's closing parenthesis (a name may hold
 spaces and parentheses); ``fields[0]`` is the file's field 3, the state letter (proc(5)).
@@ -53,6 +53,25 @@ def started(pid: int | str = "self") -> float:
         return time.time() - up + int(got[_STARTTIME]) / os.sysconf("SC_CLK_TCK")
     except (OSError, TypeError, IndexError, ValueError):
         return time.time()
+
+
+def cpu_wait_s(pid: int | str = "self") -> float | None:
+    """Seconds the process's threads have spent runnable but waiting for a core, summed (each
+    thread's ``schedstat`` run_delay): time the shared cores took, not the network. None where
+    the kernel keeps no such count (no schedstat, no /proc)."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total, read = 0, False
+    for t in threads:
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[1])
+            read = True
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9 if read else None
 
 
 def kernel_log(path: str = "/dev/kmsg", max_bytes: int = KERNEL_LOG_MAX_BYTES):
