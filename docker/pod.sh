@@ -147,6 +147,21 @@ kept=$!
     "${worker[@]}" 2>&"$err" &
 pid=$!
 exec {err}>&-
+# The report into the log as soon as it is written, not only at the pod's end: torchrun's
+# agents may wait minutes more (a node cut off waits out their rendezvous and exit-barrier
+# timeouts: the campaign's blackhole.store_node.join.trainjob.3x1 logged nothing in 120 s, its
+# report written after 28 s), and a TrainJob's users read it nowhere else. Once per pod.
+logged="$report_dir/launch/$HOSTNAME.logged"
+rm -f "$logged"
+log_report() {
+    local json
+    [[ ! -e "$logged" && -s "$report_dir/report.json" ]] || return 1
+    json=$(python3 -m json.tool --compact "$report_dir/report.json" 2> /dev/null) || return 1
+    printf 'ddp-smoke-report.json: %s\n' "$json"
+    mkdir -p "$report_dir/launch" && : > "$logged"
+}
+(while ! log_report && kill -0 "$pid" 2> /dev/null; do sleep 1; done) &
+watcher=$!
 # As PID 1 bash ignores SIGTERM (no default action there): the trap passes pod deletion and
 # activeDeadlineSeconds on to torchrun, which stops the workers.
 trap 'kill -TERM "$pid" 2> /dev/null' TERM INT
@@ -172,12 +187,13 @@ for (( s = 0; s < ${timeout%.*} + 60; s++ )); do
 done
 
 # The pod whose rank wrote the report holds report.json (rank 0's pod, a survivor's, or, when
-# the store host wrote it, the rendezvous host); every pod does, on a shared volume. The report as one log
-# line (`kubectl logs … | grep '^ddp-smoke-report.json: '`), then the verdict line, which is
-# also the termination message (`kubectl describe pod`) and the log's last line.
+# the store host wrote it, the rendezvous host); every pod does, on a shared volume. The report
+# as one log line (`kubectl logs … | grep '^ddp-smoke-report.json: '`), once (the watcher's,
+# else now), then the verdict line, which is also the termination message (`kubectl describe
+# pod`) and the log's last line.
+wait "$watcher" 2> /dev/null
 if [[ -s "$report_dir/report.json" ]]; then
-    printf 'ddp-smoke-report.json: '
-    python3 -m json.tool --compact "$report_dir/report.json"
+    log_report || true
     line=$(python3 -m ddp_smoke last-line "$report_dir/report.json" 2> /dev/null) \
         || line="ddp-smoke: torchrun exit $rc; $report_dir/report.json is unreadable"
 else  # ranks here that lost the store left lost/<rank>.json: who went silent

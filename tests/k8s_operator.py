@@ -23,6 +23,17 @@ What it emulates, and from where:
   node (``spec.nodeName``); hostname = pod name; the ``controller-revision-hash`` and
   ``pod-template-generation`` labels. Taints and tolerations are not emulated (every node
   given is schedulable).
+* **Kubeflow Trainer v2.3, TrainJob** (the torch plugin's EnforceMLPolicy, read from
+  ``pkg/runtime/framework/plugins/torch``, and JobSet's naming): the TrainJob's runtime (a
+  TrainingRuntime or ClusterTrainingRuntime among the documents) becomes a JobSet named after
+  the TrainJob, each replicated job one Indexed Job ``<trainjob>-<replicated job>-0`` (the
+  trainer's: completions = parallelism = ``numNodes``), its pods' subdomain the JobSet's name
+  and a headless Service of that name that publishes pods before they are Ready; the trainer
+  container (``node``) gets the TrainJob's image, command, args and resources, its ``env``
+  upserted (a name the runtime has is replaced in place, a new one appended), then
+  ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK`` (the completion index),
+  ``PET_MASTER_ADDR=<trainjob>-node-0-0.<trainjob>``, ``PET_MASTER_PORT=29500`` and that
+  container port (:func:`expanded`).
 * **kubelet**: env resolution in order (``$(VAR)`` in a value sees only earlier entries; a
   later duplicate replaces an earlier one), downward-API ``fieldRef`` values, ``secretKeyRef``
   values from the Secrets among the documents (as ``kubectl create secret`` makes them: ``data``
@@ -32,11 +43,11 @@ What it emulates, and from where:
   expansion of command and args against the final env (``$$`` → ``$``; an undefined reference
   stays as written), hostname truncation to 63 characters, the pod's own FQDN in /etc/hosts.
 
-Not emulated, and refused loudly rather than guessed: TrainJob pods (they come from the
-cluster's ClusterTrainingRuntime), sidecar containers, ``envFrom``, secret volumes, resource
-field refs, volumes other than emptyDir/configMap/PVC. Not added to ``env``: the ``KUBERNETES_*``
-service variables and ``HOSTNAME``, which every real container also has (the runtime sets
-``HOSTNAME`` to :attr:`Pod.hostname`).
+Not emulated, and refused loudly rather than guessed: a TrainJob whose runtime is not among
+the documents, Trainer's other ML policies (MPI, torchtune), sidecar containers, ``envFrom``,
+secret volumes, resource field refs, volumes other than emptyDir/configMap/PVC. Not added to
+``env``: the ``KUBERNETES_*`` service variables and ``HOSTNAME``, which every real container
+also has (the runtime sets ``HOSTNAME`` to :attr:`Pod.hostname`).
 """
 from __future__ import annotations
 
@@ -244,7 +255,7 @@ def pytorchjob_webhook_errors(job: Mapping[str, Any]) -> list[str]:
 
 def pod_names(docs: Iterable[Mapping[str, Any]]) -> list[str]:
     """The names of the pods :func:`compute_pods` returns, in the same order (to assign IPs)."""
-    names = []
+    docs, names = list(docs), []
     for doc in docs:
         if doc.get("kind") == "PyTorchJob":
             job = doc["metadata"]["name"]
@@ -252,7 +263,90 @@ def pod_names(docs: Iterable[Mapping[str, Any]]) -> list[str]:
                       for i in range(count)]
         elif doc.get("kind") == "Job":
             names += [f"{doc['metadata']['name']}-{i}" for i in range(_completions(doc))]
+        elif doc.get("kind") == "TrainJob":
+            names += pod_names(_trainjob_children(doc, docs))
     return names
+
+
+TRAINER_ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
+TRAINER_CONTAINER = "node"  # the runtime's container Trainer fills from the TrainJob
+TRAINER_PORT = 29500
+JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+
+
+def expanded(docs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The documents with each TrainJob replaced by what Trainer and JobSet make of it: one
+    Indexed Job per replicated job of its runtime, and the JobSet's headless Service."""
+    docs = [copy.deepcopy(dict(d)) for d in docs]
+    out = []
+    for doc in docs:
+        out += _trainjob_children(doc, docs) if doc.get("kind") == "TrainJob" else [doc]
+    return out
+
+
+def _trainjob_children(trainjob: Mapping[str, Any], docs: list) -> list[dict[str, Any]]:
+    name, trainer = trainjob["metadata"]["name"], trainjob["spec"].get("trainer") or {}
+    ref = trainjob["spec"]["runtimeRef"]
+    runtime = next((d for d in docs if d.get("kind") == ref.get("kind", "ClusterTrainingRuntime")
+                    and d["metadata"]["name"] == ref["name"]), None)
+    if runtime is None:
+        raise NotImplementedError(f"TrainJob {name!r}: its {ref.get('kind')} {ref['name']!r} is "
+                                  "not among the manifests (the cluster's are not emulated)")
+    policy = runtime["spec"].get("mlPolicy") or {}
+    if set(policy) - {"numNodes", "torch"}:
+        raise NotImplementedError(f"TrainJob {name!r}: ML policy {sorted(policy)}: only torch")
+    nodes = trainer.get("numNodes", policy.get("numNodes", 1))
+    nproc = trainer.get("numProcPerNode", (policy.get("torch") or {}).get("numProcPerNode",
+                                                                           "auto"))
+    if not isinstance(nproc, int):
+        raise NotImplementedError(f"TrainJob {name!r}: numProcPerNode {nproc!r} (Trainer "
+                                  "derives it from the resources): give a number")
+    children = []
+    for rjob in runtime["spec"]["template"]["spec"]["replicatedJobs"]:
+        if rjob.get("replicas", 1) != 1:
+            raise NotImplementedError(f"replicated job {rjob['name']!r}: one Job each only")
+        job = copy.deepcopy(rjob["template"])
+        job.update(apiVersion="batch/v1", kind="Job")
+        job["metadata"] = {**job.get("metadata", {}), "name": f"{name}-{rjob['name']}-0"}
+        template = job["spec"]["template"]
+        template.setdefault("metadata", {}).setdefault("labels", {}).update({
+            JOBSET_NAME: name, "jobset.sigs.k8s.io/replicatedjob-name": rjob["name"],
+            "jobset.sigs.k8s.io/job-index": "0"})
+        template["spec"]["subdomain"] = name  # JobSet's network: DNS hostnames on, its name
+        if (job["metadata"].get("labels") or {}).get(TRAINER_ANCESTOR) == "trainer":
+            job["spec"]["completions"] = job["spec"]["parallelism"] = nodes
+            for container in template["spec"]["containers"]:
+                if container["name"] == TRAINER_CONTAINER:
+                    _trainer_container(container, trainer, name, nodes, nproc)
+        children.append(job)
+    children.append({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name},
+                     "spec": {"clusterIP": "None", "selector": {JOBSET_NAME: name},
+                              "publishNotReadyAddresses": True}})
+    return children
+
+
+def _trainer_container(container: dict[str, Any], trainer: Mapping[str, Any], name: str,
+                       nodes: int, nproc: int) -> None:
+    for key in ("image", "command", "args"):
+        _set_if(container, key, copy.deepcopy(trainer.get(key)))
+    if trainer.get("resourcesPerNode"):
+        container["resources"] = copy.deepcopy(trainer["resourcesPerNode"])
+    env = container.setdefault("env", [])
+    index = {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}
+    for entry in [*copy.deepcopy(trainer.get("env", [])),
+                  {"name": "PET_NNODES", "value": str(nodes)},
+                  {"name": "PET_NPROC_PER_NODE", "value": str(nproc)},
+                  {"name": "PET_NODE_RANK", "valueFrom": index},
+                  {"name": "PET_MASTER_ADDR", "value": f"{name}-{TRAINER_CONTAINER}-0-0.{name}"},
+                  {"name": "PET_MASTER_PORT", "value": str(TRAINER_PORT)}]:
+        at = next((i for i, e in enumerate(env) if e["name"] == entry["name"]), None)
+        if at is None:
+            env.append(entry)
+        else:
+            env[at] = entry  # Trainer's upsert: in place
+    ports = container.setdefault("ports", [])
+    if not any(p["containerPort"] == TRAINER_PORT for p in ports):
+        ports.append({"containerPort": TRAINER_PORT})
 
 
 def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] | None = None,
@@ -274,14 +368,15 @@ def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] |
             nodeSelector selects).
 
     Returns:
-        The pods, PyTorchJob Master then Workers by index, Indexed Job pods by index.
+        The pods, PyTorchJob Master then Workers by index, Indexed Job pods (a TrainJob's
+        among them) by index.
 
     Raises:
         ValueError: a PyTorchJob the webhook would reject, or a value the pods need and the
             arguments do not give (a pod IP, a missing ConfigMap).
         NotImplementedError: a kind or feature this emulation does not cover.
     """
-    docs = [copy.deepcopy(dict(d)) for d in docs]
+    docs = expanded(docs)
     ctx = _Context(docs, dict(pod_ips or {}), namespace, cluster_domain,
                    job_uid or str(uuid.uuid4()))
     pods: list[Pod] = []
@@ -294,10 +389,10 @@ def compute_pods(docs: Iterable[Mapping[str, Any]], pod_ips: Mapping[str, str] |
         elif kind == "DaemonSet":
             pods += _daemonset_pods(doc, ctx, dict(nodes or {}))
         elif kind not in ("ConfigMap", "Service", "Secret", "Namespace", "ServiceAccount",
-                          "ClusterRole", "ClusterRoleBinding"):
+                          "ClusterRole", "ClusterRoleBinding", "TrainingRuntime",
+                          "ClusterTrainingRuntime"):
             raise NotImplementedError(
-                f"{kind} {doc.get('metadata', {}).get('name')!r}: its pods are not emulated "
-                "(TrainJob pods come from the cluster's ClusterTrainingRuntime)")
+                f"{kind} {doc.get('metadata', {}).get('name')!r}: its pods are not emulated")
     return pods
 
 

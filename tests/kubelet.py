@@ -32,7 +32,7 @@ SECURITY_KEYS = {"runAsUser", "runAsGroup", "runAsNonRoot", "fsGroup", "fsGroupC
 
 def pod_spec(docs: list[dict[str, Any]], pod: ko.Pod) -> dict[str, Any]:
     """The pod template's spec that ``pod`` was made from (for the pod-level securityContext)."""
-    job = next(d for d in docs if d["kind"] in ("PyTorchJob", "Job", "DaemonSet"))
+    job = next(d for d in ko.expanded(docs) if d["kind"] in ("PyTorchJob", "Job", "DaemonSet"))
     if job["kind"] == "PyTorchJob":
         return job["spec"]["pytorchReplicaSpecs"][pod.replica]["template"]["spec"]
     return job["spec"]["template"]["spec"]

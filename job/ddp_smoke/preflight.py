@@ -26,7 +26,11 @@ firewalls. Each node says hello there; the host waits until every expected node 
 (``--nodes``) or the timeout, and names the node ranks that never joined (on Kubernetes this is
 the only place a pod that never left Pending shows up). Each hello carries the MTU of the
 node's interface; the host names the nodes whose MTU differs from the rest (``mtu``: such a
-link passes small packets and drops large ones). A node says hello once its own checks are
+link passes small packets and drops large ones). After its hello each node sends 64 KiB, which
+the host answers once they all arrived: a path that passes the hello and drops large packets
+(a black hole, with every MTU equal) fails both ends' ``rendezvous``/``joined`` within 5 s,
+naming the node, where torchrun's rendezvous would wait out its join timeout (its state no
+longer fits the path once two nodes joined). A node says hello once its own checks are
 done, and a node whose checks failed says why in its hello: the host fails at once, naming it
 (the pods of a job have no launcher to gather their records; the host's line is the job's
 word). The listener closes before torchrun starts; the clients close first, so no TIME_WAIT is
@@ -65,6 +69,11 @@ DEFAULT_TIMEOUT_S = 30.0
 HELLO = "ddp-smoke-preflight"
 _FAILED = "failed:"  # in a hello, before why the node's own checks failed
 _ANSWER_S = 2.0          # a hello's reply; the listener answers at once
+# The path probe after each hello: larger than any frame, jumbo ones included, so a link that
+# passes small packets and drops large ones keeps it out while the hello got through; 64 KiB
+# take milliseconds on a healthy path, a loaded one included.
+PATH_BYTES = 1 << 16
+PATH_S = 5.0
 _RETRY_S = 0.25          # connection refused: the host's listener is not up yet
 _TORCH_PROBE = r"""
 import json, sys, time
@@ -152,16 +161,18 @@ class Listener:
         with conn:
             conn.settimeout(_ANSWER_S)
             try:
-                words = conn.makefile().readline().split()
+                reader = conn.makefile("rb")
+                words = reader.readline().decode(errors="replace").split()
                 if len(words) >= 4 and words[0] == HELLO:
                     conn.sendall(f"{HELLO} {self.run_id}\n".encode())
                     mine = interface_mtu(conn.getsockname()[0])  # this host's, named later
                     key = words[2] if words[2] != "-" else words[3]
                     _, failed, why = " ".join(words[4:]).partition(f"{_FAILED} ")
+                    blocked = _path_probe(conn, reader)
                     with self.changed:  # by node rank; by name where there is none
                         self.joined[key] = words[3]
-                        if failed:
-                            self.failed[key] = f"{words[3]}: {why}"
+                        if failed or blocked:
+                            self.failed[key] = f"{words[3]}: {why or blocked}"
                         self.mtus.update({words[3]: int(w[4:]) for w in words[4:5]
                                           if w.startswith("mtu=") and w[4:].isdigit()})
                         if mine:
@@ -183,6 +194,24 @@ class Listener:
         self.sock.close()
 
 
+def _path_probe(conn: socket.socket, reader) -> str:
+    """The host's side of the path probe: read the client's PATH_BYTES line and answer it;
+    why it did not come whole ("" when it did, or when the client sent none and closed)."""
+    conn.settimeout(PATH_S)
+    try:
+        got = reader.readline(PATH_BYTES + 1)
+    except OSError:  # (socket.timeout)
+        got = None
+    if got == b"":
+        return ""  # closed after its hello: a client that probes nothing
+    if got is None or len(got) <= PATH_BYTES:
+        return (f"path: its hello arrived, a {PATH_BYTES >> 10} KiB message after it did not "
+                f"within {PATH_S:g} s: a link between it and this rendezvous host drops large "
+                "packets (an MTU mismatch on the way, a black hole)")
+    conn.sendall(b"ok\n")
+    return ""
+
+
 def say_hello(host: str, port: int, deadline: float, run_id: str, rank: int | None,
               node: str, problem: str = "") -> tuple[bool, str]:
     """Open a TCP connection to the rendezvous endpoint before the deadline; say hello (and
@@ -201,13 +230,15 @@ def say_hello(host: str, port: int, deadline: float, run_id: str, rank: int | No
                 failed = f" {_FAILED} {' '.join(problem.split())}" if problem else ""
                 s.sendall(f"{HELLO} {run_id or '-'} {rank if rank is not None else '-'} "
                           f"{node}{f' mtu={mtu}' if mtu else ''}{failed}\n".encode())
+                reader = s.makefile("rb")
                 try:
-                    answer = s.makefile().readline().split()
+                    answer = reader.readline().decode(errors="replace").split()
                 except OSError:
                     answer = []
-            heard = ("(the rendezvous host's preflight answered)"
-                     if answer[:1] == [HELLO] else "(a program that is not preflight answered)")
-            return True, f"rendezvous {host}:{port} reached in {took * 1000:.0f} ms {heard}"
+                if answer[:1] == [HELLO]:
+                    return _probe_path(s, reader, host, port, took)
+            return True, (f"rendezvous {host}:{port} reached in {took * 1000:.0f} ms (a "
+                          "program that is not preflight answered)")
         except ConnectionRefusedError:
             last = "connection refused (nothing listens there yet, or a firewall rejects)"
             time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
@@ -216,6 +247,25 @@ def say_hello(host: str, port: int, deadline: float, run_id: str, rank: int | No
         except OSError as e:
             last = e.strerror or str(e)
             time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
+
+
+def _probe_path(s: socket.socket, reader, host: str, port: int,
+                took: float) -> tuple[bool, str]:
+    """The client's side of the path probe: PATH_BYTES to the host, which answers once they
+    all arrived."""
+    s.settimeout(PATH_S)
+    try:
+        s.sendall(b"p" * PATH_BYTES + b"\n")
+        answer = reader.readline()
+    except OSError:
+        answer = b""
+    if answer.strip() != b"ok":
+        return False, (f"rendezvous {host}:{port} reached and its hello answered, but a "
+                       f"{PATH_BYTES >> 10} KiB message to it did not arrive within "
+                       f"{PATH_S:g} s: a link on the way drops large packets (an MTU mismatch, "
+                       "a black hole: jumbo frames behind a port without them)")
+    return True, (f"rendezvous {host}:{port} reached in {took * 1000:.0f} ms (the rendezvous "
+                  f"host's preflight answered; {PATH_BYTES >> 10} KiB crossed)")
 
 
 # -- torch and CUDA -------------------------------------------------------------------------

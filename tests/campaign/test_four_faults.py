@@ -30,6 +30,7 @@ import pytest
 from tests.campaign import matrix, runner
 from tests.launch import HELD_REPEAT, REPEAT, REPO
 from tests.multinode import Nodes, torchrun_argv
+from tests.sandbox import faults
 from tests.sandbox.hosts import sandbox_fixture
 
 CELLS = ([f"{k}.middle.collectives.{launcher}.1x3" for k in ("sigkill", "sigsegv")
@@ -53,7 +54,7 @@ def test_the_fault_is_named_right(cell_id, parts, tmp_path):
 # -- 3. jumbo frames behind ports without them ------------------------------------------------
 
 JUMBO = 9000
-box = sandbox_fixture("dsj", "10.231.13.0/24", 3, needs=("ip",))
+box = sandbox_fixture("dsj", "10.231.13.0/24", 3, needs=("ip", "iptables"))
 
 
 def _jumbo(host) -> None:
@@ -93,34 +94,62 @@ def _run_three_nodes(box, tmp_path: Path) -> dict:
     return json.loads((rd / "report.json").read_text())
 
 
-@pytest.mark.timeout(120)
-def test_preflight_names_the_jumbo_host_before_any_rank_starts(box, tmp_path):
-    jumbo = box.hosts[2]
-    _jumbo(jumbo)
-    try:
-        t0, procs = time.monotonic(), []
-        rdzv = f"{box.hosts[0].addr}:{29900 + os.getpid() % 90}"
-        for i, h in enumerate(box.hosts):
-            extra = ["--serve", "--nodes", "3"] if i == 0 else []
-            procs.append(box.popen(h, [sys.executable, "-m", "ddp_smoke", "preflight",
-                                       "--report-dir", str(tmp_path), "--rdzv", rdzv,
-                                       "--node", h.name, "--skip-torch", "--timeout", "20",
-                                       *extra], cwd=REPO, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, env={**os.environ,
-                                                                  "SLURM_NODEID": str(i)}))
-        for p in procs:
-            p.wait(timeout=60)
-        print(f"\npreflight of 3 nodes: {time.monotonic() - t0:.1f} s")
-    finally:
-        subprocess.run(["nsenter", f"--net=/run/netns/{jumbo.netns}", "ip", "link", "set",
-                        jumbo.ifname, "mtu", "1500"], timeout=10)
+def _preflight_three(box, tmp_path: Path) -> tuple[dict, list[str], str]:
+    """Preflight on the three nodes (node 0 serves the rendezvous port), then the Slurm
+    template's launch report of it: the host's record, the hosts the report names, and its
+    output."""
+    t0, procs = time.monotonic(), []
+    rdzv = f"{box.hosts[0].addr}:{29900 + os.getpid() % 90}"
+    for i, h in enumerate(box.hosts):
+        extra = ["--serve", "--nodes", "3"] if i == 0 else []
+        procs.append(box.popen(h, [sys.executable, "-m", "ddp_smoke", "preflight",
+                                   "--report-dir", str(tmp_path), "--rdzv", rdzv,
+                                   "--node", h.name, "--skip-torch", "--timeout", "20",
+                                   *extra], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, env={**os.environ,
+                                                              "SLURM_NODEID": str(i)}))
+    for p in procs:
+        p.wait(timeout=60)
+    print(f"\npreflight of 3 nodes: {time.monotonic() - t0:.1f} s")
     host = json.loads((tmp_path / "preflight" / f"{box.hosts[0].name}.json").read_text())
-    mtu = next(c for c in host["checks"] if c["name"] == "mtu")
-    assert not mtu["ok"] and mtu["nodes"] == [jumbo.name], mtu
     verdict = subprocess.run([sys.executable, "-m", "ddp_smoke", "launch-report", "--stage",
                               "preflight", "--report-dir", str(tmp_path), "--nodes",
                               " ".join(h.name for h in box.hosts)], cwd=REPO,
                              capture_output=True, text=True, timeout=60)
     report = json.loads((tmp_path / "report.json").read_text())
     named = sorted(c["host"] for ch in report["checks"] for c in ch["culprits"])
-    assert named == [jumbo.name], verdict.stdout + verdict.stderr
+    return host, named, verdict.stdout + verdict.stderr
+
+
+@pytest.mark.timeout(120)
+def test_preflight_names_the_jumbo_host_before_any_rank_starts(box, tmp_path):
+    jumbo = box.hosts[2]
+    _jumbo(jumbo)
+    try:
+        host, named, said = _preflight_three(box, tmp_path)
+    finally:
+        subprocess.run(["nsenter", f"--net=/run/netns/{jumbo.netns}", "ip", "link", "set",
+                        jumbo.ifname, "mtu", "1500"], timeout=10)
+    mtu = next(c for c in host["checks"] if c["name"] == "mtu")
+    assert not mtu["ok"] and mtu["nodes"] == [jumbo.name], mtu
+    assert named == [jumbo.name], said
+
+
+@pytest.mark.timeout(120)
+def test_preflight_names_a_node_behind_a_black_hole_to_the_rendezvous_host(box, tmp_path):
+    """Large packets dropped between node 1 and the rendezvous host, every MTU equal (the
+    campaign's blackhole.store_node.join.trainjob.3x1: the hellos passed, then torchrun's
+    rendezvous waited out its 600 s join timeout, its state too large for the path once two
+    nodes had joined, and nothing was said). The 64 KiB after each hello name node 1 within
+    the probe's 5 s, on its own record and on the host's."""
+    cut = box.hosts[1]
+    t0 = time.monotonic()
+    with faults.blackhole(box.hosts[0], cut):
+        host, named, said = _preflight_three(box, tmp_path)
+    assert time.monotonic() - t0 < 20
+    own = json.loads((tmp_path / "preflight" / f"{cut.name}.json").read_text())
+    assert not own["ok"] and "64 KiB message to it did not arrive" in own["reason"], own
+    joined = next(c for c in host["checks"] if c["name"] == "joined")
+    assert not joined["ok"] and joined["detail"].startswith(
+        f"node rank 1 {cut.name}: path: its hello arrived"), joined
+    assert named == [cut.name], said

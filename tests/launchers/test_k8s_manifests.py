@@ -31,6 +31,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -719,6 +720,42 @@ def test_pytorchjob_pods_run_c10d_torchrun_and_log_the_report(tmp_path):
     assert proc.stdout.splitlines()[-1] == message.strip()  # the log ends on the verdict
 
 
+@pytest.mark.planted_report  # the fake torchrun's, written while it runs on
+def test_a_trainjob_pod_logs_the_report_once_as_soon_as_it_is_written(tmp_path):
+    """A TrainJob's users read the report in the log alone, and torchrun's agents may wait
+    minutes after it is written (a node cut off: their rendezvous and exit-barrier timeouts):
+    the pod logs it within a second or two of its writing, while torchrun still runs, and
+    once only."""
+    docs = ko.customize(ko.load_manifests(K8S / "trainer-v2"), nodes=1, gpus_per_node=0,
+                        nproc_per_node=1)
+    pod = ko.compute_pods(docs, pod_ips={n: "127.0.0.1" for n in ko.pod_names(docs)})[0]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(
+        "#!/bin/sh\nfor a; do case $a in --report-dir=*) d=${a#*=};; esac; done\n"
+        "mkdir -p \"$d\" && echo '{\"verdict\": \"fail\"}' > \"$d/report.json\"\nsleep 8\n"
+        "exit 1\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    run_id = f"ddp-smoke-v2-{tmp_path.name}"
+    env = {**pod.env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "DDP_SMOKE_PREFLIGHT": "0", "DDP_SMOKE_RUN_ID": run_id,
+           "TERMINATION_LOG": str(tmp_path / "msg")}
+    start = time.monotonic()
+    proc = subprocess.Popen(here(pod.argv, tmp_path, pod), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        first = next(ln for ln in proc.stdout if ln.startswith("ddp-smoke-report.json: "))
+        logged_s = time.monotonic() - start
+        rest = proc.stdout.read()
+    finally:
+        proc.kill() if proc.poll() is None else None
+        proc.wait(30)
+        shutil.rmtree(f"/tmp/ddp-smoke-reports/{run_id}", ignore_errors=True)
+    assert logged_s < 6, logged_s  # torchrun ran 8 s on
+    assert json.loads(first.split(": ", 1)[1]) == {"verdict": "fail"}
+    assert "ddp-smoke-report.json" not in rest and proc.returncode == 1, rest
+
+
 @pytest.mark.planted_report  # a stale one, which the script must remove
 def test_a_stale_report_is_never_logged_as_this_runs(tmp_path):
     """A report.json left on a shared volume by an earlier job of the same name is removed
@@ -746,16 +783,14 @@ def test_a_stale_report_is_never_logged_as_this_runs(tmp_path):
 
 def _rendezvous_host(variant: str, port: int, tmp_path: Path) -> tuple[list[str], dict]:
     """argv and env of the pod that hosts the rendezvous, at 127.0.0.1:``port`` (cluster DNS,
-    offline), its report folder under ``tmp_path``. TrainJob pods are not emulated (Trainer
-    makes them): its script runs with the variables Trainer injects, as its header lists them."""
-    if variant == "trainer-v2":
-        (doc,) = [d for d in ko.load_manifests(FOLDERS[variant]) if d["kind"] == "TrainJob"]
-        env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "0",
-               "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
-               "DDP_SMOKE_RUN_ID": f"ddp-smoke-v2-{tmp_path.name}", "POD_IP": "127.0.0.1"}
-        return here(doc["spec"]["trainer"]["command"] + doc["spec"]["trainer"]["args"],
-                    tmp_path), env
+    offline), its report folder under ``tmp_path`` (the TrainJob's is fixed, in the pod's
+    /tmp, under its run id)."""
     docs = ko.load_manifests(FOLDERS[variant])
+    if variant == "trainer-v2":
+        host = ko.compute_pods(docs, pod_ips={n: "127.0.0.1" for n in ko.pod_names(docs)},
+                               job_uid=tmp_path.name)[0]
+        env = {**host.env, "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)}
+        return here(host.argv, tmp_path, host), env
     host = ko.compute_pods(docs, pod_ips={n: "127.0.0.1" for n in ko.pod_names(docs)})[0]
     env = {**host.env, "REPORT_DIR": str(tmp_path / "reports"),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -998,9 +1033,34 @@ def test_failure_policy_of_the_controllers():
     assert ko.on_pod_failure(job) == "delete"
 
 
-def test_trainjob_and_unknown_kinds_are_refused():
-    with pytest.raises(NotImplementedError, match="TrainJob"):
-        ko.compute_pods(ko.load_manifests(K8S / "trainer-v2"))
+def test_trainjob_pods_are_trainers_and_a_runtime_not_shipped_is_refused(tmp_path):
+    """The TrainJob's pods as Trainer v2.3 (its torch plugin) and JobSet make them from this
+    folder's TrainingRuntime: an Indexed Job per replicated job, the TrainJob's image, command
+    and env in the runtime's ``node`` container, then the PET_* variables; every pod finds
+    node 0 by the name Trainer gives, before it is Ready (JobSet's headless Service); the pod
+    script then runs torchrun with c10d there, the node rank its completion index."""
+    docs = ko.customize(ko.load_manifests(K8S / "trainer-v2"), image="img:1", nodes=2,
+                        gpus_per_node=0, nproc_per_node=2)
+    names = ko.pod_names(docs)
+    assert names == ["ddp-smoke-v2-node-0-0", "ddp-smoke-v2-node-0-1"]
+    pods = ko.compute_pods(docs, pod_ips={n: f"10.9.0.{i + 2}" for i, n in enumerate(names)})
+    master = "ddp-smoke-v2-node-0-0.ddp-smoke-v2"
+    for i, pod in enumerate(pods):
+        assert (pod.hostname, pod.image, pod.container) == (names[i], "img:1", "node")
+        assert {k: pod.env[k] for k in pod.env if k.startswith("PET_")} == {
+            "PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": str(i),
+            "PET_MASTER_ADDR": master, "PET_MASTER_PORT": "29500"}
+        assert pod.dns_names[0] == f"{names[i]}.ddp-smoke-v2" and not pod.dns_requires_ready
+        uid = pod.labels["batch.kubernetes.io/controller-uid"]  # the Job's: one a run
+        assert pod.env["DDP_SMOKE_RUN_ID"] == f"ddp-smoke-v2-{uid}"
+        assert pod.restart_policy == "Never" and pod.run_as_user == 1000
+    proc, argv = _run_pod(pods[1], tmp_path, rc=0)
+    assert proc.returncode == 0, proc.stderr
+    assert argv[:4] == ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint={master}:29500"], argv
+    runtime = next(d for d in docs if d["kind"] == "TrainingRuntime")
+    with pytest.raises(NotImplementedError, match="not among the manifests"):
+        ko.compute_pods([d for d in docs if d is not runtime])
 
 
 def test_customize_edits_what_the_readme_says():
