@@ -112,15 +112,8 @@ class NodeBeats:
 
     def record(self) -> str:
         """Every slot of the node as one record: ``{"<rank>": beat, …}``."""
-        parts = []
-        for lr in range(self.env.local_world_size):
-            try:
-                with open(self._path(lr)) as f:
-                    head, beat = f.read().split("\n", 1)
-            except (OSError, ValueError):
-                continue  # not started yet, or a slot being replaced
-            parts.append(f'"{head.split()[0]}":{beat}')
-        return "{" + ",".join(parts) + "}"
+        slots = [_parse(_read(self._path(lr))) for lr in range(self.env.local_world_size)]
+        return "{" + ",".join(f'"{rank}":{beat}' for rank, _, beat in filter(None, slots)) + "}"
 
     def speak(self, store) -> None:
         """The speaker's part of a beat: post the node's record (the first time, list the
@@ -224,13 +217,8 @@ class NodeBeats:
                        for lr in self.mates if lr < self.env.local_rank)
 
     def _values(self, token: str) -> dict[int, str]:
-        got = {}
-        for lr in self.mates:
-            text = self._get(f"{lr}.{token}")
-            if text is not None and "\n" in text:
-                head, value = text.split("\n", 1)
-                got[int(head.split()[0])] = value
-        return got
+        slots = [_parse(self._get(f"{lr}.{token}")) for lr in self.mates]
+        return {rank: value for rank, _, value in filter(None, slots)}
 
     def _forget(self, token: str) -> None:
         """The relayer, once it posted a stage's flag: the flag and the values of the stage
@@ -253,11 +241,26 @@ class NodeBeats:
         os.replace(tmp, path)
 
     def _get(self, name: str) -> str | None:
-        try:
-            with open(os.path.join(self.dir, name)) as f:
-                return f.read()
-        except OSError:
-            return None
+        return _read(os.path.join(self.dir, name))
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _parse(slot: str | None) -> tuple[int, int, str] | None:
+    """A slot's ``"<rank> <pid>\\n<value>"`` as ``(rank, pid, value)``; None for a slot not
+    written yet or not whole."""
+    try:
+        head, value = slot.split("\n", 1)
+        rank, pid = head.split()[:2]
+        return int(rank), int(pid), value
+    except (AttributeError, ValueError):
+        return None
 
 
 def _remove(path: str) -> None:
@@ -283,11 +286,8 @@ def _running(slot: str, fresh_s: float) -> bool:
 
 
 def _pid(slot: str) -> int | None:
-    try:
-        with open(slot) as f:
-            return int(f.readline().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    got = _parse(_read(slot))
+    return got[1] if got else None
 
 
 def _alive(pid: int | None) -> bool:
