@@ -183,15 +183,19 @@ def table(path: Path = TABLE) -> str:
         "- The cells, their generation and expectations: `tests/campaign/matrix.py` (pure); "
         "each launcher started as users start it (plain torchrun, `make smoke-local`, the "
         "Slurm template on a real Slurm cluster, the image on bare pods, `ddp-smoke-submit`, "
-        "and the PyTorchJob and Indexed Job of `k8s/`, their pods as the controllers and the "
-        "kubelet make them: `tests/k8s_operator.py`, `tests/kubelet.py`): "
+        "and the PyTorchJob, Indexed Job and TrainJob of `k8s/`, their pods as the "
+        "controllers (the Training Operator, Trainer with JobSet, the Job controller) and the "
+        "kubelet make them: `tests/k8s_operator.py`, `tests/kubelet.py`; the TrainJob's report "
+        "read from its pod's log, where its users read it): "
         "`tests/campaign/launchers.py`; one cell run "
         "and judged: `tests/campaign/runner.py`; the real faults (cgroups, tc, iptables, a "
         "tmpfs folder): `tests/sandbox/faults.py`. Signals go to PIDs, the memory limit makes "
         "the kernel's OOM killer act, network faults live in the nodes' namespaces; only the "
         "kinds that are by nature in-process (exit with a status, hang in Python, stall "
         "inside a collective) and silent data corruption (no CPU corrupts a product on "
-        "demand) use the worker's own `--fault`.",
+        "demand) use the worker's own `--fault`. The shape 2x2 (two nodes of two ranks) runs "
+        "with `--node-speaker on`, the protocol of a large run (auto turns it on beyond 2,500 "
+        "ranks): each node's ranks post through one of them.",
         "- `make campaign` runs the covering set (about 2 hours here); `SLICE=kind=sigkill+oom`, "
         "`PART=3/14` or `CELL=sigkill.middle.collectives.torchrun.1x3` run part of it; "
         "`python -m tests.campaign --cell ID --repeat 5` reruns one cell.",

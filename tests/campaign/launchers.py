@@ -38,6 +38,7 @@ from tests.sandbox.hosts import HostSandbox, host_command, missing_requirements
 BIN = Path(sys.executable).parent
 TEMPLATE = REPO / "slurm" / "ddp_smoke.sbatch"
 HOSTS_PREFIX, HOSTS_SUBNET = "dcp", "10.231.9.0/24"
+HOSTS_RAIL = "10.231.19.0/24"  # rail 1 (eth1) of the plain-torchrun hosts
 SLURM_PREFIX, SLURM_SUBNET = "dcs", "10.231.10.0/24"
 DUP_PREFIX, DUP_SUBNET = "dcu", "10.231.12.0/24"
 PODS_PREFIX, PODS_SUBNET = "dcd", "10.231.11.0/24"
@@ -73,7 +74,8 @@ class Parts:
         return self._made[key]
 
     def hosts(self) -> HostSandbox:
-        return self._make("hosts", lambda: HostSandbox(HOSTS_PREFIX, HOSTS_SUBNET, NODES))
+        return self._make("hosts", lambda: HostSandbox(HOSTS_PREFIX, HOSTS_SUBNET, NODES,
+                                                       rail_subnets=(HOSTS_RAIL,)))
 
     def slurm(self, dup: tuple[int, int] | None = None):
         """The four-node cluster; with ``dup``, one whose node dup[1] has node dup[0]'s
@@ -132,6 +134,7 @@ class Launch:
     env: dict | None = None
     job: str | None = None
     logs: Path | None = None  # one log per node (torchrun across nodes)
+    logged: bool = False  # the report is read from the pods' logs alone (a TrainJob's)
     t0: float = dataclasses.field(default_factory=time.monotonic)
     _store = None
 
@@ -309,7 +312,8 @@ def start(cell, parts: Parts, work: Path, reports: Path, worker: list[str], mark
     interpreter where the launcher gives every node the same environment)."""
     launch = {"torchrun": _torchrun, "smoke_local": _smoke_local, "slurm": _slurm,
               "image": _image, "submit": _submit, "pytorchjob": _k8s_job("", True),
-              "indexed_job": _k8s_job("indexed-job", False)}[cell.launcher]
+              "indexed_job": _k8s_job("indexed-job", False),
+              "trainjob": _k8s_job("trainer-v2", False)}[cell.launcher]
     return launch(cell, parts, work, reports, worker, marker, dup, before, node_env)
 
 
@@ -492,7 +496,8 @@ def _image(cell, parts, work, reports, worker, marker, dup, before, node_env) ->
         if cell.nodes == 1:  # the entrypoint's store host comes with --standalone
             args = ["--standalone", f"--nproc-per-node={cell.per_node}"]
         else:
-            args = [f"--nnodes={cell.nodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
+            args = [f"--nnodes={cell.nodes}", f"--nproc-per-node={cell.per_node}",
+                    "--rdzv-backend=c10d",
                     f"--rdzv-endpoint={addrs[0]}:29500", f"--rdzv-id={marker}",
                     f"--local-addr={pod.addr}"]
         launch.containers.append(_Container(net.run(
@@ -513,6 +518,7 @@ def _pod_files(env: dict) -> tuple[dict, list[str]]:
 
 
 K8S_CLAIM = "campaign-reports"  # the PVC every pod mounts at /reports: one shared folder
+TRAINJOB_REPORTS = "/tmp/ddp-smoke-reports"  # the TrainJob's report folders, in the pod
 
 
 def _k8s_job(folder: str, first_last: bool):
@@ -520,8 +526,12 @@ def _k8s_job(folder: str, first_last: bool):
     pods (tests/k8s_operator.py, tests/kubelet.py): the README's edits (image, nodes, no GPU,
     ranks a pod), the ConfigMap's config.yaml replaced by the campaign's, the cell's worker
     options after the manifest's, the README's Secret, and a shared volume (a PVC) at
-    /reports. ``first_last``: the pods start in order (the PyTorchJob's Workers wait for the
-    Master's name), else the store's host last (an Indexed Job's pods come in no order)."""
+    /reports. The TrainJob has no volume and no ConfigMap: its worker options in its command
+    name the campaign's configuration, mounted read-only, and its report is read from the pod
+    log as its users read it (its pods' report folders, each in the pod's own /tmp, are one
+    host folder here only for the ranks' records in lost/). ``first_last``: the pods start in
+    order (the PyTorchJob's Workers wait for the Master's name), else the store's host last
+    (an Indexed Job's pods, a TrainJob's too, come in no order)."""
     def launch(cell, parts, work, reports, worker, marker, dup, before, node_env) -> Launch:
         from tests import k8s_operator as ko, kubelet
         from tests.sandbox.docker import PodNetwork
@@ -539,24 +549,33 @@ def _k8s_job(folder: str, first_last: bool):
         docs.append({"apiVersion": "v1", "kind": "Secret",
                      "metadata": {"name": "ddp-smoke-secret"},
                      "stringData": {"secret": os.urandom(32).hex()}})
-        job = next(d for d in docs if d["kind"] in ("PyTorchJob", "Job"))
-        templates = ([r["template"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
-                     if job["kind"] == "PyTorchJob" else [job["spec"]["template"]])
-        for (container,) in (t["spec"]["containers"] for t in templates):
-            container["args"][-1] += " " + shlex.join(options)
-        next(d for d in docs if d["kind"] == "ConfigMap")["data"]["config.yaml"] = \
-            Path(config).read_text()
-        if ko.on_pod_failure(job) != "continue":
+        job = next(d for d in docs if d["kind"] in ("PyTorchJob", "Job", "TrainJob"))
+        trainjob = job["kind"] == "TrainJob"
+        if trainjob:
+            options += ["--config", "/campaign/config.yaml"]
+            job["spec"]["trainer"]["args"][-1] += " " + shlex.join(options)
+        else:
+            templates = ([r["template"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
+                         if job["kind"] == "PyTorchJob" else [job["spec"]["template"]])
+            for (container,) in (t["spec"]["containers"] for t in templates):
+                container["args"][-1] += " " + shlex.join(options)
+            next(d for d in docs if d["kind"] == "ConfigMap")["data"]["config.yaml"] = \
+                Path(config).read_text()
+        if ko.on_pod_failure(next(d for d in ko.expanded(docs)
+                                  if d["kind"] in ("PyTorchJob", "Job"))) != "continue":
             raise NotImplementedError(f"{folder}: a failed pod's controller deletes the others")
         ips = {n: f"10.231.11.{11 + i}" for i, n in enumerate(ko.pod_names(docs))}
         pods = ko.compute_pods(docs, pod_ips=ips)
         net = PodNetwork(engine, image.tag, PODS_PREFIX, PODS_SUBNET).up()
         run = Launch(cell, marker, out / pods[0].env["DDP_SMOKE_RUN_ID"],
-                     names=[p.hostname for p in pods], dns=ko.etc_hosts(pods[0], pods, ips))
+                     names=[p.hostname for p in pods], dns=ko.etc_hosts(pods[0], pods, ips),
+                     logged=trainjob)
         run.net = net
 
         def more(pod):  # the cell's marker; the node's own environment and files
             env, mounts = _pod_files(node_env(pods.index(pod)))
+            if trainjob:
+                mounts += [f"{config}:/campaign/config.yaml:ro", f"{out}:{TRAINJOB_REPORTS}"]
             # (the rendezvous host's preflight waits this long for every pod's hello, 600 s
             # by default for image pulls: the campaign's pods start at once)
             return {**_worker_env(marker, cell), "OMP_NUM_THREADS": "1",

@@ -4,7 +4,7 @@ covering set, the commit-seeded CI sample, and each cell's exact expected outcom
 A cell is one real fault of one *kind*, landing at one *position* (rank 0, a middle rank, the
 last rank, the node that holds the coordination store) at one *stage* (the join, or a check),
 under one *launcher*, on one *shape* (nodes x ranks per node). The full product is
-30 x 4 x 10 x 6 x 5 = 36,000 cells; the covering set holds every pair of values of any two
+32 x 4 x 10 x 8 x 6 = 61,440 cells; the covering set holds every pair of values of any two
 dimensions that some possible cell holds (pairwise coverage), each pair in at least one cell,
 chosen greedily for the most new pairs per second of expected run time.
 
@@ -21,20 +21,23 @@ import random
 
 KINDS = ("sigkill", "sigsegv", "sigabrt", "sigterm", "sigstop", "exit", "oom", "hang", "stall",
          "slow_rank", "slow_link", "slow_node", "dead_link", "dead_node", "blackhole",
-         "lossy_link", "lossy_one_way", "flapping_link", "store_killed", "disk_full", "read_only",
+         "lossy_link", "lossy_one_way", "flapping_link", "slow_rail", "dead_rail", "store_killed",
+         "disk_full", "read_only",
          "dup_hostname", "sdc", "missing_interface", "gpu_xid79", "gpu_off_bus",
          "gpu_remap_pending", "gpu_nvlink_down", "gpu_faults_per_gpu", "hca_port_down")
 POSITIONS = ("rank0", "middle", "last", "store_node")
 STAGES = ("join", "environment", "ddp_step", "sampler_epochs", "collectives", "storage",
           "bandwidth", "transport", "compute", "health")
-LAUNCHERS = ("torchrun", "smoke_local", "slurm", "image", "submit", "pytorchjob", "indexed_job")
+LAUNCHERS = ("torchrun", "smoke_local", "slurm", "image", "submit", "pytorchjob", "indexed_job",
+             "trainjob")
 # Pods started alone, as Kubernetes starts them: the image's entrypoint on bare pods, the
-# PyTorchJob of k8s/ and its Indexed Job (their pods as the Training Operator, the Job
-# controller and the kubelet make them)
-PODS = ("image", "pytorchjob", "indexed_job")
+# PyTorchJob of k8s/, its Indexed Job and its TrainJob (their pods as the Training Operator,
+# Trainer with JobSet, the Job controller and the kubelet make them)
+PODS = ("image", "pytorchjob", "indexed_job", "trainjob")
 # docker/pod.sh's jobs: their rendezvous host's preflight waits for every pod's hello first
-K8S_JOBS = ("pytorchjob", "indexed_job")
-SHAPES = ("1x2", "1x3", "1x4", "3x1", "4x1")
+K8S_JOBS = ("pytorchjob", "indexed_job", "trainjob")
+# 2x2: several nodes of several ranks, the node speakers on (runner.worker_args), as at scale
+SHAPES = ("1x2", "1x3", "1x4", "2x2", "3x1", "4x1")
 DIMENSIONS = {"kind": KINDS, "position": POSITIONS, "stage": STAGES, "launcher": LAUNCHERS,
               "shape": SHAPES}
 
@@ -62,6 +65,10 @@ DESCRIBE = {
                      "direction)",
     "flapping_link": "iptables drops every packet between two nodes, where they arrive, for 1 s, "
                      "then none for 1 s, over and over (a flapping port)",
+    "slow_rail": "tc tbf: 200 mbit on the node's rail 1 (eth1, local rank 1's under the "
+                 "worker's rails: [eth0, eth1]), both directions",
+    "dead_rail": "iptables DROP of everything in and out of the node's rail 1 (eth1): a dead "
+                 "NIC or cable",
     "store_killed": "SIGKILL to the process that holds the coordination store",
     "disk_full": "the report folder is a tmpfs filled to the last byte",
     "read_only": "the report folder is a tmpfs remounted read-only",
@@ -113,8 +120,10 @@ INSTANT = SIGNALS + ("oom", "store_killed")  # struck from outside at one moment
 INJECTED = ("exit", "hang", "stall", "sdc")  # by nature in-process: the worker's own --fault
 # A link bad some of the time.
 LOSSY = ("lossy_link", "lossy_one_way", "flapping_link")
+# One local rank's interface on every node (the worker's rails: [eth0, eth1]).
+RAILS = ("slow_rail", "dead_rail")
 NETWORK = ("slow_link", "slow_node", "dead_link", "dead_node", "blackhole", "dup_hostname",
-           "missing_interface") + LOSSY
+           "missing_interface") + LOSSY + RAILS
 FOLDER = ("disk_full", "read_only")
 SLOW = ("slow_rank", "slow_link", "slow_node")
 # Checks that last milliseconds on CPU whatever the configuration: an outside strike cannot be
@@ -193,6 +202,15 @@ def impossible(c: Cell) -> str | None:
         return "make smoke-local runs on one machine"
     if c.kind in NETWORK and c.nodes == 1:
         return "one machine: its ranks talk over loopback, no network and one hostname"
+    if c.kind in RAILS and c.per_node != 2:
+        return ("a rail is one local rank's interface on every node: two ranks a node (the "
+                "campaign's rails: [eth0, eth1])")
+    if c.kind in RAILS and c.launcher != "torchrun":
+        return ("the campaign gives a second interface (rail 1) to its plain-torchrun hosts "
+                "only (tests/worker/test_diagnosis_rails.py runs rails there too)")
+    if c.kind == "dead_rail" and c.stage != "join":
+        return ("a rail dead from the start is found before the process group (the rails' "
+                "probe); a link going down mid-run is dead_link's")
     if c.kind in INSTANT and c.stage in QUICK:
         return ("the check lasts milliseconds on CPU: a fault struck from outside cannot be "
                 "aimed into it (the injected kinds land there)")
@@ -222,6 +240,9 @@ def impossible(c: Cell) -> str | None:
                 "lost); whether its first two retransmission timeouts, 0.6 s or more after the "
                 "cut, fall before the check's last count is the moment's (measured: "
                 "flapping_link.last.health.torchrun.3x1 passed)")
+    if c.launcher == "trainjob" and c.stage == "storage":
+        return ("the TrainJob has no folder every pod sees (no volume): its worker options "
+                "leave the storage check out (k8s/trainer-v2)")
     if c.kind == "dup_hostname" and c.launcher in K8S_JOBS:
         return "the controller names every pod, and the pod's hostname is its name: unique"
     if c.kind == "read_only" and c.launcher in PODS and c.stage != "join":
@@ -301,7 +322,7 @@ def cover(seed: int = 0, kept: list[Cell] = ()) -> Cover:
 
 # Each launcher's start on a loaded 2-core machine, to its first rank (seconds)
 START_S = {"torchrun": 10, "smoke_local": 10, "slurm": 18, "image": 16, "submit": 18,
-           "pytorchjob": 18, "indexed_job": 18}
+           "pytorchjob": 18, "indexed_job": 18, "trainjob": 18}
 
 
 def cost_s(c: Cell) -> float:
@@ -316,7 +337,7 @@ def cost_s(c: Cell) -> float:
         t += 30  # torchrun gives a stopped worker 30 s after SIGTERM before SIGKILL
     if c.kind in SLOW:
         t += 10
-    if c.kind in LOSSY:
+    if c.kind in LOSSY or c.kind in RAILS:
         t += 5
     return t
 
@@ -440,8 +461,9 @@ class Expect:
 def _store_node_survives(c: Cell) -> bool:
     """Whether the coordination store outlives rank 0's death: every launcher but plain
     torchrun across nodes hosts it apart from the ranks (on one node torchrun's agent holds
-    it and outlives its workers; across nodes node 1's agent leaves with its only worker)."""
-    return not (c.launcher == "torchrun" and c.nodes > 1)
+    it and outlives its workers; across nodes node 1's agent leaves with its only worker, and
+    with several it first stops the others, which it gives up to 30 s: rank 1 takes over)."""
+    return not (c.launcher == "torchrun" and c.nodes > 1 and c.per_node == 1)
 
 
 TOOK_OVER = "rank 1 (took over from rank 0)"
@@ -502,6 +524,38 @@ def _lossy(c: Cell) -> Expect:
                             "segments stay below every threshold")
 
 
+def _rail(c: Cell) -> Expect:
+    """Rail 1 of one node, slow or dead, on two nodes: one pair per rail, so its two ends
+    cannot be told apart (docs/rails.md): the link between local ranks 1, named on the rail;
+    the run goes on without a dead rail (its ranks send on the default interface)."""
+    ends = ("link", *sorted(n * c.per_node + 1 for n in (c.node, c.peer_node)))  # local 1s
+    if c.kind == "dead_rail":
+        return Expect(FAIL, frozenset({ends}), ("carries no connection",))
+    if STAGES.index(c.stage) > STAGES.index("bandwidth"):
+        return Expect(PASS, why="no check after it measures a link")
+    return Expect(FAIL, frozenset({ends}), ("below the reference",))
+
+
+def _black_hole_to_the_host(c: Cell) -> Expect:
+    """Large packets dropped between a node and node 0 from the start. A pod's hello to the
+    rendezvous host passes, the 64 KiB after it do not: both ends' preflight name the node
+    before torchrun starts (without it torchrun's rendezvous waited out its join timeout once
+    two nodes had joined: its state no longer fit the path). Under Slurm, srun's own launch of
+    the node's task crosses the link first."""
+    cut = c.node or c.peer_node
+    if c.launcher == "slurm":
+        return Expect(FAIL, frozenset({("host", cut)}), ("task launch failed",),
+                      frozenset({"slurm launcher"}), why=(
+                          "srun's launch of the node's task carries more than the black hole "
+                          "passes: Slurm names the node before any preflight"))
+    return Expect(NONE, words=("drops large packets", f"node rank {cut} "), writers=frozenset(),
+                  ends=False, why=(
+                      "the rendezvous host's preflight names the node in its log and "
+                      "termination message before any rank starts (a job's pods gather no "
+                      "report); the other pods wait in torchrun's rendezvous for the host that "
+                      "never starts it: theirs, not the kit's"))
+
+
 def expect(c: Cell) -> Expect:
     """The right outcome of a possible cell."""
     r, k, s = c.rank, c.kind, c.stage
@@ -543,6 +597,10 @@ def expect(c: Cell) -> Expect:
     if k in ("slow_link", "slow_node"):
         if STAGES.index(s) > STAGES.index("bandwidth"):
             return Expect(PASS, why="no check after it measures a link")
+        if c.nodes == 2:
+            return Expect(PASS, why=(
+                "two nodes make one pair, the reference of itself: slow against nothing (a "
+                "profile's busbw floor, --profile, names it; the campaign runs none)"))
         if k == "slow_link":
             return Expect(FAIL, frozenset({_link(c)}), ("below the reference",))
         return Expect(FAIL, frozenset({("rank", c.node * c.per_node)}),
@@ -565,6 +623,9 @@ def expect(c: Cell) -> Expect:
                           "never starts a rank, so no part of the kit runs to report; torchrun's "
                           "own error on that node says so (Slurm's and the image's launchers "
                           "name the node in their report)"))
+    if k == "blackhole" and s == "join" and c.launcher in (*K8S_JOBS, "slurm") and 0 in (
+            c.node, c.peer_node):
+        return _black_hole_to_the_host(c)
     if k in ("blackhole", "dead_link", "dead_node"):
         ends, why = not _agents_wait(c), _AGENT_WAIT if _agents_wait(c) else ""
         # The store lives on node 0: its link carries every rank's records there, and a
@@ -588,6 +649,8 @@ def expect(c: Cell) -> Expect:
         return Expect(FAIL, frozenset({_link(c)}), ("does not carry",), ends=ends, why=why)
     if k in LOSSY:
         return _lossy(c)
+    if k in RAILS:
+        return _rail(c)
     if k == "store_killed":
         return Expect(LOST, writers=frozenset(), lost=c.world)
     if k in FOLDER:
@@ -595,14 +658,14 @@ def expect(c: Cell) -> Expect:
         if s == "join":
             return Expect(BAD_INPUT, words=(said,), writers=frozenset())
         if k == "disk_full":  # the room the writer kept for the report takes it
-            if STAGES.index(s) <= STAGES.index("storage"):
+            if STAGES.index(s) <= STAGES.index("storage") and c.launcher != "trainjob":
                 return Expect(FAIL, frozenset({("job",)}), (said,), why=(
                     "every rank's storage writes fail alike: the folder, not a rank; the report "
                     "goes into the room rank 0 kept for it at its start"))
             return Expect(PASS, why=(
-                "every check passed; the report goes into the room rank 0 kept for it at its "
-                "start (before, it went to stderr, where the Slurm template's ranks write "
-                "into the full folder too: cut)"))
+                "every check passed (the TrainJob runs no storage check); the report goes "
+                "into the room rank 0 kept for it at its start (before, it went to stderr, "
+                "where the Slurm template's ranks write into the full folder too: cut)"))
         if STAGES.index(s) <= STAGES.index("storage"):
             return Expect(FAIL, frozenset({("job",)}), (said,), frozenset({"stderr"}), why=(
                 "every rank's storage writes fail alike: the folder, not a rank"))
@@ -620,9 +683,11 @@ def expect(c: Cell) -> Expect:
                           "or fewer ranks than GPUs)"))
     if k == "missing_interface":
         if c.launcher == "torchrun":
-            return Expect(FAIL, me, ("Unable to find address for: eth0",), why=(
-                "plain torchrun runs no preflight: the node's rank fails to create the process "
-                "group on an interface that is not there, and says so"))
+            return Expect(FAIL, frozenset({("rank", c.node * c.per_node + i)
+                                           for i in range(c.per_node)}),
+                          ("Unable to find address for: eth0",), why=(
+                "plain torchrun runs no preflight: the node's ranks fail to create the process "
+                "group on an interface that is not there, and say so"))
         if c.launcher == "submit":  # a task per rank: the node's tasks are named
             return Expect(FAIL, frozenset({("rank", c.node * c.per_node + i)
                                            for i in range(c.per_node)}), ("no interface eth0",),

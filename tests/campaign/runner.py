@@ -35,7 +35,7 @@ storage: {{file_bytes: 8388608}}
 bandwidth: {{max_bytes_cpu: 4194304, pair_bytes_cpu: 1048576, pair_rounds: 3}}
 compute: {{blocks: 20, block_s: 0.1}}
 health: {{sdc_size_cpu: 1024, sdc_repeats: 10}}
-"""
+{rails}"""
 # The collectives' largest size, there to strike inside that check, and only there: before
 # another check's strike it is only time the deadline must cover (beside the Slurm sandbox's
 # start, 3 ranks' collectives took over the 15 s deadline, 4.4 s alone: an oom cell at
@@ -47,6 +47,7 @@ _SIGNALS = {"sigkill": signal.SIGKILL, "sigsegv": signal.SIGSEGV, "sigabrt": sig
             "sigterm": signal.SIGTERM, "sigstop": signal.SIGSTOP}
 _SRUN_LABEL = re.compile(r"^\[[^\]\s]+\]:")  # srun --label: "[node:task]:" before each line
 _INJECT = {"exit": "crash", "hang": "hang", "stall": "stall", "sdc": "sdc"}
+LOGGED = "ddp-smoke-report.json: "  # docker/pod.sh's log line of the report
 
 
 @dataclasses.dataclass
@@ -129,6 +130,8 @@ def worker_args(cell: Cell, config: Path) -> list[str]:
             "--config", str(config)]
     if cell.kind in _INJECT:
         args += ["--fault", f"{cell.rank}:{_INJECT[cell.kind]}@{cell.stage}"]
+    if cell.nodes > 1 and cell.per_node > 1:  # the protocol of a large run (auto: > 2,500)
+        args += ["--node-speaker", "on"]
     return args
 
 
@@ -139,8 +142,10 @@ def run(cell: Cell, parts: launchers.Parts, work: Path) -> Row:
     expect = matrix.expect(cell)
     work.mkdir(parents=True)
     config = work / "campaign.yaml"
-    config.write_text(CONFIG.format(large=LARGE_COLLECTIVE if cell.stage == "collectives" and
-                                    cell.kind not in ("slow_node", "slow_link") else ""))
+    config.write_text(CONFIG.format(
+        large=LARGE_COLLECTIVE if cell.stage == "collectives" and
+        cell.kind not in ("slow_node", "slow_link", "slow_rail") else "",
+        rails="rails: [eth0, eth1]\n" if cell.kind in matrix.RAILS else ""))
     marker = f"cmp{os.getpid()}-{int(time.time() * 1000) % 10**8}"
     dup = (cell.peer_node, cell.node) if cell.kind == "dup_hostname" else None
     if dup and dup[0] > dup[1]:
@@ -293,7 +298,9 @@ def _network(cell: Cell, launch, undo: contextlib.ExitStack) -> None:
             "blackhole": lambda: faults.blackhole(a, b),
             "lossy_link": lambda: faults.lossy_link(a, b, 0.03),
             "lossy_one_way": lambda: faults.lossy_link(a, b, 0.03, both_ways=False),
-            "flapping_link": lambda: faults.flapping_link(a, b)}
+            "flapping_link": lambda: faults.flapping_link(a, b),
+            "slow_rail": lambda: faults.slow_node(a, rail=1),
+            "dead_rail": lambda: faults.dead_interface(a, rail=1)}
     if cell.kind in made:
         undo.enter_context(made[cell.kind]())
 
@@ -337,7 +344,12 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
     status = _status(cell, launch, out)
     report, writer = None, None
     path = launch.report_dir / "report.json"
-    if path.exists():
+    if launch.logged:  # as its users read it: the log line of the pod that holds it
+        for part in out.split(LOGGED)[1:]:
+            with contextlib.suppress(ValueError):  # (docker's log splits a line every 16 KiB)
+                report = json.JSONDecoder().raw_decode("".join(part.splitlines()))[0]
+                break
+    elif path.exists():
         with contextlib.suppress(ValueError, OSError):
             report = json.loads(path.read_text())
     for part in out.split(REPORT_FOLLOWS)[1:] if report is None else []:

@@ -84,6 +84,9 @@ def test_positions_land_where_they_say():
     assert at[("middle", "3x1")] == (1, 1, 2) and at[("last", "4x1")] == (3, 3, 2)
     assert at[("middle", "1x3")][:2] == (1, 0)  # one node: no link, no peer node
     assert at[("store_node", "1x4")][:2] == (3, 0) and at[("store_node", "3x1")] == (0, 0, 1)
+    # two nodes of two: the middle is node 1's speaker, the last its mate
+    assert at[("middle", "2x2")] == (2, 1, 0) and at[("last", "2x2")] == (3, 1, 0)
+    assert at[("store_node", "2x2")] == (1, 0, 1)
     assert all(0 <= c.rank < c.world for c in cells)
     assert dataclasses.astuple(cells[0]) == tuple(cells[0].id.split("."))
 
