@@ -236,7 +236,7 @@ def say_hello(host: str, port: int, deadline: float, run_id: str, rank: int | No
                 except OSError:
                     answer = []
                 if answer[:1] == [HELLO]:
-                    return _probe_path(s, reader, host, port, took)
+                    return _probe_path(s, reader, host, port, took, deadline)
             return True, (f"rendezvous {host}:{port} reached in {took * 1000:.0f} ms (a "
                           "program that is not preflight answered)")
         except ConnectionRefusedError:
@@ -249,11 +249,11 @@ def say_hello(host: str, port: int, deadline: float, run_id: str, rank: int | No
             time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
-def _probe_path(s: socket.socket, reader, host: str, port: int,
-                took: float) -> tuple[bool, str]:
+def _probe_path(s: socket.socket, reader, host: str, port: int, took: float,
+                deadline: float) -> tuple[bool, str]:
     """The client's side of the path probe: PATH_BYTES to the host, which answers once they
-    all arrived."""
-    s.settimeout(PATH_S)
+    all arrived (within PATH_S, and before ``deadline``)."""
+    s.settimeout(max(0.1, min(PATH_S, deadline - time.monotonic())))
     try:
         s.sendall(b"p" * PATH_BYTES + b"\n")
         answer = reader.readline()
@@ -327,7 +327,10 @@ def run(args: argparse.Namespace, environ=os.environ) -> dict:
         note("torch", finish_torch_probe(probe, args.gpus, deadline - 1.0))
     if rdzv:  # with what failed here, for the host to say at once
         problem = "; ".join(f"{c['name']}: {c['detail']}" for c in checks if not c["ok"])
-        note("rendezvous", say_hello(*rdzv, deadline - 0.5, run_id, rank, node, problem))
+        # A node gives up over a second before the host: under Slurm the host's failure ends
+        # the step, and a node still saying why it could not reach it lost its record (CI:
+        # "no preflight record" for a node cut from the port, 0.2 s apart before)
+        note("rendezvous", say_hello(*rdzv, deadline - 1.5, run_id, rank, node, problem))
     joined = None
     if listener is not None:
         joined = listener.wait(args.nodes, deadline - 0.3)
