@@ -324,12 +324,14 @@ def run(args: argparse.Namespace, environ=os.environ) -> dict:
         note("report_dir", check_report_dir(args.report_dir))
     note("interfaces", check_interfaces(environ))
     if probe is not None:
-        note("torch", finish_torch_probe(probe, args.gpus, deadline - 1.0))
+        note("torch", finish_torch_probe(probe, args.gpus, deadline - 2.0))
     if rdzv:  # with what failed here, for the host to say at once
         problem = "; ".join(f"{c['name']}: {c['detail']}" for c in checks if not c["ok"])
-        # A node gives up over a second before the host: under Slurm the host's failure ends
-        # the step, and a node still saying why it could not reach it lost its record (CI:
-        # "no preflight record" for a node cut from the port, 0.2 s apart before)
+        # Its own checks end first, then its hello, over a second before the host's wait:
+        # under Slurm the host's failure ends the step, and a node still saying why it could
+        # not reach it lost its record (CI: "no preflight record" for a node cut from the
+        # port, 0.2 s apart before); a torch import slower than the hello's deadline left the
+        # host no time to say hello to itself
         note("rendezvous", say_hello(*rdzv, deadline - 1.5, run_id, rank, node, problem))
     joined = None
     if listener is not None:
