@@ -168,7 +168,7 @@ class Listener:
                     mine = interface_mtu(conn.getsockname()[0])  # this host's, named later
                     key = words[2] if words[2] != "-" else words[3]
                     _, failed, why = " ".join(words[4:]).partition(f"{_FAILED} ")
-                    blocked = _path_probe(conn, reader)
+                    blocked = _take_path_probe(conn, reader)
                     with self.changed:  # by node rank; by name where there is none
                         self.joined[key] = words[3]
                         if failed or blocked:
@@ -194,7 +194,7 @@ class Listener:
         self.sock.close()
 
 
-def _path_probe(conn: socket.socket, reader) -> str:
+def _take_path_probe(conn: socket.socket, reader) -> str:
     """The host's side of the path probe: read the client's PATH_BYTES line and answer it;
     why it did not come whole ("" when it did, or when the client sent none and closed)."""
     conn.settimeout(PATH_S)
@@ -236,7 +236,7 @@ def say_hello(host: str, port: int, deadline: float, run_id: str, rank: int | No
                 except OSError:
                     answer = []
                 if answer[:1] == [HELLO]:
-                    return _probe_path(s, reader, host, port, took, deadline)
+                    return _send_path_probe(s, reader, host, port, took, deadline)
             return True, (f"rendezvous {host}:{port} reached in {took * 1000:.0f} ms (a "
                           "program that is not preflight answered)")
         except ConnectionRefusedError:
@@ -249,7 +249,7 @@ def say_hello(host: str, port: int, deadline: float, run_id: str, rank: int | No
             time.sleep(min(_RETRY_S, max(0.0, deadline - time.monotonic())))
 
 
-def _probe_path(s: socket.socket, reader, host: str, port: int, took: float,
+def _send_path_probe(s: socket.socket, reader, host: str, port: int, took: float,
                 deadline: float) -> tuple[bool, str]:
     """The client's side of the path probe: PATH_BYTES to the host, which answers once they
     all arrived (within PATH_S, and before ``deadline``)."""

@@ -329,14 +329,13 @@ def _best(observations: list, size: int, n: int) -> tuple[list[dict], list[dict]
     by_pass: dict = {}
     tails: dict = {}
     waits: dict = {}
-    measured = [m for o in observations for m in o["pairs"]["measured"]]
-    for m in measured:
-        key = (m.get("rail", 0), tuple(sorted((m["node"], m["peer_node"]))), m["pass"])
+    measured = [((m.get("rail", 0), tuple(sorted((m["node"], m["peer_node"]))), m["pass"]), m)
+                for o in observations for m in o["pairs"]["measured"]]
+    for key, m in measured:  # both ends' waits first: each end posts its own
         for what in _WAITS:
             if what in m:
                 waits[key + (what,)] = waits.get(key + (what,), 0.0) + m[what]
-    for m in measured:
-        key = (m.get("rail", 0), tuple(sorted((m["node"], m["peer_node"]))), m["pass"])
+    for key, m in measured:
         if m["time_us"] > by_pass.get(key, {"time_us": 0.0})["time_us"]:
             by_pass[key] = m  # the slower side's time is the exchange's
         tail = tails.setdefault(key[:2], {"time_us_max": 0.0})
