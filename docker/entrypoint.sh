@@ -141,16 +141,38 @@ verdict() {  # verdict STAGE STATUS
 [[ -z "$report_dir" ]] || mkdir -p "$report_dir/launch"
 
 # Preflight: in seconds, can this node run the worker at all (kit and torch import, CUDA and
-# its GPUs, the interfaces named in NCCL_/GLOO_SOCKET_IFNAME, the report folder)? The
-# rendezvous port is the multi-node launchers' to check: only they know which node hosts it.
-# DDP_SMOKE_PREFLIGHT=0 leaves it out.
+# its GPUs, the interfaces named in NCCL_/GLOO_SOCKET_IFNAME, the report folder)? With a fixed
+# count of several nodes, each also says hello to the rendezvous host (the node torchrun makes
+# it, as store_host --plan decides), trying as long as torchrun's rendezvous would (600 s, or
+# --rdzv-conf's join_timeout: nodes started by hand start minutes apart). The host's preflight
+# listens on the rendezvous port meanwhile, HELLO_WAIT_S at most: a node whose hello failed,
+# or whose path drops large packets (the 64 KiB after it), is named there and by the host
+# before torchrun's rendezvous would wait out its join timeout; a node that never says hello
+# (started later, or torchrun without preflight) is not waited for longer.
+HELLO_WAIT_S=20
+# DDP_SMOKE_PREFLIGHT=0 leaves it out; DDP_SMOKE_PREFLIGHT_TIMEOUT bounds it (60 s, one node).
 if [[ "${DDP_SMOKE_PREFLIGHT:-1}" != 0 ]]; then
     gpus=0
     if command -v nvidia-smi > /dev/null 2>&1; then
         gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ' || true)
     fi
-    preflight=(python -m ddp_smoke preflight --node "$node" --gpus "$gpus"
-               --timeout "${DDP_SMOKE_PREFLIGHT_TIMEOUT:-60}")
+    hello=()
+    count="${nnodes:-${PET_NNODES:-1}}"
+    if [[ "$count" =~ ^[0-9]+$ && "$count" -gt 1 ]] \
+            && read -r role address < <(python -m ddp_smoke.store_host --plan \
+                                            "${torchrun_args[@]}" 2> /dev/null); then
+        hello=(--rdzv "${address%:*}:$(( ${address##*:} - 1 ))" --nodes "$count")
+        [[ "$role" != host ]] || hello+=(--serve --hello-wait "$HELLO_WAIT_S")
+    fi
+    # (the rendezvous' join timeout when --rdzv-conf gives one, at least the 60 s a torch
+    # import and CUDA initialisation may take)
+    conf="$(option_value rdzv-conf "${torchrun_args[@]}"),$(option_value rdzv_conf \
+                                                               "${torchrun_args[@]}")"
+    joins=$(grep -oE '(^|,)join_timeout=[0-9]+' <<< "$conf" | grep -oE '[0-9]+$' || true)
+    wait_s=60
+    [[ ${#hello[@]} == 0 ]] || wait_s=$(( ${joins:-600} > 60 ? ${joins:-600} : 60 ))
+    preflight=(python -m ddp_smoke preflight --node "$node" --gpus "$gpus" "${hello[@]}"
+               --timeout "${DDP_SMOKE_PREFLIGHT_TIMEOUT:-$wait_s}")
     [[ -z "$report_dir" ]] || preflight+=(--report-dir "$report_dir")
     status=0
     "${preflight[@]}" || status=$?

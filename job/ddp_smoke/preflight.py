@@ -166,10 +166,12 @@ class Listener:
                 if len(words) >= 4 and words[0] == HELLO:
                     conn.sendall(f"{HELLO} {self.run_id}\n".encode())
                     mine = interface_mtu(conn.getsockname()[0])  # this host's, named later
-                    key = words[2] if words[2] != "-" else words[3]
+                    # by node rank; without one by name and address (two machines may
+                    # share a hostname: that is the environment check's to name, later)
+                    key = words[2] if words[2] != "-" else f"{words[3]}@{conn.getpeername()[0]}"
                     _, failed, why = " ".join(words[4:]).partition(f"{_FAILED} ")
                     blocked = _take_path_probe(conn, reader)
-                    with self.changed:  # by node rank; by name where there is none
+                    with self.changed:
                         self.joined[key] = words[3]
                         if failed or blocked:
                             self.failed[key] = f"{words[3]}: {why or blocked}"
@@ -335,16 +337,22 @@ def run(args: argparse.Namespace, environ=os.environ) -> dict:
         note("rendezvous", say_hello(*rdzv, deadline - 1.5, run_id, rank, node, problem))
     joined = None
     if listener is not None:
-        joined = listener.wait(args.nodes, deadline - 0.3)
+        # (--hello-wait: the image's nodes may start later, or run torchrun without preflight)
+        waited = deadline if args.hello_wait is None else min(deadline, t0 + args.hello_wait)
+        joined = listener.wait(args.nodes, waited - 0.3)
         listener.close()
         # (the others' own failures are theirs: "joined", which the launchers' verdicts read
         # as the host's word on the others)
-        failed = [f"node rank {r} {why}" for r, why in sorted(listener.failed.items())
-                  if r not in (str(rank), node)]  # (not its own: said as its own)
-        if args.nodes and len(joined) < args.nodes:
+        others = {r: why for r, why in sorted(listener.failed.items())
+                  if not _is_own(r, rank, node)}  # (not its own: said as its own)
+        failed = [f"node rank {r} {why}" if r.isdigit() else f"node {why}"
+                  for r, why in others.items()]
+        if args.nodes and len(joined) < args.nodes and args.hello_wait is None:
             failed.insert(0, never_joined(joined, args.nodes, args.timeout))
         if failed:
             note("joined", (False, "; ".join(failed)))
+            # by name, for the launcher's report (each named node's own record may be elsewhere)
+            checks[-1]["nodes"] = dict(why.split(": ", 1) for why in others.values())
         else:
             note("joined", (True, f"{len(joined)} node(s) said hello"))
         mtus = dict(listener.mtus)
@@ -367,9 +375,16 @@ def run(args: argparse.Namespace, environ=os.environ) -> dict:
     return record
 
 
+def _is_own(key: str, rank: int | None, node: str) -> bool:
+    """A hello's key (its node rank, else its name@address) is this node's own."""
+    return key in (str(rank), node) or key.startswith(f"{node}@")
+
+
 def never_joined(joined: dict[str, str], nodes: int, timeout_s: float) -> str:
     """``node rank(s) 1, 2 never joined …``, naming the ranks missing from 0..nodes-1."""
     missing = [str(r) for r in range(nodes) if str(r) not in joined]
+    if any(not k.isdigit() for k in joined):  # nodes without a rank said hello by name
+        missing = []
     names = ", ".join(f"{r} {n}" for r, n in sorted(joined.items()))
     which = f"node rank(s) {', '.join(missing)}" if missing else f"{nodes - len(joined)} node(s)"
     return (f"{which} never joined within {timeout_s:.0f} s: {len(joined)} of {nodes} said "
@@ -399,6 +414,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="this node hosts the rendezvous: listen on its port meanwhile")
     p.add_argument("--nodes", type=int, default=0, metavar="N",
                    help="with --serve: wait until N nodes said hello (or the timeout)")
+    p.add_argument("--hello-wait", type=float, metavar="SECONDS",
+                   help="with --serve: wait that long at most for the --nodes, none missing")
     p.add_argument("--gpus", type=int, default=0, metavar="N",
                    help="CUDA must initialise and see N GPUs (default 0: no CUDA check)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",

@@ -67,6 +67,7 @@ from .outputs.report import as_dict, json_line
 LAST_RESORT_S = 15.0  # after the job: the store host's report of last resort comes within this
 AFTER_REPORT_S = 15.0  # after the job's report: the tasks still running then are cancelled
 CANCEL_WAIT_S = 10.0  # and then waited for this long at most
+RESULT_WAIT_S = 15.0  # after the job: a task's result file on a shared filesystem, at most
 MAX_WAIT_S = 7 * 86400.0  # a week: longer is a typo, and time.monotonic arithmetic stays sane
 
 
@@ -290,14 +291,22 @@ def _store_hosted(p: Plan, job) -> bool:
 
 
 def _task_errors(job, cluster: str) -> dict[int, BaseException]:
-    """Each failed task's error, read once. submitit waits up to 15 s per task for a result
-    file that a task ended by a signal or os._exit never writes (a slow shared filesystem may
-    show it late); on this machine's own disk there is nothing to wait for."""
-    errors = {}
+    """Each failed task's error, read once. A task ended by a signal or os._exit, or one srun
+    never launched, writes no result file, for which submitit's exception() waits as long as
+    the job is not done by its own reckoning: without Slurm accounting, forever (a black hole
+    to one node: srun could not launch its task, and ddp-smoke-submit never returned). Such a
+    task's error is its own words, once RESULT_WAIT_S passed (a slow shared filesystem may
+    show the file late; on one machine's own disk there is nothing to wait for)."""
+    errors: dict[int, BaseException] = {}
+    end = time.monotonic() + (0 if cluster == "local" else RESULT_WAIT_S)
     for task_id in range(job.num_tasks):
         one = job.task(task_id)
-        if cluster == "local":
-            one._results_timeout_s = 0  # submitit's own knob, per job object
+        while not one.paths.result_pickle.exists() and time.monotonic() < end:
+            time.sleep(0.5)
+        if not one.paths.result_pickle.exists():
+            errors[task_id] = RuntimeError(f"task {task_id} left no result: it was never "
+                                           "launched, or was killed")
+            continue
         try:
             error = one.exception()
         except Exception as e:  # noqa: BLE001 — submitit raises on unreadable results too
@@ -328,16 +337,22 @@ def _launch_report(job, p: Plan, errors: dict[int, BaseException]) -> dict | Non
     per_node = int(p.parameters["tasks_per_node"])
     hosts = {r.get("node_rank"): r.get("node")
              for r in launch_report.read_records(str(p.report_dir), run_id).values()}
-    culprits = []
+    culprits, unlaunched = [], {}
     for task_id, error in errors.items():
         text = (job.task(task_id).stderr() or "") + "\n" + str(error)
         culprits.append(Culprit(task_id, hosts.get(task_id // per_node),
                                 launch_report.error_line(text.splitlines())))
-    failed = [k for k in culprits if launch_report.failed_preflight(k.reason)]
+        unlaunched.update({node: why for node, why in launch_report.launch_errors(text).items()
+                           if why.startswith("task launch failed")})
+    # srun could not launch a node's tasks (task 0's stderr holds srun's word): that node is
+    # the culprit, the tasks it then stopped are victims
+    failed = [Culprit(None, node, why) for node, why in unlaunched.items()] or \
+        [k for k in culprits if launch_report.failed_preflight(k.reason)]
     victims = [f"task {k.rank}: {k.reason}" for k in culprits if k not in failed] if failed \
         else []  # the others then waited for a rank that never came
     nodes = [str(n) for n in range(int(p.parameters["nodes"]))]
-    report = launch_report.build("preflight" if failed else "run", nodes, failed or culprits,
+    stage = "preflight" if failed and not unlaunched else "run"
+    report = launch_report.build(stage, nodes, failed or culprits,
                                  victims, str(p.report_dir), run_id, "submitit", {})
     # every artifact a run leaves; a report that cannot be written still travels with the
     # exception

@@ -62,27 +62,37 @@ def _store_host(report_dir: str, run_id: str, max_s: float) -> None:
         hosting.publish_address(path, address)
     else:
         address = hosting.await_address(path, STORE_WAIT_S)
-    if address == "none":  # task 0's node failed its preflight: rank 0 will never come
-        raise RuntimeError("task 0's node failed its preflight: this task stops without a run "
-                           "to join")
+    if address == "none":  # a node failed its preflight (task 0's says which): no rank 0
+        raise RuntimeError("a node failed its preflight (task 0's record says which): this "
+                           "task stops without a run to join")
     os.environ[hosting.ENV] = address
 
 
 def _preflight(worker_args: list[str], gpus: bool) -> None:
     """Preflight (ddp_smoke/preflight.py) in the first task of each node, before the worker:
     a node that cannot run it fails its task in seconds with the reason, and leaves its record
-    beside the report for :func:`submit`. Without the rendezvous check: the tasks start
-    together and the others connect to rank 0's MASTER_PORT at once, where a preflight
-    listener would answer them instead of the store (the worker bounds that wait itself)."""
+    beside the report for :func:`submit`. Several nodes: each says hello to task 0's, which
+    listens meanwhile on MASTER_PORT + 1 (not MASTER_PORT: the process group's store binds it
+    right after) and waits for all: a node whose path to it drops large packets, where rank
+    0's store lives, is named before the run would stall on its records."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
+    import submitit
+    nodes = submitit.JobEnvironment().num_nodes
+    hello = [] if nodes < 2 else [
+        "--rdzv", f"{os.environ['MASTER_ADDR']}:{int(os.environ['MASTER_PORT']) + 1}",
+        "--nodes", str(nodes), *(["--serve"] if os.environ["RANK"] == "0" else [])]
     args = preflight._parser().parse_args([
         "--report-dir", worker_args[worker_args.index("--report-dir") + 1],
         "--gpus", os.environ.get("SLURM_NTASKS_PER_NODE", "1") if gpus else "0",
-        "--timeout", str(PREFLIGHT_TIMEOUT_S)])
+        "--timeout", str(PREFLIGHT_TIMEOUT_S), *hello])
     record = preflight.run(args)
     print(preflight.line(record), file=sys.stderr, flush=True)
     if not record["ok"]:
+        if all(c["ok"] or c["name"] == "joined" for c in record["checks"]):
+            # task 0's own node is fine; the others' failures are theirs (not a FAIL line)
+            raise RuntimeError(f"task 0's node passed its preflight, another did not: "
+                               f"{record['reason']}: no run to start")
         raise RuntimeError(preflight.line(record))
 
 

@@ -280,6 +280,19 @@ def test_preflight_host_names_the_node_ranks_that_never_joined(tmp_path):
     assert "joined: node rank(s) 1, 2 never joined within 3 s: 1 of 3 said hello" in err, err
 
 
+def test_a_host_told_how_long_to_wait_for_hellos_misses_no_node_after_it(tmp_path):
+    """The image's rendezvous host (--hello-wait): its nodes, started by hand, may start later
+    or run torchrun without preflight; it listens that long and misses nobody (a node of the
+    image's two, calling torchrun itself, kept it waiting 600 s)."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    host = _preflight("--rdzv", endpoint, "--serve", "--nodes", "3", "--timeout", "60",
+                      "--hello-wait", "2", "--skip-torch", "--node", "h0")
+    out, err = host.communicate(timeout=30)
+    assert host.returncode == 0 and time.monotonic() - t0 < 15, out + err
+    assert "1 node(s) said hello" in out, out
+
+
 def test_a_node_whose_own_checks_failed_says_so_in_its_hello_and_the_host_names_it(tmp_path):
     """A pod's interface missing (the campaign's missing_interface.middle.join.pytorchjob):
     before, its hello passed as any other, the host started torchrun and the job waited in
@@ -375,12 +388,14 @@ def test_entrypoint_checks_the_worker_options_once_before_anything_starts(tmp_pa
 
 
 def test_entrypoint_torchrun_that_never_starts_a_worker_is_named(tmp_path):
-    """torchrun cannot reach the rendezvous (nothing listens on the port): no worker, no
-    report from one; the entrypoint writes it, with torchrun's own error line."""
+    """torchrun cannot reach the rendezvous (nothing listens on the port; no preflight to
+    say so first): no worker, no report from one; the entrypoint writes it, with torchrun's
+    own error line."""
     proc = _entrypoint(tmp_path, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
                        f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=ep1",
                        "--rdzv-conf=join_timeout=3,read_timeout=3,is_host=0",
-                       "--local-addr=127.0.0.1", "--", "--checks", "environment")
+                       "--local-addr=127.0.0.1", "--", "--checks", "environment",
+                       DDP_SMOKE_PREFLIGHT="0")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("ddp-smoke: verdict fail · launch: box1: no worker started: "), last
@@ -388,6 +403,39 @@ def test_entrypoint_torchrun_that_never_starts_a_worker_is_named(tmp_path):
     [culprit] = report["checks"][0]["culprits"]
     assert culprit["host"] == "box1" and "Error" in culprit["reason"], culprit
     assert "\n" not in culprit["reason"] and "frame #" not in culprit["reason"]
+
+
+def test_entrypoint_of_several_nodes_says_hello_to_the_rendezvous_host_first(tmp_path):
+    """Several nodes: the image's preflight says hello to the rendezvous host (is_host=0 here,
+    nothing listens): it names the unreachable rendezvous before torchrun starts (before, the
+    image ran no hello: a node behind a black hole to the host left no report at all)."""
+    port = _free_port()
+    proc = _entrypoint(tmp_path, "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                       f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=ep1",
+                       "--rdzv-conf=join_timeout=3,is_host=0", "--local-addr=127.0.0.1", "--",
+                       "--checks", "environment", DDP_SMOKE_PREFLIGHT_TIMEOUT="6")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"ddp-smoke: verdict fail · preflight: box1: rendezvous: cannot "
+                           f"reach rendezvous 127.0.0.1:{port}"), last
+    assert "+ torchrun" not in proc.stderr  # stopped before torchrun
+
+
+def test_a_host_names_the_nodes_it_heard_fail_that_its_launcher_does_not_know(tmp_path):
+    """The image's rendezvous host knows only itself (each pod its own folder): the nodes it
+    heard fail (their hellos, its path probe) are named by its word, not as its own fault."""
+    _record(tmp_path, "a", ok=True)
+    record = json.loads((tmp_path / "preflight" / "a.json").read_text())
+    why = "path: its hello arrived, a 64 KiB message after it did not within 5 s"
+    record.update(ok=False, joined={"a": "a", "b": "b"}, reason=f"joined: node rank b b: {why}")
+    record["checks"].append({"name": "joined", "ok": False, "detail": f"node rank b b: {why}",
+                             "nodes": {"b": why}})
+    (tmp_path / "preflight" / "a.json").write_text(json.dumps(record))
+    proc = _launcher(tmp_path, "preflight", "a", "--exit", "1", "--launcher", "docker")
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    [culprit] = report["checks"][0]["culprits"]
+    assert culprit["host"] == "b" and culprit["reason"] == f"rendezvous host: {why}", culprit
 
 
 def test_nodes_refused_by_a_late_host_blame_the_host(tmp_path):

@@ -72,3 +72,28 @@ def test_slurm_tasks_run_the_given_interpreter(on_cluster, tmp_path):
     report = _slurm(tmp_path, [], wait_timeout_s=180, python=str(wrapper))
     assert report["verdict"] == "pass"
     assert sorted(marker.read_text().split()) == ["0", "1"]
+
+
+@pytest.mark.timeout(240)
+def test_tasks_that_leave_no_result_end_the_wait_and_are_named(on_cluster, tmp_path,
+                                                               monkeypatch):
+    """Every task killed before it could write its result (an interpreter that dies at
+    start): without Slurm accounting submitit never calls such a job done, and its
+    exception() waited for the missing result file forever (the campaign's
+    blackhole.rank0.join.submit.3x1: srun could not launch a node's task, and ddp-smoke-submit
+    never returned). Now each task is named once the result wait (shortened here) is over."""
+    from ddp_smoke import submit as submitting
+    from ddp_smoke.submit import TaskDied
+    monkeypatch.setattr(submitting, "RESULT_WAIT_S", 2.0)
+    wrapper = tmp_path / "python-that-dies"
+    wrapper.write_text("#!/bin/sh\nkill -9 $$\n")
+    wrapper.chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(TaskDied) as e:
+        _slurm(tmp_path, [], wait_timeout_s=120, python=str(wrapper))
+    assert time.monotonic() - started < 90
+    [check] = e.value.report["checks"]
+    assert sorted(k["rank"] for k in check["culprits"]) == [0, 1], check
+    # each its first error line: srun's word that it was killed, or that it left no result
+    assert all("Killed" in k["reason"] or "left no result" in k["reason"]
+               for k in check["culprits"]), check

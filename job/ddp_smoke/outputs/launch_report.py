@@ -138,8 +138,12 @@ def preflight_culprits(nodes: list[str], records: dict[str, dict], launch: dict[
     (srun ends every task once one fails: theirs were stopped, not broken)."""
     host_record = next((r for r in records.values() if "joined" in r), None)
     said_hello = set((host_record or {}).get("joined", {}).values())
+    # nodes the host heard fail (their hellos said why, or its path probe did) that the
+    # launcher does not know (the image's: each pod knows itself)
+    heard = {n: why for c in (host_record or {}).get("checks", []) if c.get("name") == "joined"
+             for n, why in c.get("nodes", {}).items() if n not in nodes}
     culprits, found = [], {}
-    for node in nodes:
+    for node in [*nodes, *heard]:
         record = records.get(node)
         if record is not None:
             failed = [c for c in record.get("checks", []) if not c.get("ok")
@@ -151,6 +155,9 @@ def preflight_culprits(nodes: list[str], records: dict[str, dict], launch: dict[
             # the host's comparison of every node's interface MTU names those nodes
             culprits += [Culprit(None, n, _short(f"{c['name']}: {c['detail']}"))
                          for c in failed if "nodes" in c for n in c["nodes"]]
+            continue
+        if node in heard:  # its record is in its own folder: the host's word on it
+            culprits.append(Culprit(None, node, _short(f"rendezvous host: {heard[node]}")))
             continue
         found[node] = _own_error(node, launch, node_stderr(report_dir, node, "preflight"))
     # Refused means nothing listened there: the host's preflight never came up.
