@@ -170,6 +170,26 @@ def test_drain_reason_is_one_bounded_shell_safe_line():
     assert not set(reason) & set('`$\\"\n!')
 
 
+def test_a_long_drain_reason_keeps_its_cause_at_the_end():
+    """A finding that names a long path says why last (the OS's error): cut in the middle, the
+    drain reason keeps both what failed and why (measured: node-check's drain for a full
+    report folder ended inside the folder's path, its "No space left on device" cut off)."""
+    folder = "/var/lib/ddp-smoke/node-check/node-check-gpu-node-017-20261206-204221-a1b2c3"
+    host = {"host": "n", "reasons": [{"check": "preflight", "reason": (
+        f"report_dir: report folder {folder} not writable: No space left on device")}]}
+    reason = drain_reason(host, "node-check")
+    assert len(reason) <= REASON_CHARS, reason
+    assert reason.startswith("ddp-smoke node-check: preflight: report_dir: report folder /var")
+    assert reason.endswith("No space left on device") and "..." in reason, reason
+    # words are kept whole where the reason is long for its words (a GPU's finding)
+    gpu = {"host": "n", "reasons": [{"check": "health", "reason": (
+        "GPU 0 (bus 00000000:1B:00.0, serial 1641824000241): row remap pending on an "
+        "uncorrectable ECC error: drain the node and reset the GPU (the remap happens at "
+        "the next reset)")}] * 2}
+    reason = drain_reason(gpu, "node-check")
+    assert "row remap pending" in reason and reason.endswith("... (+1 more)"), reason
+
+
 def test_drain_outside_slurm_or_without_node_names_drains_nothing():
     bad = [{"host": "node2", "status": "bad", "reasons": [{"check": "c", "reason": "r"}]}]
     assert drain(bad, "1", environ={}) == [

@@ -62,6 +62,7 @@ _PREFLIGHT_KIND = {"report_dir": "storage", "interfaces": "fabric", "rendezvous"
                    "joined": "fabric", "rendezvous_host": "fabric", "torch": "image",
                    "python": "image"}
 REASON_CHARS = 160      # a Slurm node reason is one line in sinfo -R: keep it readable
+_WORD_CHARS = 40        # a longer word in a reason too long is shortened in its middle
 _UNSAFE = re.compile(r"[^A-Za-z0-9 _.,:;=+/@%()<>\[\]{}#~^*|'-]")  # nothing a shell expands
 _KIT_REASON = re.compile(r"ddp-smoke (\S+): (.*)$")  # the kit's own drain reasons
 NODE_CHECK = "node-check"  # node-check's drains: the ones it may lift
@@ -180,7 +181,14 @@ def drain_reason(host: dict, by: str) -> str:
     the run id, or :data:`NODE_CHECK`."""
     first, more = lead(host)
     text = f"ddp-smoke {by}: {first['check']}: {first['reason']}"
-    text = " ".join(_UNSAFE.sub(" ", text).split())
+    words = _UNSAFE.sub(" ", text).split()
+    if len(" ".join(words)) + len(more) > REASON_CHARS:
+        # a long word (a path, a run id) shortened in its middle first: a finding says what
+        # failed first and why last, a path between (measured: a full report folder's drain
+        # ended inside the folder's path, its "No space left on device" cut off)
+        words = [w if len(w) <= _WORD_CHARS else f"{w[:_WORD_CHARS // 2 - 2]}...{w[-12:]}"
+                 for w in words]
+    text = " ".join(words)
     if len(text) + len(more) > REASON_CHARS:
         text = text[:REASON_CHARS - len(more) - 3].rstrip() + "..."
     return text + more
