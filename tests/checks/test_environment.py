@@ -42,3 +42,30 @@ def test_an_interface_that_came_between_two_ranks_looks_is_not_a_second_machine(
     ranks[0]["addresses"]["dsn-br"] = "10.231.1.1"
     got = environment.judge(_evidence(ranks, expect_nodes=1))
     assert got.status == "pass", [c.reason for c in got.culprits]
+
+
+def _with_torch(versions: list[str]):
+    ranks = [{**_rank(r, f"n{r // 2}", f"10.0.0.{r // 2 + 1}", None), "local_rank": r % 2}
+             for r in range(len(versions))]
+    ev = _evidence(ranks, expect_nodes=len(versions) // 2)
+    for o, v in zip(ev.observations, versions):
+        o["versions"] = {**o["versions"], "torch": v}
+    return environment.judge(ev)
+
+
+def test_a_node_with_another_torch_among_more_is_named_by_its_ranks():
+    got = _with_torch(["2.13.0", "2.13.0", "2.12.0", "2.12.0", "2.13.0", "2.13.0"])
+    assert [(c.rank, c.host) for c in got.culprits] == [(2, "n1"), (3, "n1")]
+    assert got.culprits[0].reason == "torch 2.12.0 here, 2.13.0 on 4 of 6 ranks"
+
+
+def test_two_nodes_with_two_torches_name_the_job_not_an_arbitrary_side():
+    """No majority: whichever version came first was taken for the common one, naming the
+    other node's ranks (the campaign's torch_skew.middle.join.slurm.2x2 would have been right
+    or wrong by which node held rank 0)."""
+    for versions in (["2.13.0"] * 2 + ["2.12.0"] * 2, ["2.12.0"] * 2 + ["2.13.0"] * 2):
+        got = _with_torch(versions)
+        [culprit] = got.culprits
+        assert culprit.rank is None and culprit.host is None, culprit
+        assert culprit.reason.startswith("torch differs with no majority: "), culprit.reason
+        assert "2.13.0 on ranks" in culprit.reason and "2.12.0 on ranks" in culprit.reason

@@ -86,14 +86,28 @@ def judge(ev) -> CheckResult:
 
 
 def _odd_versions(ev) -> list:
+    """The ranks whose version of a component differs from most ranks'; with no majority (two
+    nodes, two installs) none is the odd one: the job is named, with each version's ranks."""
     out = []
     for key in ev.observations[0]["versions"]:
         values = [o["versions"][key] for o in ev.observations]
-        common, count = collections.Counter(values).most_common(1)[0]
-        if count < len(values):
-            out += [ev.culprit(r, f"{key} {v} here, {common} on {count} of {len(values)} ranks")
-                    for r, v in enumerate(values) if v != common]
+        counts = collections.Counter(values).most_common()
+        common, count = counts[0]
+        if count == len(values):
+            continue
+        if count * 2 <= len(values):
+            said = "; ".join(f"{v} on ranks {_ranks([r for r, x in enumerate(values) if x == v])}"
+                             for v, _ in counts)
+            out.append(ev.culprit(None, f"{key} differs with no majority: {said}"))
+            continue
+        out += [ev.culprit(r, f"{key} {v} here, {common} on {count} of {len(values)} ranks")
+                for r, v in enumerate(values) if v != common]
     return out
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" (+{len(ranks) - 8} more)" if len(ranks) > 8
+                                             else "")
 
 
 def _address(r: dict) -> str | None:
