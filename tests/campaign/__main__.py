@@ -199,6 +199,12 @@ def table(path: Path = TABLE) -> str:
         "- `make campaign` runs the covering set (about 2 hours here); `SLICE=kind=sigkill+oom`, "
         "`PART=3/14` or `CELL=sigkill.middle.collectives.torchrun.1x3` run part of it; "
         "`python -m tests.campaign --cell ID --repeat 5` reruns one cell.",
+        "- node_check: `slurm/node-check.sh` as the HealthCheckProgram of the campaign's Slurm "
+        "cluster; NxM is N nodes each running `node-check --act slurm-drain --cpu-ranks M`, "
+        "the outcome the nodes the kit drained (as hosts) and their drain reasons. The circuit "
+        "breaker's refusal (more than `fleet.drain_max_share` of the cluster failing at once) "
+        "is no position of one fault on one node: it is tested on recorded reasons "
+        "(tests/outputs/test_fleet.py).",
         "- CI (`make test`) runs `tests/campaign/test_campaign.py`: a sample of the cells this "
         "table shows right, seeded by the commit (the seed is in pytest's header; `python -m "
         f"tests.campaign --sample SEED --list` shows the cells), within {SAMPLE_BUDGET_S:g} s of "

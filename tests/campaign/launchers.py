@@ -6,7 +6,9 @@ sandbox Slurm cluster, the image on pods (``docker run`` per node, the entrypoin
 Kubernetes), ``ddp-smoke-submit`` (submitit: local, or Slurm across nodes), and the PyTorchJob of
 ``k8s/`` (its pods as the Training Operator and the kubelet make them, tests/k8s_operator.py and
 tests/kubelet.py, on the same pod network: ``docker/pod.sh`` under the manifest's own
-securityContext, ConfigMap, Secret and a shared report volume). The campaign
+securityContext, ConfigMap, Secret and a shared report volume), and ``node-check`` as the
+Slurm cluster's HealthCheckProgram (its outcome the nodes it drained, with their reasons). The
+campaign
 finds the run's processes as root sees them (their environment carries the cell's marker),
 reads its coordination store through the address a worker was given, and waits for the
 launcher to end by itself.
@@ -57,6 +59,22 @@ def _processes():
             except OSError:
                 continue
             yield int(entry.name), cmd, env
+
+
+def _rank_of(pid: int, cmd: bytes, env: dict) -> int | None:
+    """The rank a worker process is, by how its launcher started it; None for another."""
+    head = cmd.split(b"\0")[:4]  # the program and its module, not the options
+    if [b"-m", b"submitit.core._submit"] == head[-2:] or \
+            b"submitit.core._submit" in head:  # one submitit task per rank
+        rank = env.get(b"SUBMITIT_LOCAL_GLOBALID") or env.get(b"SLURM_PROCID")
+    elif b"ddp_smoke" in head and b"-m" in head and b"TORCHELASTIC_RUN_ID" in env:
+        rank = env.get(b"RANK")  # torchrun's worker (not a pod's preflight, whose
+        # environment holds the operator's RANK too)
+    elif b"ddp_smoke.launch_local" in head:  # make smoke-local's ranks: forked, named
+        rank = fate.rank_named(pid)
+    else:
+        return None
+    return None if rank is None else int(rank)
 
 
 class Parts:
@@ -144,21 +162,9 @@ class Launch:
         found = {}
         mark = self.marker.encode()
         for pid, cmd, env in _processes():
-            if env.get(b"DDP_SMOKE_CAMPAIGN") != mark:
-                continue
-            head = cmd.split(b"\0")[:4]  # the program and its module, not the options
-            if [b"-m", b"submitit.core._submit"] == head[-2:] or \
-                    b"submitit.core._submit" in head:  # one submitit task per rank
-                rank = env.get(b"SUBMITIT_LOCAL_GLOBALID") or env.get(b"SLURM_PROCID")
-            elif b"ddp_smoke" in head and b"-m" in head and b"TORCHELASTIC_RUN_ID" in env:
-                rank = env.get(b"RANK")  # torchrun's worker (not a pod's preflight, whose
-                # environment holds the operator's RANK too)
-            elif b"ddp_smoke.launch_local" in head:  # make smoke-local's ranks: forked, named
-                rank = fate.rank_named(pid)
-            else:
-                continue
+            rank = _rank_of(pid, cmd, env) if env.get(b"DDP_SMOKE_CAMPAIGN") == mark else None
             if rank is not None:
-                found[int(rank)] = pid
+                found[rank] = pid
         return found
 
     def store_pid(self) -> int | None:
@@ -313,7 +319,7 @@ def start(cell, parts: Parts, work: Path, reports: Path, worker: list[str], mark
     launch = {"torchrun": _torchrun, "smoke_local": _smoke_local, "slurm": _slurm,
               "image": _image, "submit": _submit, "pytorchjob": _k8s_job("", True),
               "indexed_job": _k8s_job("indexed-job", False),
-              "trainjob": _k8s_job("trainer-v2", False)}[cell.launcher]
+              "trainjob": _k8s_job("trainer-v2", False), "node_check": _node_check}[cell.launcher]
     return launch(cell, parts, work, reports, worker, marker, dup, before, node_env)
 
 
@@ -646,6 +652,163 @@ def _submit(cell, parts, work, reports, worker, marker, dup, before, node_env) -
                     hosts=hosts)
     launch.proc = _popen([*argv, "--", *worker], launch.out_path, env)
     return launch
+
+
+# -- node-check as Slurm's HealthCheckProgram -------------------------------------------------
+
+# slurmctld asks every node for its health check this often (a reconfigure triggers none: the
+# first ask comes within one interval); node-check.conf lets each node run one check a cell
+HEALTH_INTERVAL_S = 5
+NODE_CHECK_TIMEOUT_S = 50  # node-check's own bound (slurmd kills its program at 60 s)
+NODE_CHECK_CONF = """\
+# The campaign's cell {marker}: each node of the cell runs one node-check (slurmctld asks
+# again every {interval} s: a node that ran one exits at once), the nodes outside it none.
+case "$SLURMD_NODENAME" in
+{cases}  *) exit 0 ;;
+esac
+mkdir {ran}/"$SLURMD_NODENAME" 2>/dev/null || exit 0
+PYTHON={python}
+TIMEOUT={timeout}
+export SLURM_CONF={conf} GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 DDP_SMOKE_CAMPAIGN={marker}
+"""
+
+
+def health_check(cluster, script: Path | None) -> None:
+    """slurm.conf's health lines set to run ``script`` on every node (None: taken out), and
+    the cluster reconfigured, as docs/continuous.md deploys node-check."""
+    lines = [ln for ln in cluster.conf.read_text().splitlines()
+             if not ln.startswith("HealthCheck")]
+    if script is not None:
+        lines += [f"HealthCheckProgram={script}", f"HealthCheckInterval={HEALTH_INTERVAL_S}",
+                  "HealthCheckNodeState=ANY"]
+    cluster.conf.write_text("\n".join(lines) + "\n")
+    subprocess.run(["scontrol", "reconfigure"], env=cluster.env(), check=True,
+                   capture_output=True, timeout=30)
+
+
+def _node_check(cell, parts, work, reports, worker, marker, dup, before, node_env) -> Launch:
+    """``slurm/node-check.sh`` as the HealthCheckProgram of the campaign's Slurm cluster: node
+    i of the cell runs ``node-check --act slurm-drain --cpu-ranks M`` with its own
+    environment (``node_env(i)``) and its own report root on its local disk (the fault's node:
+    the cell's report folder), the cell's worker options after ``--``."""
+    cluster = parts.slurm()
+    hosts, names = cluster.hosts.hosts[:cell.nodes], cluster.node_names[:cell.nodes]
+    before(hosts)
+    folder = work / "health-check"
+    (folder / "ran").mkdir(parents=True)
+    script = folder / "node-check.sh"
+    shutil.copy(REPO / "slurm" / "node-check.sh", script)
+    roots = [reports / "reports" if i == cell.node else work / f"node{i}-reports"
+             for i in range(cell.nodes)]
+    for root in roots:
+        if not root.exists():
+            root.mkdir()
+    if "--node-speaker" in worker:  # each node-check's world is its one node
+        at = worker.index("--node-speaker")
+        worker = worker[:at] + worker[at + 2:]
+    cases = ""
+    for i, name in enumerate(names):
+        args = shlex.join(["--cpu-ranks", str(cell.per_node), "--", *worker])
+        env = "".join(f" {k}={shlex.quote(v)}" for k, v in node_env(i).items())
+        cases += (f"  {name}) REPORT_ROOT={shlex.quote(str(roots[i]))}; ARGS=({args})"
+                  + (f"; export{env}" if env else "") + " ;;\n")
+    (folder / "node-check.conf").write_text(NODE_CHECK_CONF.format(
+        marker=marker, interval=HEALTH_INTERVAL_S, cases=cases, ran=folder / "ran",
+        python=sys.executable, timeout=NODE_CHECK_TIMEOUT_S, conf=cluster.conf))
+    launch = NodeCheckLaunch(cell, marker, roots[cell.node], hosts=hosts, names=names,
+                             env=cluster.env(), cluster=cluster, roots=roots,
+                             ran=folder / "ran")
+    health_check(cluster, script)
+    return launch
+
+
+@dataclasses.dataclass
+class NodeCheckLaunch(Launch):
+    """One node-check a node of the cell, started by slurmd: running until every node's has
+    started and ended; its ranks numbered as the cell numbers them (node i's local rank j is
+    rank i * M + j); each node's drain as the cluster shows it, the moment it was first seen.
+    No store to watch: every fault of its cells is in place before the node-check starts."""
+
+    cluster: object = None
+    roots: list = dataclasses.field(default_factory=list)
+    ran: Path | None = None
+    drained_at: dict = dataclasses.field(default_factory=dict)  # node index -> monotonic
+    states: dict = dataclasses.field(default_factory=dict)  # NodeName -> {"state", "reason"}
+    _polled: float = 0.0
+
+    def _ours(self):
+        """(node index, pid, argv, environment) of this cell's processes on its nodes."""
+        mark = self.marker.encode()
+        for pid, cmd, env in _processes():
+            name = env.get(b"SLURMD_NODENAME", b"").decode()
+            if env.get(b"DDP_SMOKE_CAMPAIGN") == mark and name in self.names:
+                yield self.names.index(name), pid, cmd, env
+
+    def workers(self) -> dict[int, int]:
+        found = {}
+        for node, pid, cmd, env in self._ours():
+            rank = _rank_of(pid, cmd, env)
+            if rank is not None:
+                found[node * self.cell.per_node + rank] = pid
+        return found
+
+    def poll_drains(self) -> dict:
+        """The cluster's nodes as scontrol shows them (once a second at most); each drain
+        the kit made, the moment it was first seen."""
+        if time.monotonic() - self._polled >= 1.0:
+            from ddp_smoke.outputs import act
+            self._polled = time.monotonic()
+            got = subprocess.run(["scontrol", "show", "node"], env=self.env,
+                                 capture_output=True, text=True, timeout=10)
+            if got.returncode == 0:
+                self.states = act.parse_nodes(got.stdout)
+            for i, name in enumerate(self.names):
+                if "DRAIN" in self.states.get(name, {}).get("state", ""):
+                    self.drained_at.setdefault(i, self._polled)
+        return self.states
+
+    def running(self) -> bool:
+        self.poll_drains()
+        started = all((self.ran / name).exists() for name in self.names)
+        return not started or any(b"node-check" in cmd for _, _, cmd, _ in self._ours())
+
+    def status(self) -> int | None:
+        """The worst node-check's exit status, as its report's verdict says (slurmd keeps
+        its program's status to itself), or where it could write none (a full folder) its
+        node's drain: 1 a finding, 0 a pass, None no node's word."""
+        reports = self.reports()
+        said = [reports[i].get("verdict") == "pass" if i in reports else
+                False if i in self.drained_at else None for i in range(len(self.names))]
+        return None if all(s is None for s in said) else int(False in said)
+
+    def reports(self) -> dict[int, dict]:
+        """node index -> its node-check's report."""
+        import json
+        out = {}
+        for i, root in enumerate(self.roots):
+            for path in sorted(root.glob("node-check-*/report.json")):
+                with contextlib.suppress(OSError, ValueError):
+                    out[i] = json.loads(path.read_text())
+        return out
+
+    def output(self) -> str:
+        parts = []
+        for root in self.roots:
+            for log in sorted(root.glob("node-check-*/node-check.log")):
+                parts.append(log.read_text(errors="replace")[-3000:])
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        """The health lines out, this cell's processes ended, every drained node resumed:
+        the cluster as later cells (of every launcher) expect it."""
+        health_check(self.cluster, None)
+        for _, pid, _, _ in list(self._ours()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for name, state in self.poll_drains().items():
+            if "DRAIN" in state["state"] or "DOWN" in state["state"]:
+                subprocess.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"],
+                               env=self.env, capture_output=True, timeout=10)
 
 
 def missing() -> str | None:

@@ -163,11 +163,16 @@ def run(cell: Cell, parts: launchers.Parts, work: Path) -> Row:
             if cell.kind == "missing_interface":
                 undo.enter_context(faults.renamed_interface(hosts[cell.node]))
 
-        def node_env(node: int) -> dict:  # the fault's node reads a recorded node's GPUs
-            site = matrix.SITE_ENV.get(cell.kind, {})
+        skewed = undo.enter_context(faults.other_torch(work / "other-torch")) \
+            if cell.kind == "torch_skew" else None
+
+        def node_env(node: int) -> dict:  # the fault's node reads a recorded node's GPUs,
+            site = matrix.SITE_ENV.get(cell.kind, {})  # or runs another torch
             if cell.kind in matrix.REPLAYED and node == cell.node:
                 recording = health_replay.DATA / matrix.REPLAYED[cell.kind].file
                 return {**site, "DDP_SMOKE_HEALTH_REPLAY": str(recording)}
+            if skewed and node == cell.node:
+                return {**site, "PYTHONPATH": str(skewed)}
             return site
         try:
             launch = launchers.start(cell, parts, work, folder.path if folder else work,
@@ -210,7 +215,8 @@ def _strike(cell: Cell, launch, parts, undo: contextlib.ExitStack, folder) -> fl
     k = cell.kind
     if k in _INJECT and cell.stage != "join":
         return _arrived(cell, launch)
-    if k in _INJECT or k in ("dup_hostname", "missing_interface", *matrix.REPLAYED) or (
+    if k in _INJECT or k in ("dup_hostname", "missing_interface", "torch_skew",
+                             *matrix.REPLAYED) or (
             k in matrix.FOLDER and cell.stage == "join"):
         return None
     network = k in matrix.NETWORK
@@ -340,6 +346,8 @@ def _where(workers: dict[int, int]) -> str:
 
 
 def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) -> Got:
+    if cell.launcher == "node_check":
+        return _read_drains(launch, at, end_s)
     out = launch.output()
     status = _status(cell, launch, out)
     report, writer = None, None
@@ -405,6 +413,24 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
     writer = writer or report.get("written_by") or "rank 0"
     return Got(report.get("verdict", "none"), frozenset(culprits), " | ".join(
         reasons + said), writer, status, report_s, end_s, paced=frozenset(slow))
+
+
+def _read_drains(launch, at: float, end_s: float) -> Got:
+    """node-check's outcome is the cluster's: the nodes drained by the kit (as hosts, by node
+    index), their drain reasons, from the fault to the last drain; no node-check report at all
+    is none (no node checked)."""
+    launch._polled = 0.0  # now, not a second ago
+    states = launch.poll_drains()
+    drained = {i: states.get(n, {}).get("reason", "") for i, n in enumerate(launch.names)
+               if "DRAIN" in states.get(n, {}).get("state", "")}
+    by_kit = {i: why for i, why in drained.items() if why.startswith("ddp-smoke node-check:")}
+    others = {launch.names[i]: why for i, why in drained.items() if i not in by_kit}
+    status = launch.status()
+    verdict = "none" if status is None else FAIL if by_kit else PASS
+    report_s = round(max(launch.drained_at[i] for i in by_kit) - at, 1) if by_kit else None
+    text = " | ".join(by_kit.values()) or launch.output()[-2000:]
+    return Got(verdict, frozenset(("host", i) for i in by_kit), text, "node-check", status,
+               report_s, end_s, f"drained by another: {others}" if others else "")
 
 
 def _status(cell: Cell, launch, out: str) -> int | None:

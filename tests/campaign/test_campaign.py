@@ -45,7 +45,7 @@ def test_the_cells_a_table_ran_stay_and_new_values_only_add_cells():
 
 def test_every_pair_left_out_says_why_and_really_cannot_exist():
     names = list(matrix.DIMENSIONS)
-    holders: dict[tuple, list] = {}  # (one pass over the 61,440 cells, not one a pair)
+    holders: dict[tuple, list] = {}  # (one pass over the 71,280 cells, not one a pair)
     for c in matrix.all_cells():
         for i, a, j, b in matrix._pairs(c):
             holders.setdefault((names[i], a, names[j], b), []).append(c)

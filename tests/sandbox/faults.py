@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -361,3 +362,31 @@ class SmallFolder:
                 time.sleep(0.2)
             else:
                 subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+
+
+OTHER_TORCH = "2.12.0+cpu"  # what other_torch() says it is
+
+
+@contextlib.contextmanager
+def other_torch(folder: Path, version: str = OTHER_TORCH):
+    """A torch install that says it is ``version``: ``folder/torch``, every entry of this
+    machine's torch linked but its ``version.py`` (and its own bytecode cache); a node whose
+    ``PYTHONPATH`` is ``folder`` runs it. Only one CPU wheel is on this disk (any other spec
+    downloads the CUDA build), so the skew a node with another torch has is what every
+    process there sees of it: ``torch.__version__``, not another binary's behaviour."""
+    import importlib.util
+    real = Path(importlib.util.find_spec("torch").origin).parent
+    mine = folder / "torch"
+    mine.mkdir(parents=True)
+    try:
+        for entry in real.iterdir():
+            if entry.name not in ("version.py", "__pycache__"):
+                (mine / entry.name).symlink_to(entry)
+        (mine / "__pycache__").mkdir()  # not the real one: its version.pyc stays the real's
+        text = (real / "version.py").read_text()
+        mine.joinpath("version.py").write_text(
+            "".join(f"__version__ = {version!r}\n" if line.startswith("__version__ =")
+                    else line for line in text.splitlines(keepends=True)))
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the links, not what they point at
