@@ -44,6 +44,7 @@ SHARED_GROUPS = ("campaign", "slurm", "docker")  # the order they start in: the 
 _USES = {"slurm": ("slurm_fixture", "SlurmSandbox"),
          "docker": ("docker_engine", "worker_image", "pod_network", "sandbox.docker")}
 ROOT = Path(__file__).resolve().parent.parent
+_POD_LAUNCHERS = ("image", "pytorchjob", "indexed_job", "trainjob")  # tests/campaign/matrix.PODS
 
 
 def parallel_group(path: Path) -> str:
@@ -76,7 +77,12 @@ def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the shared parts' long queues start first
         def rank(item):
             group = _group_of(item.path.relative_to(ROOT).as_posix())
-            return SHARED_GROUPS.index(group) if group in SHARED_GROUPS else len(SHARED_GROUPS)
+            # a sampled campaign cell on pods last in its group: the docker group builds the
+            # image meanwhile (CI: a pod cell run first waited 60-100 s on that build)
+            on_pods = getattr(getattr(item, "callspec", None), "params", {}).get("cell")
+            late = group == "campaign" and getattr(on_pods, "launcher", "") in _POD_LAUNCHERS
+            return (SHARED_GROUPS.index(group) if group in SHARED_GROUPS
+                    else len(SHARED_GROUPS), late)
         items.sort(key=rank)  # stable: a module's tests keep their order
 
 
