@@ -347,7 +347,9 @@ def _gpus() -> tuple[str, int]:
     if reader is None:
         return "", 0
     snap = reader.snapshot()
-    procs = [p for g in snap.get("gpus", []) for p in g.get("processes") or ()]
+    # (not this process: it is no other job, and a reader holding a context shows itself)
+    procs = [p for g in snap.get("gpus", []) for p in g.get("processes") or ()
+             if p.get("pid") != os.getpid()]
     busy = (f"{len(procs)} process(es) of another job on its GPUs (pid "
             f"{', '.join(str(p['pid']) for p in procs[:4])})") if procs else ""
     return busy, int(snap.get("count") or 0)

@@ -151,6 +151,24 @@ def test_a_replayed_faulty_gpu_node_fails_with_one_line_per_finding(tmp_path):
     assert any("XID 79" in ln for ln in lines), lines
 
 
+def test_skip_if_busy_skips_a_node_running_another_jobs_processes_and_not_its_own(tmp_path):
+    """The DaemonSet's --skip-if-busy: a node whose GPUs run another job's processes is left
+    unchecked; node-check's own process on a GPU is no other job (the campaign's
+    gpu_faults_per_gpu.middle.health.daemonset.4x1: the replayed reader shows itself on GPU 0,
+    PID 1 in the pod, and node-check skipped its faulty node as busy)."""
+    own = _node_check("--report-root", str(tmp_path), "--skip-if-busy", env={
+        "NODE_NAME": "nodeG", "DDP_SMOKE_HEALTH_REPLAY": str(HEALTH / "h200_faults_per_gpu.json")})
+    assert own.returncode == 1 and "skipped" not in own.stdout, own.stdout + own.stderr
+    assert "row remap pending" in own.stdout, own.stdout
+    busy = tmp_path / "busy.json"  # a healthy node, another job's process on its GPU 1
+    busy.write_text(json.dumps({"base": str(HEALTH / "h200_8gpu_healthy.json"), "patch": {
+        "nvml.gpus.1.processes": [{"pid": 4242, "used_mib": 30000}]}}))
+    other = _node_check("--report-root", str(tmp_path), "--skip-if-busy", env={
+        "NODE_NAME": "nodeG", "DDP_SMOKE_HEALTH_REPLAY": str(busy)})
+    assert other.returncode == 0, other.stdout + other.stderr
+    assert "skipped: 1 process(es) of another job on its GPUs (pid 4242)" in other.stdout
+
+
 @pytest.mark.timeout(180)
 def test_a_node_under_a_cpu_quota_fails_with_the_quota_as_evidence(tmp_path):
     """A real throttle: node-check and everything it starts held to a tenth of a core. The
