@@ -145,11 +145,11 @@ verdict() {  # verdict STAGE STATUS
 # count of several nodes, each also says hello to the rendezvous host (the node torchrun makes
 # it, as store_host --plan decides), trying as long as torchrun's rendezvous would (600 s, or
 # --rdzv-conf's join_timeout: nodes started by hand start minutes apart). The host's preflight
-# listens on the rendezvous port meanwhile, HELLO_WAIT_S at most: a node whose hello failed,
-# or whose path drops large packets (the 64 KiB after it), is named there and by the host
-# before torchrun's rendezvous would wait out its join timeout; a node that never says hello
-# (started later, or torchrun without preflight) is not waited for longer.
-HELLO_WAIT_S=20
+# listens on the rendezvous port meanwhile, DDP_SMOKE_HELLO_WAIT (20) s at most: a node whose
+# hello failed, or whose path drops large packets (the 64 KiB after it), is named there and by
+# the host before torchrun's rendezvous would wait out its join timeout; a node that never
+# says hello (started later, or torchrun without preflight) is not waited for longer.
+HELLO_WAIT_S="${DDP_SMOKE_HELLO_WAIT:-20}"
 # DDP_SMOKE_PREFLIGHT=0 leaves it out; DDP_SMOKE_PREFLIGHT_TIMEOUT bounds it (60 s, one node).
 if [[ "${DDP_SMOKE_PREFLIGHT:-1}" != 0 ]]; then
     gpus=0

@@ -243,7 +243,9 @@ def test_two_containers_as_two_nodes_rendezvous_with_c10d(
 
     worker = ["--checks", QUICK_CHECKS, "--expect-nodes", "2", "--expect-world-size", "2",
               "--timeout", "60", "--report-dir", "/reports"]
-    common = dict(env={"GLOO_SOCKET_IFNAME": "eth0"}, volumes=[f"{out}:/reports"])
+    # (node b says no hello: the rendezvous host's preflight waits for it 3 s, not 20)
+    common = dict(env={"GLOO_SOCKET_IFNAME": "eth0", "DDP_SMOKE_HELLO_WAIT": "3"},
+                  volumes=[f"{out}:/reports"])
     # Node a as launchers use the entrypoint (torchrun options -- worker options); node b as a
     # Kubernetes `command:` would, calling torchrun itself.
     node_a = pod_network.run(pods[0], worker_image.tag, [*torchrun_args(pods[0]), "--", *worker],
