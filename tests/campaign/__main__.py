@@ -201,7 +201,10 @@ def table(path: Path = TABLE) -> str:
         "`python -m tests.campaign --cell ID --repeat 5` reruns one cell.",
         "- node_check: `slurm/node-check.sh` as the HealthCheckProgram of the campaign's Slurm "
         "cluster; NxM is N nodes each running `node-check --act slurm-drain --cpu-ranks M`, "
-        "the outcome the nodes the kit drained (as hosts) and their drain reasons. The circuit "
+        "the outcome the nodes the kit drained (as hosts) and their drain reasons. daemonset: "
+        "the DaemonSet of `k8s/node-check` in the pod emulation, each pod's node labelled "
+        "through a stand-in API server (tests/k8s_api.py), the outcome the nodes labelled "
+        "fail and their findings' annotations. The circuit "
         "breaker's refusal (more than `fleet.drain_max_share` of the cluster failing at once) "
         "is no position of one fault on one node: it is tested on recorded reasons "
         "(tests/outputs/test_fleet.py).",

@@ -7,8 +7,8 @@ Kubernetes), ``ddp-smoke-submit`` (submitit: local, or Slurm across nodes), and 
 ``k8s/`` (its pods as the Training Operator and the kubelet make them, tests/k8s_operator.py and
 tests/kubelet.py, on the same pod network: ``docker/pod.sh`` under the manifest's own
 securityContext, ConfigMap, Secret and a shared report volume), and ``node-check`` as the
-Slurm cluster's HealthCheckProgram (its outcome the nodes it drained, with their reasons). The
-campaign
+Slurm cluster's HealthCheckProgram and as the DaemonSet of ``k8s/node-check`` (its outcome the
+nodes it drained or labelled fail, with their reasons). The campaign
 finds the run's processes as root sees them (their environment carries the cell's marker),
 reads its coordination store through the address a worker was given, and waits for the
 launcher to end by itself.
@@ -319,7 +319,8 @@ def start(cell, parts: Parts, work: Path, reports: Path, worker: list[str], mark
     launch = {"torchrun": _torchrun, "smoke_local": _smoke_local, "slurm": _slurm,
               "image": _image, "submit": _submit, "pytorchjob": _k8s_job("", True),
               "indexed_job": _k8s_job("indexed-job", False),
-              "trainjob": _k8s_job("trainer-v2", False), "node_check": _node_check}[cell.launcher]
+              "trainjob": _k8s_job("trainer-v2", False), "node_check": _node_check,
+              "daemonset": _daemonset}[cell.launcher]
     return launch(cell, parts, work, reports, worker, marker, dup, before, node_env)
 
 
@@ -673,6 +674,14 @@ export SLURM_CONF={conf} GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 DDP_SMOKE_CAM
 """
 
 
+def _alone(worker: list[str]) -> list[str]:
+    """The worker's options for a node-check: its world is its one node (no speakers)."""
+    if "--node-speaker" not in worker:
+        return worker
+    at = worker.index("--node-speaker")
+    return worker[:at] + worker[at + 2:]
+
+
 def health_check(cluster, script: Path | None) -> None:
     """slurm.conf's health lines set to run ``script`` on every node (None: taken out), and
     the cluster reconfigured, as docs/continuous.md deploys node-check."""
@@ -703,9 +712,7 @@ def _node_check(cell, parts, work, reports, worker, marker, dup, before, node_en
     for root in roots:
         if not root.exists():
             root.mkdir()
-    if "--node-speaker" in worker:  # each node-check's world is its one node
-        at = worker.index("--node-speaker")
-        worker = worker[:at] + worker[at + 2:]
+    worker = _alone(worker)
     cases = ""
     for i, name in enumerate(names):
         args = shlex.join(["--cpu-ranks", str(cell.per_node), "--", *worker])
@@ -809,6 +816,97 @@ class NodeCheckLaunch(Launch):
             if "DRAIN" in state["state"] or "DOWN" in state["state"]:
                 subprocess.run(["scontrol", "update", f"NodeName={name}", "State=RESUME"],
                                env=self.env, capture_output=True, timeout=10)
+
+
+# -- node-check as the DaemonSet of k8s/node-check ---------------------------------------------
+
+DAEMONSET_CLAIM = "campaign-node-reports"  # its emptyDir at /reports, each node's own folder
+
+
+def _daemonset(cell, parts, work, reports, worker, marker, dup, before, node_env) -> Launch:
+    """The DaemonSet's pods (tests/k8s_operator.py, tests/kubelet.py), one a node of the cell,
+    on the pod network with the stand-in API server (tests/k8s_api.py) at its gateway: node i
+    runs ``node-check --act k8s-label --cpu-ranks M`` once (``--every``, the manifest's EDIT
+    point, set past the cell), its own environment and files (``node_env(i)``), its /reports
+    its own folder (the fault's node: the cell's)."""
+    from tests import k8s_api, k8s_operator as ko, kubelet
+    from tests.sandbox.docker import PodNetwork
+    engine, image = parts.docker()
+    names = [f"dcn-node-{chr(97 + i)}" for i in range(cell.nodes)]
+    docs = ko.customize(ko.load_manifests(REPO / "k8s" / "node-check"), image=image.tag)
+    ds = next(d for d in docs if d["kind"] == "DaemonSet")
+    spec = ds["spec"]["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "reports"]
+    volume.pop("emptyDir")
+    volume["persistentVolumeClaim"] = {"claimName": DAEMONSET_CLAIM}
+    args = spec["containers"][0]["args"]
+    args[args.index("--every") + 1] = "3600"
+    worker, config = _in_pod(_alone(worker), [])
+    args += ["--cpu-ranks", str(cell.per_node), "--", *worker]
+    nodes = {n: {"nvidia.com/gpu.present": "true"} for n in names}
+    pods = sorted(ko.compute_pods(docs, namespace=k8s_api.NAMESPACE, nodes=nodes),
+                  key=lambda p: names.index(p.node))
+    net = PodNetwork(engine, image.tag, PODS_PREFIX, PODS_SUBNET).up()
+    gateway = str(net.net[1])
+    cert, key = k8s_api.certificate(work, gateway)
+    account = k8s_api.service_account(work / "serviceaccount", cert)
+    launch = DaemonSetLaunch(cell, marker, reports / "reports", names=names,
+                             api=k8s_api.ApiServer(gateway, cert, key, docs, nodes))
+    launch.net = net
+    runs = []
+    for i, pod in enumerate(pods):
+        root = reports / "reports" if i == cell.node else work / f"node{i}-reports"
+        root.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):  # a folder the cell made read-only is already 1777
+            os.chown(root, 1000, 1000)  # the manifest's runAsUser, runAsGroup
+        user, security = kubelet.security_options(spec, pod)
+        binds, shm_size, _ = kubelet.volumes(pod, spec, work / "pods" / pod.name,
+                                             {DAEMONSET_CLAIM: root})
+        env, files = _pod_files(node_env(i))
+        runs.append((net.add_pod(pod.hostname), pod.image, dict(
+            command=pod.argv, volumes=binds + config + files + [f"{account}:{k8s_api.SA_DIR}:ro"],
+            env={**pod.env, "KUBERNETES_SERVICE_HOST": gateway, "OMP_NUM_THREADS": "1",
+                 "KUBERNETES_SERVICE_PORT": str(launch.api.port), **_worker_env(marker, cell),
+                 **env}, user=user, shm_size=shm_size, extra=security)))
+    launch.hosts = [net._box.plugged[i] for i in range(len(pods))]
+    before(launch.hosts)
+    launch.containers = [_Container(net.run(pod, image_tag, **opts))
+                         for pod, image_tag, opts in runs]
+    return launch
+
+
+@dataclasses.dataclass
+class DaemonSetLaunch(Launch):
+    """The DaemonSet's pods until each has labelled its node once; the labels and annotations
+    as the API server holds them."""
+
+    api: object = None
+    labelled_at: dict = dataclasses.field(default_factory=dict)  # node index -> monotonic
+
+    def labels(self) -> dict[int, dict]:
+        """node index -> its Node's metadata, once node-check has labelled it."""
+        out = {i: self.api.nodes[n]["metadata"] for i, n in enumerate(self.names)
+               if "ddp-smoke/health" in self.api.nodes[n]["metadata"].get("labels", {})}
+        for i in out:
+            self.labelled_at.setdefault(i, time.monotonic())
+        return out
+
+    def running(self) -> bool:
+        return len(self.labels()) < len(self.names) and any(
+            c.running() for c in self.containers)
+
+    def status(self) -> int | None:
+        """1 a node labelled fail, 0 every node pass, None no node labelled."""
+        said = [m["labels"]["ddp-smoke/health"] for m in self.labels().values()]
+        return None if not said else int("fail" in said)
+
+    def output(self) -> str:
+        return "\n".join(c.logs()[-3000:] for c in self.containers)
+
+    def stop(self) -> None:
+        for c in self.containers:
+            c.kill()
+        self.api.close()
 
 
 def missing() -> str | None:

@@ -348,6 +348,8 @@ def _where(workers: dict[int, int]) -> str:
 def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) -> Got:
     if cell.launcher == "node_check":
         return _read_drains(launch, at, end_s)
+    if cell.launcher == "daemonset":
+        return _read_labels(launch, at, end_s)
     out = launch.output()
     status = _status(cell, launch, out)
     report, writer = None, None
@@ -431,6 +433,20 @@ def _read_drains(launch, at: float, end_s: float) -> Got:
     text = " | ".join(by_kit.values()) or launch.output()[-2000:]
     return Got(verdict, frozenset(("host", i) for i in by_kit), text, "node-check", status,
                report_s, end_s, f"drained by another: {others}" if others else "")
+
+
+def _read_labels(launch, at: float, end_s: float) -> Got:
+    """The DaemonSet's outcome is the API server's: the nodes labelled fail (as hosts, by node
+    index), their findings' annotations, from the fault to the last label."""
+    labels = launch.labels()
+    failed = {i: m.get("annotations", {}).get("ddp-smoke/health-finding", "")
+              for i, m in labels.items() if m["labels"]["ddp-smoke/health"] == "fail"}
+    status = launch.status()
+    verdict = "none" if status is None else FAIL if failed else PASS
+    report_s = round(max(launch.labelled_at.values()) - at, 1) if labels else None
+    text = " | ".join(failed.values()) or launch.output()[-2000:]
+    return Got(verdict, frozenset(("host", i) for i in failed), text, "node-check", status,
+               report_s, end_s)
 
 
 def _status(cell: Cell, launch, out: str) -> int | None:
