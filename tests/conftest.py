@@ -44,7 +44,8 @@ SHARED_GROUPS = ("campaign", "slurm", "docker")  # the order they start in: the 
 _USES = {"slurm": ("slurm_fixture", "SlurmSandbox"),
          "docker": ("docker_engine", "worker_image", "pod_network", "sandbox.docker")}
 ROOT = Path(__file__).resolve().parent.parent
-_POD_LAUNCHERS = ("image", "pytorchjob", "indexed_job", "trainjob")  # tests/campaign/matrix.PODS
+# the campaign's launchers that run the image (tests/campaign/matrix.py: PODS, and the DaemonSet)
+_POD_LAUNCHERS = ("image", "pytorchjob", "indexed_job", "trainjob", "daemonset")
 
 
 def parallel_group(path: Path) -> str:
