@@ -73,8 +73,9 @@ def _preflight(worker_args: list[str], gpus: bool) -> None:
     a node that cannot run it fails its task in seconds with the reason, and leaves its record
     beside the report for :func:`submit`. Several nodes: each says hello to task 0's, which
     listens meanwhile on MASTER_PORT + 1 (not MASTER_PORT: the process group's store binds it
-    right after) and waits for all: a node whose path to it drops large packets, where rank
-    0's store lives, is named before the run would stall on its records."""
+    right after) and waits for all: a node that cannot reach it (a firewall on high ports) or
+    whose path to it drops large packets, where rank 0's store lives, is named in seconds,
+    before the run would stall on its records."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
     import submitit
