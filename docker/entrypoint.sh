@@ -140,6 +140,20 @@ verdict() {  # verdict STAGE STATUS
 }
 [[ -z "$report_dir" ]] || mkdir -p "$report_dir/launch"
 
+# Where torchrun's rendezvous host is (store_host --plan decides it as torchrun does: "host" on
+# that node, else "join"; the address is the kit's store's, the endpoint's port + 1): read once,
+# for preflight's hello and for the store host below. A store asked for where the options name
+# no endpoint is bad input there; preflight then says no hello.
+count="${nnodes:-${PET_NNODES:-1}}"
+hellos=0
+[[ "${DDP_SMOKE_PREFLIGHT:-1}" == 0 || ! "$count" =~ ^[0-9]+$ || "$count" -le 1 ]] || hellos=1
+role="" address="" plan=""
+if [[ $hellos == 1 || "${DDP_SMOKE_STORE:-}" == auto \
+        || " ${torchrun_args[*]} " == *" --standalone "* ]]; then
+    plan=$(python -m ddp_smoke.store_host --plan "${torchrun_args[@]}" 2>&1) \
+        && read -r role address <<< "$plan"
+fi
+
 # Preflight: in seconds, can this node run the worker at all (kit and torch import, CUDA and
 # its GPUs, the interfaces named in NCCL_/GLOO_SOCKET_IFNAME, the report folder)? With a fixed
 # count of several nodes, each also says hello to the rendezvous host (the node torchrun makes
@@ -157,10 +171,7 @@ if [[ "${DDP_SMOKE_PREFLIGHT:-1}" != 0 ]]; then
         gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ' || true)
     fi
     hello=()
-    count="${nnodes:-${PET_NNODES:-1}}"
-    if [[ "$count" =~ ^[0-9]+$ && "$count" -gt 1 ]] \
-            && read -r role address < <(python -m ddp_smoke.store_host --plan \
-                                            "${torchrun_args[@]}" 2> /dev/null); then
+    if [[ $hellos == 1 && -n "$address" ]]; then
         hello=(--rdzv "${address%:*}:$(( ${address##*:} - 1 ))" --nodes "$count")
         [[ "$role" != host ]] || hello+=(--serve --hello-wait "$HELLO_WAIT_S")
     fi
@@ -190,8 +201,7 @@ fi
 # same address from the same endpoint (nodes started otherwise must then set it too).
 store=()
 if [[ "${DDP_SMOKE_STORE:-}" == auto || " ${torchrun_args[*]} " == *" --standalone "* ]]; then
-    read -r role address < <(python -m ddp_smoke.store_host --plan \
-                                 "${torchrun_args[@]}") || exit 2
+    [[ -n "$address" ]] || { echo "$plan" >&2; exit 2; }
     export DDP_SMOKE_STORE="$address"
     if [[ "$role" == host ]]; then
         # (its report of last resort goes where the ranks said they write theirs)

@@ -238,13 +238,16 @@ def _reaps_told(witness: fate.Witness | None):
     Witness's thread woke is otherwise lost to it (a loaded machine, the agent's 0.1 s look
     first), and the report's writer waits for it in vain, naming the rank "gone" without its
     signal. The agent's forked workers are reaped by ``multiprocessing``'s ``Popen.poll``."""
+    if witness is None:  # (no store host here: nobody to tell)
+        yield
+        return
     from multiprocessing import popen_fork
     stock, launcher = popen_fork.Popen.poll, os.getpid()
 
     def poll(self, *flag):
         known = self.returncode is not None
         code = stock(self, *flag)
-        if code and not known and witness and os.getpid() == launcher:  # (not in a worker)
+        if code and not known and os.getpid() == launcher:  # (not in a worker)
             witness.reaped(self.pid, code)
         return code
 

@@ -252,7 +252,7 @@ def say_hello(host: str, port: int, deadline: float, run_id: str, rank: int | No
 
 
 def _send_path_probe(s: socket.socket, reader, host: str, port: int, took: float,
-                deadline: float) -> tuple[bool, str]:
+                     deadline: float) -> tuple[bool, str]:
     """The client's side of the path probe: PATH_BYTES to the host, which answers once they
     all arrived (within PATH_S, and before ``deadline``)."""
     s.settimeout(max(0.1, min(PATH_S, deadline - time.monotonic())))

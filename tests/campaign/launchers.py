@@ -480,14 +480,29 @@ class _SlurmJob:
             time.sleep(0.5)
 
 
+def _pods_folder(folder: Path, uid: int = 1000) -> Path:
+    """``folder``, made and given to the pods' user (the image's; the manifests' runAsUser)."""
+    folder.mkdir(exist_ok=True)
+    with contextlib.suppress(OSError):  # a folder the cell made read-only is already 1777
+        os.chown(folder, uid, uid)
+    return folder
+
+
+def _node_roots(cell, reports: Path, work: Path) -> list[Path]:
+    """The node tier's report root of each node of the cell, made: the fault's node's is the
+    cell's report folder (the one a folder fault hits), the others their own."""
+    roots = [reports / "reports" if i == cell.node else work / f"node{i}-reports"
+             for i in range(cell.nodes)]
+    for root in roots:
+        root.mkdir(exist_ok=True)
+    return roots
+
+
 def _image(cell, parts, work, reports, worker, marker, dup, before, node_env) -> Launch:
     from tests.sandbox.docker import PodNetwork
     engine, image = parts.docker()
     uid = int(engine.docker("image", "inspect", "-f", "{{.Config.User}}", image.tag).stdout)
-    out = reports / "reports"
-    out.mkdir(exist_ok=True)
-    with contextlib.suppress(OSError):  # a folder the cell made read-only is already 1777
-        os.chown(out, uid, uid)
+    out = _pods_folder(reports / "reports", uid)
     net = PodNetwork(engine, image.tag, PODS_PREFIX, PODS_SUBNET).up()
     names = [f"dcd-node-{chr(97 + i)}" for i in range(cell.nodes)]
     if dup:
@@ -543,10 +558,7 @@ def _k8s_job(folder: str, first_last: bool):
         from tests import k8s_operator as ko, kubelet
         from tests.sandbox.docker import PodNetwork
         engine, image = parts.docker()
-        out = reports / "reports"
-        out.mkdir(exist_ok=True)
-        with contextlib.suppress(OSError):  # a folder the cell made read-only is already 1777
-            os.chown(out, 1000, 1000)  # the manifests' runAsUser, runAsGroup
+        out = _pods_folder(reports / "reports")
         at = worker.index("--config")
         config, options = worker[at + 1], worker[:at] + worker[at + 2:]
         docs = ko.customize(ko.load_manifests(REPO / "k8s" / folder), image=image.tag,
@@ -707,11 +719,7 @@ def _node_check(cell, parts, work, reports, worker, marker, dup, before, node_en
     (folder / "ran").mkdir(parents=True)
     script = folder / "node-check.sh"
     shutil.copy(REPO / "slurm" / "node-check.sh", script)
-    roots = [reports / "reports" if i == cell.node else work / f"node{i}-reports"
-             for i in range(cell.nodes)]
-    for root in roots:
-        if not root.exists():
-            root.mkdir()
+    roots = _node_roots(cell, reports, work)
     worker = _alone(worker)
     cases = ""
     for i, name in enumerate(names):
@@ -773,6 +781,18 @@ class NodeCheckLaunch(Launch):
                 if "DRAIN" in self.states.get(name, {}).get("state", ""):
                     self.drained_at.setdefault(i, self._polled)
         return self.states
+
+    def findings(self) -> tuple[dict[int, str], list[float], str]:
+        """Read now: node index -> the kit's drain reason; the moments those drains were
+        first seen; a note on drains by another."""
+        self._polled = 0.0  # now, not a second ago
+        states = self.poll_drains()
+        drained = {i: states.get(n, {}).get("reason", "") for i, n in enumerate(self.names)
+                   if "DRAIN" in states.get(n, {}).get("state", "")}
+        kit = {i: why for i, why in drained.items() if why.startswith("ddp-smoke node-check:")}
+        others = {self.names[i]: why for i, why in drained.items() if i not in kit}
+        return (kit, [self.drained_at[i] for i in kit],
+                f"drained by another: {others}" if others else "")
 
     def running(self) -> bool:
         self.poll_drains()
@@ -854,11 +874,8 @@ def _daemonset(cell, parts, work, reports, worker, marker, dup, before, node_env
                              api=k8s_api.ApiServer(gateway, cert, key, docs, nodes))
     launch.net = net
     runs = []
-    for i, pod in enumerate(pods):
-        root = reports / "reports" if i == cell.node else work / f"node{i}-reports"
-        root.mkdir(exist_ok=True)
-        with contextlib.suppress(OSError):  # a folder the cell made read-only is already 1777
-            os.chown(root, 1000, 1000)  # the manifest's runAsUser, runAsGroup
+    for i, (pod, root) in enumerate(zip(pods, _node_roots(cell, reports, work))):
+        _pods_folder(root)
         user, security = kubelet.security_options(spec, pod)
         binds, shm_size, _ = kubelet.volumes(pod, spec, work / "pods" / pod.name,
                                              {DAEMONSET_CLAIM: root})
@@ -890,6 +907,14 @@ class DaemonSetLaunch(Launch):
         for i in out:
             self.labelled_at.setdefault(i, time.monotonic())
         return out
+
+    def findings(self) -> tuple[dict[int, str], list[float], str]:
+        """Node index -> its finding, for the nodes labelled fail; the moments each node's
+        label was first seen; no note."""
+        labels = self.labels()
+        failed = {i: m.get("annotations", {}).get("ddp-smoke/health-finding", "")
+                  for i, m in labels.items() if m["labels"]["ddp-smoke/health"] == "fail"}
+        return failed, [self.labelled_at[i] for i in labels], ""
 
     def running(self) -> bool:
         return len(self.labels()) < len(self.names) and any(

@@ -210,8 +210,8 @@ class Cell:
 
 def impossible(c: Cell) -> str | None:
     """Why the cell cannot exist, or None."""
-    if c.launcher in NODE_TIER and _node_check_impossible(c):
-        return _node_check_impossible(c)
+    if c.launcher in NODE_TIER and (why := _node_check_impossible(c)):
+        return why
     if c.launcher == "smoke_local" and c.nodes > 1:
         return "make smoke-local runs on one machine"
     if c.kind in NETWORK and c.nodes == 1:

@@ -346,10 +346,8 @@ def _where(workers: dict[int, int]) -> str:
 
 
 def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) -> Got:
-    if cell.launcher == "node_check":
-        return _read_drains(launch, at, end_s)
-    if cell.launcher == "daemonset":
-        return _read_labels(launch, at, end_s)
+    if cell.launcher in matrix.NODE_TIER:
+        return _read_node_tier(launch, at, end_s)
     out = launch.output()
     status = _status(cell, launch, out)
     report, writer = None, None
@@ -417,36 +415,17 @@ def _read(cell: Cell, launch, at: float, report_at: float | None, end_s: float) 
         reasons + said), writer, status, report_s, end_s, paced=frozenset(slow))
 
 
-def _read_drains(launch, at: float, end_s: float) -> Got:
-    """node-check's outcome is the cluster's: the nodes drained by the kit (as hosts, by node
-    index), their drain reasons, from the fault to the last drain; no node-check report at all
-    is none (no node checked)."""
-    launch._polled = 0.0  # now, not a second ago
-    states = launch.poll_drains()
-    drained = {i: states.get(n, {}).get("reason", "") for i, n in enumerate(launch.names)
-               if "DRAIN" in states.get(n, {}).get("state", "")}
-    by_kit = {i: why for i, why in drained.items() if why.startswith("ddp-smoke node-check:")}
-    others = {launch.names[i]: why for i, why in drained.items() if i not in by_kit}
-    status = launch.status()
-    verdict = "none" if status is None else FAIL if by_kit else PASS
-    report_s = round(max(launch.drained_at[i] for i in by_kit) - at, 1) if by_kit else None
-    text = " | ".join(by_kit.values()) or launch.output()[-2000:]
-    return Got(verdict, frozenset(("host", i) for i in by_kit), text, "node-check", status,
-               report_s, end_s, f"drained by another: {others}" if others else "")
-
-
-def _read_labels(launch, at: float, end_s: float) -> Got:
-    """The DaemonSet's outcome is the API server's: the nodes labelled fail (as hosts, by node
-    index), their findings' annotations, from the fault to the last label."""
-    labels = launch.labels()
-    failed = {i: m.get("annotations", {}).get("ddp-smoke/health-finding", "")
-              for i, m in labels.items() if m["labels"]["ddp-smoke/health"] == "fail"}
+def _read_node_tier(launch, at: float, end_s: float) -> Got:
+    """The node tier's outcome is the cluster's (``launch.findings()``: the nodes the kit
+    drained under Slurm, or the DaemonSet labelled fail), as hosts by node index, with their
+    reasons, from the fault to the last word seen; none when no node said anything."""
+    failed, seen, note = launch.findings()
     status = launch.status()
     verdict = "none" if status is None else FAIL if failed else PASS
-    report_s = round(max(launch.labelled_at.values()) - at, 1) if labels else None
+    report_s = round(max(seen) - at, 1) if seen else None
     text = " | ".join(failed.values()) or launch.output()[-2000:]
     return Got(verdict, frozenset(("host", i) for i in failed), text, "node-check", status,
-               report_s, end_s)
+               report_s, end_s, note)
 
 
 def _status(cell: Cell, launch, out: str) -> int | None:
