@@ -33,7 +33,7 @@ sampler_epochs: {{samples: 20000, epochs: 4}}
 collectives: {{sizes_bytes: [256, 4200000{large}]}}
 storage: {{file_bytes: 8388608}}
 bandwidth: {{max_bytes_cpu: 4194304, pair_bytes_cpu: 1048576, pair_rounds: 3}}
-compute: {{blocks: 20, block_s: 0.1}}
+compute: {{blocks: {blocks}, block_s: 0.1}}
 health: {{sdc_size_cpu: 1024, sdc_repeats: 10}}
 {rails}"""
 # The collectives' largest size, there to strike inside that check, and only there: before
@@ -125,6 +125,15 @@ def _show(culprits: frozenset) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
+def compute_blocks(cell: Cell) -> int:
+    """Twenty 0.1 s blocks of compute for a rank with a core of its own, fewer where a node's
+    ranks share cores: the node's compute lasts about 2 s of wall time alone either way (long
+    enough to strike inside). Twenty blocks for each of four ranks on two cores took 4.3 s
+    alone and over the 15 s deadline under CI's load (gpu_xid79.store_node.health.image.1x4:
+    every rank "did not finish compute within 15.0 s")."""
+    return max(5, round(20 * min(1.0, (os.cpu_count() or 1) / cell.per_node)))
+
+
 def worker_args(cell: Cell, config: Path) -> list[str]:
     args = ["--backend", "gloo", "--level", "quick", "--timeout", f"{matrix.TIMEOUT_S:g}",
             "--config", str(config)]
@@ -145,7 +154,8 @@ def run(cell: Cell, parts: launchers.Parts, work: Path) -> Row:
     config.write_text(CONFIG.format(
         large=LARGE_COLLECTIVE if cell.stage == "collectives" and
         cell.kind not in ("slow_node", "slow_link", "slow_rail") else "",
-        rails="rails: [eth0, eth1]\n" if cell.kind in matrix.RAILS else ""))
+        rails="rails: [eth0, eth1]\n" if cell.kind in matrix.RAILS else "",
+        blocks=compute_blocks(cell)))
     marker = f"cmp{os.getpid()}-{int(time.time() * 1000) % 10**8}"
     dup = (cell.peer_node, cell.node) if cell.kind == "dup_hostname" else None
     if dup and dup[0] > dup[1]:
