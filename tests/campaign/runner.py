@@ -130,8 +130,10 @@ def compute_blocks(cell: Cell) -> int:
     ranks share cores: the node's compute lasts about 2 s of wall time alone either way (long
     enough to strike inside). Twenty blocks for each of four ranks on two cores took 4.3 s
     alone and over the 15 s deadline under CI's load (gpu_xid79.store_node.health.image.1x4:
-    every rank "did not finish compute within 15.0 s")."""
-    return max(5, round(20 * min(1.0, (os.cpu_count() or 1) / cell.per_node)))
+    every rank "did not finish compute within 15.0 s"). Cores as the compute check counts
+    them (its affinity mask)."""
+    from ddp_smoke.checks.api import usable_cores  # (imports torch: not at the module's import)
+    return max(5, round(20 * min(1.0, usable_cores() / cell.per_node)))
 
 
 def worker_args(cell: Cell, config: Path) -> list[str]:
